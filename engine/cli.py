@@ -1,0 +1,76 @@
+"""`pdserve` command line: one subcommand per module, imported only when used.
+
+Each module named below exposes `add_arguments(parser)` and `main(args) -> int`, so a
+subcommand's heavy imports (torch, ray, fastapi) cost nothing to the others.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("engine.generate_cli", "generate tokens from one prompt with the local engine"),
+    "serve": ("router.serve_cli", "serve an OpenAI-compatible API from prefill/decode pools"),
+    "cost": ("engine.cost_cli", "the article's arithmetic: decode/prefill/chunk/capacity/link tables"),
+    "simulate": ("benchmarks.simulate", "discrete-event simulation of colocated vs disaggregated serving"),
+}
+
+# `pdserve bench NAME`
+BENCH_COMMANDS: dict[str, tuple[str, str]] = {
+    "transfer": ("benchmarks.bench_transfer", "KV transfer sweep: backends, sizes, block sizes, coalescing"),
+    "serve": ("benchmarks.bench_serve", "OpenAI-API load generator with TTFT/TPOT/ITL/stall metrics"),
+    "compare": ("benchmarks.bench_compare", "colocated vs chunked vs disaggregated on the same workload"),
+    "chunks": ("benchmarks.bench_chunks", "prefill throughput and decode ITL against prefill chunk size"),
+    "article": ("benchmarks.bench_article", "measure the article's decode and prefill tables on this device"),
+    "gpu": ("benchmarks.bench_gpu", "GPU ceilings, decode/prefill vs roofline, transformers baseline"),
+}
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def _add(sub: argparse._SubParsersAction, name: str, module: str, help_: str, argv: list[str]) -> None:
+    p = sub.add_parser(name, help=help_, description=help_)
+    # Import a module only for the subcommand being run (or for its --help).
+    if name in argv:
+        mod = importlib.import_module(module)
+        mod.add_arguments(p)
+        p.set_defaults(_main=mod.main)
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve",
+        description="Disaggregated prefill/decode LLM serving: engine, router, transport, benchmarks.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        _add(sub, name, module, help_, argv[:1])
+    bench = sub.add_parser("bench", help="benchmarks (transfer, serve, compare, chunks, article, gpu)")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
+    for name, (module, help_) in BENCH_COMMANDS.items():
+        _add(bench_sub, name, module, help_, argv[1:2] if argv[:1] == ["bench"] else [])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if not hasattr(args, "_main"):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._main(args) or 0)
+    except CliError as e:
+        print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

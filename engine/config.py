@@ -1,0 +1,211 @@
+"""Configuration dataclasses shared by every part of pdserve.
+
+`ModelConfig` describes a Llama-family transformer (the fields of a Hugging Face
+`config.json` that matter). `CacheConfig` describes the paged KV pool. Neither imports torch,
+so the router, the cost model and the simulator can use them freely.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+# Byte-level tokenizer ids used by randomly initialised models (see engine/tokenizer.py).
+BYTE_VOCAB = 256
+BYTE_BOS_ID = 256
+BYTE_EOS_ID = 257
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 rope scaling ("rope_type": "llama3") as in the published 3.1 configs."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = BYTE_BOS_ID
+    eos_token_id: int | None = BYTE_EOS_ID
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        """Exact parameter count of this architecture (norms included)."""
+        h, i, L = self.hidden_size, self.intermediate_size, self.num_layers
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        embed = self.vocab_size * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return L * per_layer + embed + head + h
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        if d.get("rope_scaling") is not None and not isinstance(d["rope_scaling"], RopeScaling):
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        return cls(**d)
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any], name: str = "hf") -> "ModelConfig":
+        """Build from a Hugging Face Llama `config.json` dictionary."""
+        heads = hf["num_attention_heads"]
+        scaling = hf.get("rope_scaling")
+        rope = None
+        if scaling:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind == "llama3":
+                rope = RopeScaling(
+                    factor=float(scaling["factor"]),
+                    low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+                    high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+                    original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+                )
+            elif kind not in (None, "default"):
+                raise ValueError(f"unsupported rope_scaling type {kind!r} (pdserve supports 'llama3')")
+        eos = hf.get("eos_token_id")
+        if isinstance(eos, list):  # Llama 3.1 instruct lists several; the first is the canonical one
+            eos = eos[0]
+        return cls(
+            name=name,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads", heads),
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rope_scaling=rope,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=eos,
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The equivalent Hugging Face `LlamaConfig` keyword arguments."""
+        d: dict[str, Any] = dict(
+            architectures=["LlamaForCausalLM"],
+            model_type="llama",
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_theta=self.rope_theta,
+            rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=self.eos_token_id,
+            hidden_act="silu",
+            attention_bias=False,
+            mlp_bias=False,
+        )
+        if self.rope_scaling is not None:
+            d["rope_scaling"] = dict(rope_type="llama3", **asdict(self.rope_scaling))
+        return d
+
+
+_LLAMA31_ROPE = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                            original_max_position_embeddings=8192)
+
+PRESETS: dict[str, ModelConfig] = {
+    # CPU tests and demo: a forward pass of a few hundred tokens takes milliseconds.
+    "tiny": ModelConfig(
+        name="tiny", vocab_size=320, hidden_size=128, intermediate_size=384, num_layers=4,
+        num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=4096,
+    ),
+    # ~1.2B, Llama-3.2-1B shapes (tied embeddings): a GPU smoke test.
+    "small": ModelConfig(
+        name="small", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+        num_heads=32, num_kv_heads=8, head_dim=64, max_position_embeddings=131072,
+        rope_theta=500000.0, rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192), tie_word_embeddings=True,
+        bos_token_id=128000, eos_token_id=128001,
+    ),
+    # Exact published shapes of meta-llama/Llama-3.1-8B and -70B (config.json).
+    "llama-3.1-8b": ModelConfig(
+        name="llama-3.1-8b", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=131072,
+        rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, bos_token_id=128000, eos_token_id=128001,
+    ),
+    "llama-3.1-70b": ModelConfig(
+        name="llama-3.1-70b", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+        num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128, max_position_embeddings=131072,
+        rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, bos_token_id=128000, eos_token_id=128001,
+    ),
+}
+
+
+def resolve_model_config(model: str) -> ModelConfig:
+    """A preset name, a checkpoint directory, or a path to a config.json."""
+    if model in PRESETS:
+        return PRESETS[model]
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with config.json"
+        )
+    return ModelConfig.from_hf_config(json.loads(path.read_text()), name=path.parent.name or "hf")
+
+
+KV_DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool: `num_blocks` blocks of `block_size` tokens, for all layers."""
+
+    block_size: int = 16
+    num_blocks: int = 512
+    kv_dtype: str = "fp8"  # fp8 (e4m3 + per-token-head fp32 scales) | bf16 | fp32
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype not in KV_DTYPE_BYTES:
+            raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPE_BYTES)}, got {self.kv_dtype!r}")
+        if self.block_size < 1 or self.num_blocks < 1:
+            raise ValueError("block_size and num_blocks must be positive")
+
+
+def with_overrides(cfg: Any, **kw: Any) -> Any:
+    """dataclasses.replace that ignores None values (handy for CLI flags)."""
+    return replace(cfg, **{k: v for k, v in kw.items() if v is not None})
+
+
+__all__ = ["ModelConfig", "RopeScaling", "CacheConfig", "PRESETS", "resolve_model_config",
+           "KV_DTYPE_BYTES", "with_overrides"]
