@@ -1,0 +1,71 @@
+"""Provenance for every result file: what produced a number, where and when."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True,
+                             text=True, timeout=5)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_description() -> dict[str, Any]:
+    """The accelerator if torch sees one, else the CPU."""
+    info: dict[str, Any] = {"kind": "cpu", "name": _cpu_model(), "cores": os.cpu_count()}
+    try:
+        import torch  # local import: provenance must not force torch on pure-Python tools
+
+        if torch.cuda.is_available():
+            info = {"kind": "cuda", "name": torch.cuda.get_device_name(0),
+                    "count": torch.cuda.device_count(), "cuda": torch.version.cuda}
+        info["torch"] = torch.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def provenance(config: dict[str, Any] | None = None) -> dict[str, Any]:
+    dirty = _git("status", "--porcelain")
+    return {
+        "command": " ".join(["pdserve" if Path(sys.argv[0]).name == "pdserve" else sys.argv[0], *sys.argv[1:]]),
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(dirty),
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"hostname": platform.node(), "platform": platform.platform(),
+                    "python": platform.python_version(), "cpu": _cpu_model(), "cores": os.cpu_count()},
+        "device": device_description(),
+        "config": config or {},
+    }
+
+
+def write_result(name: str, payload: dict[str, Any], config: dict[str, Any] | None = None,
+                 out_dir: Path | None = None) -> Path:
+    """Write `payload` plus provenance to results/<name>.json and return the path."""
+    out_dir = Path(out_dir) if out_dir else RESULTS_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps({"provenance": provenance(config), **payload}, indent=2, default=str) + "\n")
+    return path
