@@ -1,0 +1,111 @@
+"""`pdserve generate`: one prompt through the local engine (no Ray, no server)."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from engine.cli import CliError
+from engine.config import PRESETS, CacheConfig, resolve_model_config
+from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
+from engine.sequence import SamplingParams, Sequence
+from engine.tokenizer import load_tokenizer
+from engine.weights import is_checkpoint_dir, read_generation_eos
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True,
+                   help=f"a preset ({', '.join(PRESETS)}; random weights) or a Hugging Face Llama checkpoint directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens to generate (default 16)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (temperature > 0)")
+    p.add_argument("--dtype", choices=["fp8", "bf16", "fp32"], default="fp8", help="weight dtype (default fp8)")
+    p.add_argument("--kv-dtype", choices=["fp8", "bf16", "fp32"], default=None,
+                   help="KV cache dtype (default: fp8, or fp32 with --dtype fp32)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="default cpu")
+    p.add_argument("--chunk-size", type=int, default=None, help="prefill in chunks of N tokens")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _parse_ids(text: str, vocab: int) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CliError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if not ids or bad:
+        raise CliError(f"--prompt-ids: ids must be in [0, {vocab}) and at least one is required (bad: {bad[:5]})")
+    return ids
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.model not in PRESETS and not is_checkpoint_dir(args.model):
+        raise CliError(f"--model {args.model!r}: not a preset ({', '.join(PRESETS)}) "
+                       f"and not a directory containing config.json")
+    if args.max_tokens < 1:
+        raise CliError("--max-tokens must be >= 1")
+    if args.chunk_size is not None and args.chunk_size < 1:
+        raise CliError("--chunk-size must be >= 1")
+    if args.device == "cuda":
+        import torch  # noqa: PLC0415
+
+        if not torch.cuda.is_available():
+            raise CliError("--device cuda: no CUDA device is available")
+    cfg = resolve_model_config(args.model)
+    ckpt = args.model if args.model not in PRESETS else None
+    tok = load_tokenizer(args.model, cfg.bos_token_id, cfg.eos_token_id)
+    ids = _parse_ids(args.prompt_ids, cfg.vocab_size) if args.prompt_ids else tok.encode(args.prompt)
+    if not ids:
+        raise CliError("--prompt is empty")
+    total = len(ids) + args.max_tokens
+    if total > cfg.max_position_embeddings:
+        raise CliError(f"prompt ({len(ids)} tokens) + --max-tokens ({args.max_tokens}) exceeds the model's "
+                       f"context of {cfg.max_position_embeddings} tokens")
+    kv_dtype = args.kv_dtype or ("fp32" if args.dtype == "fp32" else "fp8")
+    block = 16
+    cache = CacheConfig(block_size=block, num_blocks=-(-total // block) + 1, kv_dtype=kv_dtype)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed, ignore_eos=args.ignore_eos)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    t_load = time.perf_counter()
+    runner = ModelRunner(cfg, cache, args.dtype, args.device, ckpt)
+    load_s = time.perf_counter() - t_load
+    eos = tuple(read_generation_eos(args.model)) if ckpt else ()
+    engine = LLMEngine(runner, chunk_size=args.chunk_size, eos_ids=eos)
+    seq = Sequence("generate", ids, params)
+    engine.add_request(seq)
+    t0 = time.perf_counter()
+    engine.step()  # prefill (all chunks) ends when the first token is sampled
+    while not seq.output_ids:
+        engine.step()
+    t_first = time.perf_counter()
+    while engine.has_work:
+        engine.step()
+    t_end = time.perf_counter()
+    n_decode = len(seq.output_ids) - 1
+    result = {
+        "model": cfg.name, "dtype": args.dtype, "kv_dtype": kv_dtype, "device": args.device,
+        "prompt_tokens": len(ids), "token_ids": seq.output_ids, "text": tok.decode(seq.output_ids),
+        "finish_reason": seq.finish_reason,
+        "timings": {"load_s": round(load_s, 4), "prefill_ms": round((t_first - t0) * 1e3, 3),
+                    "decode_tokens_per_s": round(n_decode / (t_end - t_first), 2) if n_decode else None},
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(result["text"])
+        t = result["timings"]
+        print(f"\n[{cfg.name} {args.dtype} on {args.device}] prompt {len(ids)} tok, generated {len(seq.output_ids)} "
+              f"tok ({seq.finish_reason}); prefill {t['prefill_ms']} ms, decode {t['decode_tokens_per_s']} tok/s")
+    return 0
+
+
+__all__ = ["add_arguments", "main"]

@@ -1,0 +1,73 @@
+"""The paged KV pool: one contiguous byte tensor for all layers (see engine/kv_layout.py).
+
+FP8 pages hold float8_e4m3fn values with one fp32 scale per (token, kv head): each token's K
+and V are quantized on their own, so the cached bytes do not depend on how prompts were
+batched or chunked. That is what lets whole, chunked and disaggregated prefill agree exactly.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.kv_layout import KVLayout
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_TORCH_DTYPE = {"fp8": FP8, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (fp8 [..., D], fp32 scale [...]) with amax scaling over the last dim."""
+    amax = x.abs().amax(dim=-1).float().clamp(min=1e-8)
+    scale = amax / FP8_MAX
+    q = (x.float() / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+class KVCache:
+    def __init__(self, layout: KVLayout, device: torch.device | str = "cpu"):
+        self.layout = layout
+        self.device = torch.device(device)
+        L, H, D, bs, nb = layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size, layout.num_blocks
+        # The one region the transport registers.
+        self.raw = torch.zeros(nb, layout.block_bytes, dtype=torch.uint8, device=self.device)
+        dtype = _TORCH_DTYPE[layout.dtype]
+        # data: [num_blocks, L, 2, block_size, H, D] (strided view into raw; rows are block_bytes apart)
+        self.data = self.raw[:, : layout.data_bytes_per_block].view(dtype).view(nb, L, 2, bs, H, D)
+        # scales: [num_blocks, L, 2, block_size, H] fp32, or None for bf16/fp32 pages
+        self.scales = (
+            self.raw[:, layout.data_bytes_per_block:].view(torch.float32).view(nb, L, 2, bs, H)
+            if layout.scale_bytes_per_block else None
+        )
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.scales is not None
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [T, H, D] at flat slots [T] (slot = block * block_size + offset)."""
+        bs = self.layout.block_size
+        blk, off = slots // bs, slots % bs
+        for kv_index, x in ((0, k), (1, v)):
+            if self.is_fp8:
+                q, s = quantize_fp8(x)
+                self.data[blk, layer, kv_index, off] = q
+                self.scales[blk, layer, kv_index, off] = s
+            else:
+                self.data[blk, layer, kv_index, off] = x.to(self.data.dtype)
+
+    def gather(self, layer: int, block_table: torch.Tensor, length: int,
+               out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K, V [length, H, D] of one sequence whose blocks are `block_table`."""
+        n_blocks = -(-length // self.layout.block_size)
+        blocks = block_table[:n_blocks]
+        H, D = self.layout.num_kv_heads, self.layout.head_dim
+        # [n_blocks, 2, bs, H, D] -> [2, n_blocks*bs, H, D]
+        pages = self.data[blocks, layer].transpose(0, 1).reshape(2, -1, H, D)[:, :length].to(out_dtype)
+        if self.is_fp8:
+            s = self.scales[blocks, layer].transpose(0, 1).reshape(2, -1, H)[:, :length]
+            pages = pages * s.unsqueeze(-1).to(out_dtype)
+        return pages[0], pages[1]
+
+    def block_bytes_view(self, blocks: list[int]) -> torch.Tensor:
+        """Raw bytes of the given blocks [n, block_bytes] (tests and verification)."""
+        return self.raw[torch.as_tensor(blocks, dtype=torch.long, device=self.device)]

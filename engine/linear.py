@@ -1,0 +1,79 @@
+"""Linear layers, swapped by `--dtype`: Fp8Linear (fp8 e4m3 weights + per-output-channel scales)
+or DenseLinear (bf16/fp32 weights). Both take activations [T, in] and return [T, out].
+
+On CUDA, Fp8Linear quantizes activations per token on the fly and calls `torch._scaled_mm`
+(the FP8 tensor-core GEMM). On CPU it multiplies by the dequantized weight in fp32: the CPU
+path is a numerical reference, not a fast path (bf16/fp8 matmuls crawl on CPU).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.kv_cache import FP8, FP8_MAX, quantize_fp8
+
+
+def quantize_weight_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (fp8 [out, in], fp32 scale [out]): one scale per output channel."""
+    return quantize_fp8(w)
+
+
+class Fp8Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=FP8, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        self._dequant: torch.Tensor | None = None  # CPU only: fp32 copy made once, on first use
+
+    def load(self, w: torch.Tensor) -> None:
+        """Quantize a full-precision weight [out, in] into this layer."""
+        q, s = quantize_weight_fp8(w.to(self.weight.device))
+        self.weight.copy_(q)
+        self.weight_scale.copy_(s)
+        self._dequant = None
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight.float() * self.weight_scale[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            x2 = x.reshape(-1, self.in_features)
+            # dynamic per-token activation scale: [T, 1]
+            x_scale = (x2.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+            xq = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            out = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale,
+                                   scale_b=self.weight_scale[None, :], out_dtype=x.dtype)
+            return out.reshape(*x.shape[:-1], self.out_features)
+        if self._dequant is None:
+            self._dequant = self.dequantized()
+        return x @ self._dequant.t()
+
+
+class DenseLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=dtype, device=device))
+
+    def load(self, w: torch.Tensor) -> None:
+        self.weight.copy_(w.to(self.weight.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        return x @ w.t()
+
+
+WEIGHT_DTYPES = ("fp8", "bf16", "fp32")
+
+
+def make_linear(in_features: int, out_features: int, weight_dtype: str,
+                device: torch.device | str = "cpu") -> nn.Module:
+    if weight_dtype == "fp8":
+        return Fp8Linear(in_features, out_features, device)
+    if weight_dtype == "bf16":
+        return DenseLinear(in_features, out_features, torch.bfloat16, device)
+    if weight_dtype == "fp32":
+        return DenseLinear(in_features, out_features, torch.float32, device)
+    raise ValueError(f"weight dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")

@@ -1,0 +1,145 @@
+"""Llama, top to bottom: RMSNorm, RoPE (with llama3 scaling), grouped-query attention, SwiGLU.
+
+Shapes use T for the flat batch of new tokens in this step (all sequences concatenated),
+Hq/Hkv for query/KV heads and D for head_dim. Projections are fused (qkv, gate_up) and built by
+`make_linear`, so `--dtype fp8` swaps in Fp8Linear without touching this file.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.config import ModelConfig, RopeScaling
+from engine.kv_cache import KVCache
+from engine.linear import make_linear
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight).to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies [D/2]; llama3 scaling stretches the low frequencies by `factor`
+    and blends smoothly between high_freq_factor and low_freq_factor wavelengths."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    old_ctx = scaling.original_max_position_embeddings
+    low_wavelen = old_ctx / scaling.low_freq_factor
+    high_wavelen = old_ctx / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_ctx / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+class Rotary(nn.Module):
+    def __init__(self, cfg: ModelConfig, device=None):
+        super().__init__()
+        inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("inv_freq", inv.to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions [T]; q [T, Hq, D]; k [T, Hkv, D] -> rotated q, k (half-split convention)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]  # [T, 1, D]
+
+        def rotate(x):
+            x1, x2 = x.float().chunk(2, dim=-1)
+            return (x.float() * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+
+        return rotate(q), rotate(k)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, weight_dtype: str, device=None):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.qkv_proj = make_linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, weight_dtype, device)
+        self.o_proj = make_linear(cfg.q_size, cfg.hidden_size, weight_dtype, device)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x, positions, rotary: Rotary, backend: AttentionBackend, cache: KVCache,
+                meta: AttentionMetadata):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        o = backend.forward(self.layer, q, k, v, cache, meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, weight_dtype: str, device=None):
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = make_linear(cfg.hidden_size, 2 * cfg.intermediate_size, weight_dtype, device)
+        self.down_proj = make_linear(cfg.intermediate_size, cfg.hidden_size, weight_dtype, device)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, weight_dtype: str, device=None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.self_attn = Attention(cfg, layer, weight_dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.mlp = MLP(cfg, weight_dtype, device)
+
+    def forward(self, x, positions, rotary, backend, cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding -> N decoder layers -> final norm -> lm_head (dense, or tied to the embedding)."""
+
+    def __init__(self, cfg: ModelConfig, weight_dtype: str = "fp8", act_dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        self.cfg, self.weight_dtype, self.act_dtype = cfg, weight_dtype, act_dtype
+        self.embed_tokens = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=act_dtype,
+                                                     device=device), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, weight_dtype, device) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.rotary = Rotary(cfg, device)
+        # lm_head stays in the activation dtype: quantizing it costs accuracy for little speed.
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
+            torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=act_dtype, device=device), requires_grad=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+                cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary, backend, cache, meta)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, hidden] -> fp32 logits [B, vocab]."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return (hidden @ head.t()).float()

@@ -1,0 +1,59 @@
+"""Sequence and SamplingParams: the per-request state an engine carries between steps."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+
+
+class Status(str, Enum):
+    WAITING = "waiting"  # admitted, prompt not (fully) prefilled
+    RUNNING = "running"  # decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose K/V is in the pool
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefill_remaining(self) -> int:
+        return max(0, len(self.prompt_ids) - self.num_cached)
+
+    @property
+    def num_sampled(self) -> int:
+        """Sampling steps done so far: also the per-request seed offset, so a seeded request
+        draws the same tokens whichever worker, batch or process samples it."""
+        return len(self.output_ids)
