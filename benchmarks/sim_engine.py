@@ -1,0 +1,338 @@
+"""Discrete-event simulator of continuous-batching serving: colocated and disaggregated pools.
+
+Time only moves at step boundaries, as on a real engine: a worker picks a step (a prefill, a
+decode step over its running batch, or a decode step with a prefill chunk), the step's duration
+comes from `StepModel` (the cost model, optionally calibrated), and at its end every sequence in
+it gets its token. Modes:
+
+- ``colocated``: one queue per worker, whole-prompt prefill runs *instead of* the decode step
+  (prefill first, as vLLM's default scheduler); this is the article's freeze.
+- ``chunked``: each step is the decode batch plus up to `chunk` prompt tokens (Sarathi-style);
+  its time is decode step + chunk time, the article's additive accounting.
+- ``disagg``: `prefill_workers` run whole prompts; the first token streams at the end of
+  prefill; the KV cache then crosses the link (one FIFO link into each decode worker) and the
+  request joins a decode worker's batch at its next step.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine import cost_model as cm
+
+MODES = ("colocated", "chunked", "disagg")
+
+
+@dataclass
+class Request:
+    rid: int
+    kind: str          # "chat" | "doc"
+    arrival: float
+    prompt: int
+    output: int        # tokens to generate, the first (from prefill) included
+    prefilled: int = 0
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return len(self.token_times) >= self.output
+
+    @property
+    def ctx(self) -> int:
+        return self.prompt + len(self.token_times)
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """Step durations from the cost model. `fixed_ctx` pins every decode sequence's context (the
+    article's "every stream at 4k"); None uses each sequence's real context."""
+
+    model: cm.ModelSpec
+    hw: cm.HardwareSpec
+    mfu: float = cm.ARTICLE_MFU
+    weight_dtype: str = "fp8"
+    kv_dtype: str = "fp8"
+    fixed_ctx: float | None = None
+
+    def decode(self, batch: list[Request]) -> float:
+        kv = self.fixed_ctx * len(batch) if self.fixed_ctx is not None else sum(r.ctx for r in batch)
+        return cm.decode_step_tokens(self.model, self.hw, len(batch), kv, self.mfu,
+                                     self.weight_dtype, self.kv_dtype).time_s
+
+    def prefill(self, tokens: int) -> float:
+        return cm.prefill(self.model, self.hw, tokens, self.mfu, self.weight_dtype).time_s
+
+    def chunk(self, start: int, n: int) -> float:
+        return cm.prefill_chunk_seconds(self.model, self.hw, start, n, self.mfu, self.weight_dtype)
+
+    def transfer(self, tokens: int, link: cm.Link) -> float:
+        return cm.kv_transfer_seconds(self.model, tokens, link, self.kv_dtype)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    mode: str = "colocated"
+    workers: int = 1               # colocated workers (GPUs or nodes)
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    chunk: int = 512               # prompt tokens per step in chunked mode
+    max_batch: int = 256
+    link: cm.Link = cm.LINKS["nvlink"]
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if min(self.workers, self.prefill_workers, self.decode_workers, self.chunk, self.max_batch) < 1:
+            raise ValueError("workers, chunk and max_batch must be positive")
+
+    @property
+    def gpus(self) -> int:
+        return self.prefill_workers + self.decode_workers if self.mode == "disagg" else self.workers
+
+    @property
+    def label(self) -> str:
+        if self.mode == "disagg":
+            return f"disagg {self.prefill_workers}P{self.decode_workers}D {self.link.name}"
+        return f"chunked {self.chunk}" if self.mode == "chunked" else "colocated"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Chat streams (closed loop of `streams`, or Poisson at `chat_rate`) plus Poisson documents."""
+
+    streams: int = 32
+    chat_rate: float = 0.0
+    chat_prompt: tuple[int, int] = (64, 512)
+    chat_output: tuple[int, int] = (128, 1024)
+    doc_rate: float = 0.25
+    doc_prompt: tuple[int, int] = (4096, 4096)
+    doc_output: tuple[int, int] = (128, 128)
+    duration: float = 60.0
+    arrivals: str = "poisson"      # "poisson" | "uniform" (evenly spaced documents)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("chat_prompt", "chat_output", "doc_prompt", "doc_output"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name} must be 1 <= lo <= hi, got {lo}:{hi}")
+        if self.arrivals not in ("poisson", "uniform"):
+            raise ValueError(f"arrivals must be poisson or uniform, got {self.arrivals!r}")
+        if self.duration <= 0 or min(self.streams, self.chat_rate, self.doc_rate) < 0:
+            raise ValueError("duration must be positive and rates/streams non-negative")
+
+
+def _times(rate: float, duration: float, rng: random.Random, process: str) -> list[float]:
+    if rate <= 0:
+        return []
+    if process == "uniform":
+        return [(i + 0.5) / rate for i in range(int(duration * rate))]
+    out, t = [], rng.expovariate(rate)
+    while t < duration:
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+class Sim:
+    def __init__(self, cfg: SimConfig, steps: StepModel, wl: Workload):
+        self.cfg, self.steps, self.wl = cfg, steps, wl
+        self.now = 0.0
+        self._heap: list = []
+        self._seq = itertools.count()
+        self._rid = itertools.count()
+        self.requests: list[Request] = []
+        self.finished: list[Request] = []
+        self.chat_rng = random.Random(f"{wl.seed}-chat")
+        if cfg.mode == "disagg":
+            self.prefill = [PrefillWorker(self, f"P{i}") for i in range(cfg.prefill_workers)]
+            self.decode = [DecodeWorker(self, f"D{i}") for i in range(cfg.decode_workers)]
+            self.front = self.prefill
+        else:
+            self.prefill, self.decode = [], [ColocatedWorker(self, f"C{i}") for i in range(cfg.workers)]
+            self.front = self.decode
+
+    def at(self, t: float, fn: Callable, *args) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), fn, args))
+
+    def new_request(self, kind: str, arrival: float, rng: random.Random) -> Request:
+        p, o = (self.wl.chat_prompt, self.wl.chat_output) if kind == "chat" else (self.wl.doc_prompt, self.wl.doc_output)
+        r = Request(next(self._rid), kind, arrival, rng.randint(*p), rng.randint(*o))
+        self.requests.append(r)
+        self.at(arrival, self.dispatch, r)
+        return r
+
+    def dispatch(self, r: Request) -> None:
+        w = min(self.front, key=lambda w: w.load)
+        w.queue.append(r)
+        w.kick()
+
+    def finish(self, r: Request) -> None:
+        self.finished.append(r)
+        if r.kind == "chat" and self.wl.streams and self.now < self.wl.duration:
+            self.new_request("chat", self.now, self.chat_rng)   # closed loop: the user asks again
+
+    def send_kv(self, r: Request) -> None:
+        dw = min(self.decode, key=lambda w: w.load)
+        start = max(self.now, dw.link_free)
+        dw.link_free = start + self.steps.transfer(r.prompt, self.cfg.link)
+        dw.inflight += 1
+        self.at(dw.link_free, dw.receive, r)
+
+    def run(self, horizon: float | None = None) -> "Sim":
+        """Run until every request is done, or until simulated time `horizon` (endless streams)."""
+        wl = self.wl
+        doc_rng = random.Random(f"{wl.seed}-docs")   # documents identical across modes
+        for i in range(wl.streams):                      # streams start staggered over the first second
+            self.new_request("chat", self.chat_rng.random(), self.chat_rng)
+        for t in _times(wl.chat_rate, wl.duration, self.chat_rng, "poisson"):
+            self.new_request("chat", t, self.chat_rng)
+        for t in _times(wl.doc_rate, wl.duration, doc_rng, wl.arrivals):
+            self.new_request("doc", t, doc_rng)
+        while self._heap:
+            t, _, fn, args = heapq.heappop(self._heap)
+            if horizon is not None and t > horizon:
+                break
+            self.now = t
+            fn(*args)
+        return self
+
+    @property
+    def workers(self) -> list["Worker"]:
+        return [*self.prefill, *self.decode]
+
+
+@dataclass
+class StepRecord:
+    start: float
+    end: float
+    prefill_tokens: int
+    decode_tokens: int
+
+
+class Worker:
+    def __init__(self, sim: Sim, name: str):
+        self.sim, self.name = sim, name
+        self.queue: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.busy = False
+        self.log: list[StepRecord] = []
+
+    @property
+    def load(self) -> int:
+        return len(self.queue) + len(self.running)
+
+    def plan(self) -> tuple[float, int, int, Callable[[], None]] | None:
+        raise NotImplementedError
+
+    def kick(self) -> None:
+        if self.busy:
+            return
+        p = self.plan()
+        if p is None:
+            return
+        dur, ptok, dtok, fin = p
+        self.busy = True
+        self.log.append(StepRecord(self.sim.now, self.sim.now + dur, ptok, dtok))
+        self.sim.at(self.sim.now + dur, self._done, fin)
+
+    def _done(self, fin: Callable[[], None]) -> None:
+        fin()              # still busy: a request dispatched from inside fin() must not start a step here
+        self.busy = False
+        self.kick()
+
+    def _emit(self, reqs: list[Request]) -> None:
+        now = self.sim.now
+        for r in reqs:
+            r.token_times.append(now)
+        if any(r.done for r in reqs):
+            for r in [r for r in self.running if r.done]:
+                self.running.remove(r)
+                self.sim.finish(r)
+
+    def _decode_step(self) -> tuple[float, int, int, Callable[[], None]]:
+        batch = list(self.running)
+        return self.sim.steps.decode(batch), 0, len(batch), lambda: self._emit(batch)
+
+    def _prefilled(self, r: Request) -> None:
+        """First token of `r` is out: decode it here, or finish."""
+        r.token_times.append(self.sim.now)
+        if r.done:
+            self.sim.finish(r)
+        else:
+            self.running.append(r)
+
+
+class ColocatedWorker(Worker):
+    def plan(self):
+        cfg, steps = self.sim.cfg, self.sim.steps
+        if cfg.mode == "colocated":
+            if self.queue and len(self.running) < cfg.max_batch:
+                r = self.queue.popleft()
+                r.prefilled = r.prompt
+                return steps.prefill(r.prompt), r.prompt, 0, lambda: self._prefilled(r)
+            return self._decode_step() if self.running else None
+        batch, parts, budget = list(self.running), [], cfg.chunk
+        for r in self.queue:
+            if budget == 0 or len(batch) + len(parts) >= cfg.max_batch:
+                break
+            n = min(budget, r.prompt - r.prefilled)
+            parts.append((r, r.prefilled, n))
+            budget -= n
+        if not batch and not parts:
+            return None
+        dur = (steps.decode(batch) if batch else 0.0) + sum(steps.chunk(s, n) for _, s, n in parts)
+
+        def fin() -> None:
+            self._emit(batch)
+            for r, s, n in parts:
+                r.prefilled = s + n
+                if r.prefilled == r.prompt:
+                    self.queue.remove(r)
+                    self._prefilled(r)
+        return dur, sum(n for *_, n in parts), len(batch), fin
+
+
+class PrefillWorker(Worker):
+    def plan(self):
+        if not self.queue:
+            return None
+        r = self.queue.popleft()
+        r.prefilled = r.prompt
+
+        def fin() -> None:
+            r.token_times.append(self.sim.now)
+            if r.done:
+                self.sim.finish(r)
+            else:
+                self.sim.send_kv(r)
+        return self.sim.steps.prefill(r.prompt), r.prompt, 0, fin
+
+
+class DecodeWorker(Worker):
+    def __init__(self, sim: Sim, name: str):
+        super().__init__(sim, name)
+        self.link_free = 0.0
+        self.inflight = 0
+
+    @property
+    def load(self) -> int:
+        return len(self.queue) + len(self.running) + self.inflight
+
+    def receive(self, r: Request) -> None:
+        self.inflight -= 1
+        self.queue.append(r)
+        self.kick()
+
+    def plan(self):
+        while self.queue and len(self.running) < self.sim.cfg.max_batch:
+            self.running.append(self.queue.popleft())
+        return self._decode_step() if self.running else None
+
+
+def simulate(cfg: SimConfig, steps: StepModel, wl: Workload, horizon: float | None = None) -> Sim:
+    return Sim(cfg, steps, wl).run(horizon)

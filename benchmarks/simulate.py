@@ -1,0 +1,260 @@
+"""`pdserve simulate`: colocated vs chunked vs disaggregated serving, simulated from the cost model.
+
+Default scenario is the article's: Llama-3.1-70B FP8 on H100 SXM at 40% MFU, 32 chat streams
+(closed loop), 4k-token documents arriving as a Poisson process. Every number it prints is
+*simulated*; `--calibration` swaps the datasheet for measured bandwidth/MFU/overheads.
+`--capacity` runs the article's capacity table through the simulator, beside the closed form.
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+from pathlib import Path
+from typing import Any
+
+from benchmarks.sim_engine import MODES, Request, Sim, SimConfig, StepModel, Workload, simulate
+from engine import cost_model as cm
+from engine.cli import CliError
+
+
+# ----------------------------------------------------------------------------- metrics
+
+def percentiles(xs: list[float], ps: tuple[int, ...] = (50, 90, 99)) -> dict[str, float | None]:
+    """Linear-interpolated percentiles (numpy's default), None when there is no sample."""
+    if not xs:
+        return {f"p{p}": None for p in ps}
+    s = sorted(xs)
+    out = {}
+    for p in ps:
+        k = (len(s) - 1) * p / 100
+        i = int(k)
+        out[f"p{p}"] = s[i] + (s[min(i + 1, len(s) - 1)] - s[i]) * (k - i)
+    return out
+
+
+def _doc_stalls(docs: list[Request], streams: list[Request]) -> list[float]:
+    """Per document: the longest token gap of any stream in flight when it arrived, among the
+    gaps that overlap [arrival, document's first token]."""
+    out = []
+    for d in docs:
+        a, f = d.arrival, d.token_times[0]
+        worst = 0.0
+        for r in streams:
+            t = r.token_times
+            if r is d or len(t) < 2 or not t[0] <= a < t[-1]:
+                continue
+            i = max(bisect.bisect_right(t, a) - 1, 0)   # gap t[i] -> t[i+1] contains the arrival
+            while i + 1 < len(t) and t[i] < f:
+                worst = max(worst, t[i + 1] - t[i])
+                i += 1
+        out.append(worst)
+    return out
+
+
+def summarize(sim: Sim, warmup: float, slo: dict[str, float | None]) -> dict[str, Any]:
+    wl, end = sim.wl, sim.wl.duration
+    window = end - warmup
+    measured = [r for r in sim.requests if warmup <= r.arrival < end]
+    done = [r for r in measured if r.done]
+    ttft = {k: [(r.token_times[0] - r.arrival) * 1e3 for r in done if k in ("all", r.kind)] for k in ("all", "chat", "doc")}
+    tpot = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) * 1e3 for r in done if len(r.token_times) > 1]
+    itl = [(b - a) * 1e3 for r in done for a, b in zip(r.token_times, r.token_times[1:])]
+    stalls = _doc_stalls([r for r in done if r.kind == "doc"], sim.requests)
+    tokens = sum(bisect.bisect_left(r.token_times, end) - bisect.bisect_left(r.token_times, warmup) for r in sim.requests)
+
+    def good(r: Request) -> bool:
+        t = r.token_times
+        gaps = [b - a for a, b in zip(t, t[1:])]
+        return ((slo["ttft_ms"] is None or (t[0] - r.arrival) * 1e3 <= slo["ttft_ms"])
+                and (slo["tpot_ms"] is None or len(t) < 2 or (t[-1] - t[0]) / (len(t) - 1) * 1e3 <= slo["tpot_ms"])
+                and (slo["itl_ms"] is None or not gaps or max(gaps) * 1e3 <= slo["itl_ms"]))
+
+    prefill_busy = sum(max(0.0, min(s.end, end) - max(s.start, warmup))
+                       for w in sim.front for s in w.log if s.prefill_tokens and not s.decode_tokens)
+    return {
+        "mode": sim.cfg.mode, "label": sim.cfg.label, "gpus": sim.cfg.gpus,
+        "requests": len(sim.requests), "finished": len(sim.finished), "measured": len(measured),
+        "lost": len(sim.requests) - len(sim.finished),
+        "generated_tokens": sum(len(r.token_times) for r in sim.requests),
+        "ttft_ms": percentiles(ttft["all"]), "ttft_chat_ms": percentiles(ttft["chat"]),
+        "ttft_doc_ms": percentiles(ttft["doc"]), "tpot_ms": percentiles(tpot), "itl_ms": percentiles(itl),
+        "max_stall_ms": max(stalls) * 1e3 if stalls else None,
+        "mean_doc_stall_ms": sum(stalls) / len(stalls) * 1e3 if stalls else None,
+        "documents": len(stalls),
+        "throughput_tok_s": tokens / window,
+        "throughput_tok_s_per_gpu": tokens / window / sim.cfg.gpus,
+        "goodput_req_s": sum(good(r) for r in done) / window,
+        "slo_attainment": sum(good(r) for r in done) / len(done) if done else None,
+        "prefill_only_share": prefill_busy / (window * len(sim.front)),
+    }
+
+
+# ----------------------------------------------------------------------------- capacity
+
+def capacity_special_case(steps: StepModel, rates: list[float], prompt: int = 4096, batch: int = 32,
+                          duration: float = 400.0, warmup: float = 20.0) -> list[dict[str, Any]]:
+    """The article's capacity table, simulated: `batch` endless streams on one colocated node,
+    documents of `prompt` tokens evenly spaced at each rate, every decode sequence at the fixed
+    context of `steps` (the article's assumption). Sequences that fit = decode tok/s / per-seq speed."""
+    step = steps.decode([Request(-1, "chat", 0, 1, 2)] * batch)
+    closed = {r.prefills_per_s: r for r in cm.capacity_table(
+        steps.model, steps.hw, rates, prompt, batch, steps.fixed_ctx or prompt, steps.mfu,
+        steps.weight_dtype, steps.kv_dtype)}
+    rows = []
+    for rate in rates:
+        wl = Workload(streams=batch, chat_prompt=(1, 1), chat_output=(10**9, 10**9), doc_rate=rate,
+                      doc_prompt=(prompt, prompt), doc_output=(1, 1), duration=duration, arrivals="uniform")
+        # max_batch + 1: a document (one output token) must not wait for a batch slot it never uses
+        sim = simulate(SimConfig(mode="colocated", max_batch=batch + 1), steps, wl, horizon=duration)
+        decode_tokens = sum(bisect.bisect_left(r.token_times, duration) - bisect.bisect_left(r.token_times, warmup)
+                            for r in sim.requests if r.kind == "chat")
+        m = summarize(sim, warmup, {"ttft_ms": None, "tpot_ms": None, "itl_ms": None})
+        c = closed[rate]
+        rows.append({"prefills_per_s": rate, "gpu_share": m["prefill_only_share"],
+                     "decode_sequences": decode_tokens / (duration - warmup) * step,  # tok/s over per-seq speed 1/step
+                     "closed_form_gpu_share": c.gpu_share, "closed_form_decode_sequences": c.decode_sequences})
+    return rows
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def _range(s: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = s.partition(":")
+        out = (int(lo), int(hi or lo))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or LO:HI, got {s!r}") from None
+    if not 1 <= out[0] <= out[1]:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {s!r}")
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and hardware")
+    g.add_argument("--config", default="llama-3.1-70b", help="model preset, checkpoint dir or config.json")
+    g.add_argument("--hw", default="h100-sxm", help=f"GPU preset: {', '.join(sorted(cm.HARDWARE))}")
+    g.add_argument("--mfu", type=float, default=None, help="default 0.4, or the calibration's")
+    g.add_argument("--calibration", default=None, help="calibration JSON (see engine/cost_model.py)")
+    g.add_argument("--fixed-ctx", type=int, default=None,
+                   help="price every decode sequence at this context (the article's 4k assumption)")
+    g = p.add_argument_group("serving")
+    g.add_argument("--modes", default="colocated,chunked,disagg", help=f"comma-separated: {', '.join(MODES)}")
+    g.add_argument("--workers", type=int, default=1, help="colocated workers")
+    g.add_argument("--prefill-workers", type=int, default=1)
+    g.add_argument("--decode-workers", type=int, default=1)
+    g.add_argument("--chunk", type=int, default=512, help="prompt tokens per step, chunked mode")
+    g.add_argument("--max-batch", type=int, default=256)
+    g.add_argument("--link", default="nvlink", help=f"{', '.join(cm.LINKS)} or NAME=GBPS")
+    g = p.add_argument_group("workload")
+    g.add_argument("--streams", type=int, default=32, help="closed-loop chat streams (0: use --chat-rate)")
+    g.add_argument("--chat-rate", type=float, default=0.0, help="Poisson chat arrivals per second")
+    g.add_argument("--chat-prompt", type=_range, default=(64, 512), metavar="LO:HI")
+    g.add_argument("--chat-output", type=_range, default=(128, 1024), metavar="LO:HI")
+    g.add_argument("--doc-rate", type=float, default=0.25, help="Poisson document arrivals per second")
+    g.add_argument("--doc-prompt", type=_range, default=(4096, 4096), metavar="LO:HI")
+    g.add_argument("--doc-output", type=_range, default=(128, 128), metavar="LO:HI")
+    g.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    g.add_argument("--warmup", type=float, default=5.0, help="seconds excluded from the metrics")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("SLO (goodput)")
+    g.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    g.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    g.add_argument("--slo-itl-ms", type=float, default=None, help="also bound every gap between tokens")
+    g = p.add_argument_group("output")
+    g.add_argument("--capacity", action="store_true", help="the article's capacity table, simulated vs closed form")
+    g.add_argument("--rates", default="0.25,0.5,1,2", help="prefills/s for --capacity")
+    g.add_argument("--json", action="store_true", help="print the result JSON instead of the table")
+    g.add_argument("--png", default=None, help="timeline plot path (default: results/<name>.png)")
+    g.add_argument("--no-png", action="store_true")
+    g.add_argument("--name", default="simulate", help="result file name under --out-dir")
+    g.add_argument("--out-dir", default=None, help="default benchmarks/results")
+
+
+def _steps(args: argparse.Namespace) -> tuple[StepModel, cm.Link]:
+    try:
+        model = cm.ModelSpec.resolve(args.config)
+        hw = cm.resolve_hardware(args.hw)
+        link = cm.resolve_link(args.link)
+        cal = cm.Calibration.load(args.calibration) if args.calibration else None
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        raise CliError(str(e)) from None
+    if cal:
+        hw, link = cal.apply(hw), cal.link(link)
+    mfu = args.mfu if args.mfu is not None else (cal.effective_mfu(hw, cm.ARTICLE_MFU) if cal else cm.ARTICLE_MFU)
+    if not 0 < mfu <= 1:
+        raise CliError(f"--mfu must be in (0, 1], got {mfu}")
+    return StepModel(model, hw, mfu, fixed_ctx=args.fixed_ctx), link
+
+
+def _fmt(x: float | None, f: str = ".0f") -> str:
+    return "-" if x is None else format(x, f)
+
+
+def render(results: list[dict[str, Any]]) -> str:
+    head = ["mode", "GPUs", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p99", "max stall",
+            "tok/s", "goodput"]
+    rows = [[r["label"], str(r["gpus"]), _fmt(r["ttft_ms"]["p50"]), _fmt(r["ttft_ms"]["p99"]),
+             _fmt(r["tpot_ms"]["p50"], ".1f"), _fmt(r["tpot_ms"]["p99"], ".1f"), _fmt(r["itl_ms"]["p99"], ".1f"),
+             _fmt(r["max_stall_ms"]), f"{r['throughput_tok_s']:,.0f}", f"{r['goodput_req_s']:.2f}"] for r in results]
+    w = [max(len(h), *(len(x[i]) for x in rows)) for i, h in enumerate(head)]
+    lines = ["  ".join(h.rjust(w[i]) for i, h in enumerate(head)),
+             "  ".join(("(ms)" if 2 <= i <= 7 else "(req/s)" if i == 9 else "").rjust(w[i]) for i in range(len(head)))]
+    lines += ["  ".join(c.rjust(w[i]) for i, c in enumerate(x)) for x in rows]
+    return "\n".join(lines)
+
+
+def render_capacity(rows: list[dict[str, Any]]) -> str:
+    lines = ["prefills/s  GPU on prefill (sim / closed)  decode seqs (sim / closed)"]
+    for r in rows:
+        lines.append(f"{r['prefills_per_s']:>10g}  {r['gpu_share']:>14.1%} / {r['closed_form_gpu_share']:<6.1%}"
+                     f"       {r['decode_sequences']:>8.2f} / {r['closed_form_decode_sequences']:.2f}")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    from benchmarks.provenance import RESULTS_DIR, write_result
+
+    steps, link = _steps(args)
+    out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
+    config = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    config.update(model=steps.model.name, hardware=steps.hw.name, mfu=steps.mfu, link_gbytes_per_s=link.bw / cm.GB)
+    if args.capacity:
+        try:
+            rates = [float(x) for x in args.rates.split(",")]
+        except ValueError:
+            raise CliError(f"--rates must be comma-separated numbers, got {args.rates!r}") from None
+        fixed = StepModel(steps.model, steps.hw, steps.mfu, fixed_ctx=args.fixed_ctx or args.doc_prompt[0])
+        rows = capacity_special_case(fixed, rates, prompt=args.doc_prompt[0], batch=args.streams or 32)
+        path = write_result(args.name, {"simulated": True, "capacity_table": rows}, config, out_dir)
+        print(json.dumps(rows, indent=2) if args.json else render_capacity(rows))
+        print(f"(simulated; result: {path})")
+        return 0
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.warmup >= args.duration:
+        raise CliError("--warmup must be shorter than --duration")
+    try:
+        wl = Workload(args.streams, args.chat_rate, args.chat_prompt, args.chat_output, args.doc_rate,
+                      args.doc_prompt, args.doc_output, args.duration, seed=args.seed)
+        cfgs = [SimConfig(m, args.workers, args.prefill_workers, args.decode_workers, args.chunk,
+                          args.max_batch, link) for m in modes]
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    slo = {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms, "itl_ms": args.slo_itl_ms}
+    sims = [simulate(c, steps, wl) for c in cfgs]
+    results = [summarize(s, args.warmup, slo) for s in sims]
+    payload: dict[str, Any] = {"simulated": True, "slo": slo, "results": results}
+    if not args.no_png:
+        from benchmarks.sim_plot import plot_timelines
+
+        png = Path(args.png) if args.png else out_dir / f"{args.name}.png"
+        payload["png"] = str(plot_timelines(sims, png, args.warmup))
+    path = write_result(args.name, payload, config, out_dir)
+    if args.json:
+        print(json.dumps(payload, indent=2))
+    else:
+        print(f"simulated: {steps.model.name} on {steps.hw.name} at {steps.mfu:.0%} MFU; {args.streams} streams, "
+              f"documents {args.doc_prompt[0]:,} tokens at {args.doc_rate:g}/s for {args.duration:g} s")
+        print(render(results))
+        print(f"result: {path}" + (f", plot: {payload['png']}" if "png" in payload else ""))
+    return 0
