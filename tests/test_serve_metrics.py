@@ -206,7 +206,7 @@ def test_client_records_streams_against_sse_server(server, script):
         assert r.ok and len(r.chunk_times_s) == 5 and r.completion_tokens == 5 and r.prompt_tokens == 8
         assert r.finish_reason == "length" and r.text == "t0 t1 t2 t3 t4 "
         assert r.ttft_s >= 0.045                                 # server waits 50 ms
-    assert 20 <= result.metrics.itl_ms.p50 <= 80                 # server waits 30 ms between chunks
+    assert 20 <= result.metrics.itl_ms.p50 <= 200                # server waits 30 ms between chunks
     body = script.received[0]
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["temperature"] == 0 and body["ignore_eos"] is True and body["model"] == "fake-model"
