@@ -1,0 +1,132 @@
+"""Invariants of the serving simulator, and its agreement with the closed-form cost model."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import random
+
+import pytest
+
+from benchmarks.sim_engine import Sim, SimConfig, StepModel, Workload, simulate
+from benchmarks.simulate import capacity_special_case, percentiles, summarize
+from engine import cost_model as cm
+from engine.cli import main as cli_main
+
+M, HW = cm.ARTICLE_MODEL, cm.ARTICLE_HW
+STEPS = StepModel(M, HW)
+NO_SLO = {"ttft_ms": None, "tpot_ms": None, "itl_ms": None}
+SMALL = Workload(streams=8, chat_prompt=(32, 256), chat_output=(16, 64), doc_rate=1.0,
+                 doc_prompt=(1024, 3000), doc_output=(1, 32), duration=6.0, seed=3)
+CONFIGS = [SimConfig("colocated"), SimConfig("chunked", chunk=300),
+           SimConfig("disagg", prefill_workers=2, decode_workers=2, link=cm.LINKS["ib-100g"]),
+           SimConfig("colocated", workers=3, max_batch=4)]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.label}-{c.gpus}")
+def test_no_request_lost_and_tokens_conserved(cfg):
+    sim = simulate(cfg, STEPS, SMALL)
+    assert sim.requests and len(sim.finished) == len(sim.requests)
+    assert len({r.rid for r in sim.finished}) == len(sim.requests)          # each finished once
+    for r in sim.requests:
+        assert len(r.token_times) == r.output and r.prefilled == r.prompt
+        assert r.arrival <= r.token_times[0]
+        assert all(a <= b for a, b in zip(r.token_times, r.token_times[1:]))
+    # every token came from a logged step: one per prefill completion, one per decode slot
+    decode_slots = sum(s.decode_tokens for w in sim.workers for s in w.log)
+    assert decode_slots + len(sim.requests) == sum(len(r.token_times) for r in sim.requests)
+    assert sum(s.prefill_tokens for w in sim.workers for s in w.log) == sum(r.prompt for r in sim.requests)
+    for w in sim.workers:                                                    # one step at a time
+        assert all(a.end <= b.start + 1e-12 for a, b in zip(w.log, w.log[1:]))
+        assert not w.queue and not w.running
+    assert summarize(sim, 1.0, NO_SLO)["lost"] == 0
+
+
+def _alone(cfg: SimConfig, prompt: int, output: int, steps: StepModel = STEPS):
+    wl = Workload(streams=0, doc_rate=0, doc_prompt=(prompt, prompt), doc_output=(output, output), duration=1)
+    sim = Sim(cfg, steps, wl)
+    r = sim.new_request("doc", 0.5, random.Random(0))
+    sim.run()
+    return r
+
+
+@pytest.mark.parametrize("mode", ["colocated", "chunked"])
+def test_single_request_matches_closed_form(mode):
+    p, o = 4096, 20
+    r = _alone(SimConfig(mode, chunk=512), p, o)
+    assert r.token_times[0] - 0.5 == pytest.approx(cm.prefill(M, HW, p).time_s, rel=1e-9)
+    gaps = [b - a for a, b in zip(r.token_times, r.token_times[1:])]
+    # the k-th decode step holds the prompt plus the k tokens generated so far
+    want = [cm.decode_step_tokens(M, HW, 1, p + k).time_s for k in range(1, o)]
+    assert gaps == pytest.approx(want, rel=1e-9)
+    fixed = _alone(SimConfig(mode), p, 3, StepModel(M, HW, fixed_ctx=4096))
+    assert round((fixed.token_times[1] - fixed.token_times[0]) * 1e3, 1) == 21.3   # decode table, batch 1
+
+
+def test_single_request_disagg_pays_the_link():
+    p, o = 4096, 5
+    for link in cm.LINKS.values():
+        r = _alone(SimConfig("disagg", link=link), p, o)
+        assert r.token_times[0] - 0.5 == pytest.approx(cm.prefill(M, HW, p).time_s)
+        want = cm.kv_transfer_seconds(M, p, link) + cm.decode_step_tokens(M, HW, 1, p + 1).time_s
+        assert r.token_times[1] - r.token_times[0] == pytest.approx(want)
+
+
+def test_more_decode_workers_never_lower_goodput():
+    # 60 chats/s: one decode worker turns compute-bound (TPOT ~47 ms), two are back near the floor
+    wl = Workload(streams=0, chat_rate=60.0, chat_prompt=(64, 512), chat_output=(64, 256), doc_rate=0.5,
+                  doc_output=(32, 64), duration=12.0, seed=1)
+    slo = {"ttft_ms": 3000.0, "tpot_ms": 30.0, "itl_ms": None}
+    good = [summarize(simulate(SimConfig("disagg", prefill_workers=6, decode_workers=d), STEPS, wl), 2.0, slo)
+            ["goodput_req_s"] for d in (1, 2, 3, 4)]
+    assert all(a <= b for a, b in zip(good, good[1:])), good
+    assert good[-1] > good[0]
+
+
+def test_capacity_table_is_a_special_case():
+    fixed = StepModel(M, HW, fixed_ctx=4096)
+    for row in capacity_special_case(fixed, [0.25, 0.5, 1.0, 2.0], duration=200.0, warmup=10.0):
+        assert row["gpu_share"] == pytest.approx(row["closed_form_gpu_share"], abs=0.02)
+        assert row["decode_sequences"] == pytest.approx(row["closed_form_decode_sequences"], rel=0.03, abs=0.1)
+
+
+def test_article_scenario_freeze_and_its_removal():
+    wl = Workload(duration=25.0, seed=0)   # 32 streams, 4k documents at 0.25/s
+    res = {c.mode: summarize(simulate(c, STEPS, wl), 3.0, NO_SLO)
+           for c in (SimConfig("colocated"), SimConfig("chunked", chunk=512), SimConfig("disagg"))}
+    freeze = cm.prefill(M, HW, 4096).time_s * 1e3
+    assert res["colocated"]["documents"] >= 1
+    assert res["colocated"]["max_stall_ms"] > freeze                          # the whole prefill
+    assert res["chunked"]["max_stall_ms"] < 0.25 * res["colocated"]["max_stall_ms"]   # spread out
+    assert res["disagg"]["max_stall_ms"] < 40                                 # a decode step, no more
+
+
+def test_percentiles():
+    assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
+    assert percentiles(list(range(101))) == {"p50": 50, "p90": 90, "p99": 99}
+    assert percentiles([1.0, 2.0])["p50"] == 1.5
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="mode"):
+        SimConfig("pipelined")
+    with pytest.raises(ValueError, match="chat_prompt"):
+        Workload(chat_prompt=(10, 5))
+
+
+def test_cli_json_and_png(tmp_path):
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = cli_main(["simulate", "--duration", "8", "--warmup", "1", "--doc-rate", "0.5",
+                       "--out-dir", str(tmp_path), "--json"])
+    assert rc == 0
+    out = json.loads(buf.getvalue())
+    assert out["simulated"] is True and [r["mode"] for r in out["results"]] == ["colocated", "chunked", "disagg"]
+    for r in out["results"]:
+        assert r["lost"] == 0
+        for k in ("ttft_ms", "tpot_ms", "itl_ms"):
+            assert set(r[k]) == {"p50", "p90", "p99"}
+        assert {"max_stall_ms", "throughput_tok_s", "goodput_req_s"} <= set(r)
+    saved = json.loads((tmp_path / "simulate.json").read_text())
+    assert saved["provenance"]["git_commit"] and (tmp_path / "simulate.png").stat().st_size > 10_000
+    assert cli_main(["simulate", "--link", "carrier-pigeon", "--out-dir", str(tmp_path)]) == 2
