@@ -202,7 +202,12 @@ class ModelSpec:
     @classmethod
     def resolve(cls, model: str) -> "ModelSpec":
         """A preset name, a checkpoint directory or a config.json path."""
-        return cls.from_config(resolve_model_config(model))
+        try:
+            return cls.from_config(resolve_model_config(model))
+        except KeyError as e:
+            raise ValueError(f"{model}: config.json lacks {e} (a Llama-family config is expected)") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{model}: not valid JSON ({e})") from None
 
 
 ARTICLE_MODEL = ModelSpec.from_config(PRESETS["llama-3.1-70b"])

@@ -186,6 +186,9 @@ def test_cli_hf_config_on_h200(tmp_path):
     d = out["decode_table"][0]
     assert d["step_ms"] == pytest.approx((m8.params + 4096 * 65536) / 4.8e12 * 1e3)
     assert [x["batch"] for x in out["decode_table"]] == [1, 16] and out["link_table"][0]["link"] == "ib-400g"
+    (tmp_path / "bad.json").write_text(json.dumps({"hidden_size": 64}))
+    with pytest.raises(ValueError, match="lacks 'num_attention_heads'"):
+        cm.ModelSpec.resolve(str(tmp_path / "bad.json"))
 
 
 def test_cli_text_and_errors(capsys):
