@@ -1,0 +1,110 @@
+"""PrefillWorker: batches prompts, runs prefill, hands back the first token and a KVHandle.
+
+The prompt's blocks stay pinned under a lease until the decode worker says it has pulled them
+(a transport notification) or the lease expires; either way they return to the free list.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+from engine.sequence import Sequence
+from engine.worker_base import EngineLoop, build_engine
+from router.types import GenerateRequest, PrefillResult, WorkerConfig, WorkerError, WorkerStats
+from transport import make_transport
+from transport.wire import KVHandle, PeerInfo
+
+
+class PrefillWorker(EngineLoop):
+    def __init__(self, cfg: WorkerConfig, name: str = "prefill-0"):
+        super().__init__(name)
+        self.cfg = cfg
+        self.engine = build_engine(cfg, prefill_only=True)
+        runner = self.engine.runner
+        self.transport = make_transport(cfg.transport, name)
+        self.transport.register(runner.cache.raw, runner.layout)
+        self.peer_info: PeerInfo = self.transport.describe()
+        # request id -> (future, enqueue time, sequence, start time of its first prefill step)
+        self._pending: dict[str, tuple[Future, float, Sequence, list[float]]] = {}
+        self._leases: dict[str, float] = {}  # request id -> deadline (time.time)
+        self.leases_expired = 0
+        self.start()
+
+    # ---- called from other threads (Ray actor methods) -------------------------------------
+    def prefill(self, req: GenerateRequest) -> PrefillResult:
+        """Blocks until the prompt is prefilled. Raises ValueError for a request that can never fit."""
+        fut: Future = Future()
+
+        def admit() -> None:
+            seq = Sequence(req.request_id, list(req.prompt_ids), req.params)
+            self.engine.add_request(seq)
+            self._pending[req.request_id] = (fut, time.time(), seq, [])
+
+        self.call(admit)
+        return fut.result()
+
+    def release(self, request_id: str) -> bool:
+        """Free a prompt's blocks now (the router gave up on it, or decode failed to pull)."""
+        return self.call(lambda: self._release(request_id))
+
+    def abort(self, request_id: str) -> bool:
+        def do() -> bool:
+            entry = self._pending.pop(request_id, None)
+            if entry is not None and not entry[0].done():
+                entry[0].set_exception(WorkerError(f"request {request_id} aborted"))
+            found = self.engine.abort(request_id)
+            self._leases.pop(request_id, None)
+            return found
+
+        return self.call(do)
+
+    def describe(self) -> PeerInfo:
+        return self.peer_info
+
+    def stats(self) -> WorkerStats:
+        e = self.engine
+        return WorkerStats(self.name, "prefill", queue_depth=len(e.waiting), running=0, parked=len(e.parked),
+                           blocks_total=e.blocks.num_blocks, blocks_free=e.blocks.num_free, steps=self.steps)
+
+    def ping(self) -> str:
+        return self.name
+
+    def shutdown(self) -> None:
+        self.close()
+        self.transport.close()
+
+    # ---- loop thread -------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.engine.has_work
+
+    def _release(self, request_id: str) -> bool:
+        self._leases.pop(request_id, None)
+        return self.engine.release(request_id)
+
+    def tick(self) -> None:
+        for request_id in self.transport.poll_notifications():
+            self._release(request_id)
+        now = time.time()
+        for request_id in [r for r, deadline in self._leases.items() if deadline < now]:
+            self.leases_expired += 1
+            self._release(request_id)
+        if not self.engine.has_work:
+            return
+        t_start = time.time()
+        events = self.engine.step()
+        t_end = time.time()
+        for entry in self._pending.values():
+            if entry[2].num_cached and not entry[3]:
+                entry[3].append(t_start)
+        for ev in events:
+            fut, t_enq, seq, started = self._pending.pop(ev.seq_id)
+            deadline = t_end + self.cfg.lease_s
+            self._leases[ev.seq_id] = deadline
+            handle = KVHandle(request_id=ev.seq_id, source=self.peer_info, block_ids=tuple(seq.block_table),
+                              num_tokens=len(seq.prompt_ids), layout_hash=self.peer_info.layout.compat_hash,
+                              lease_deadline=deadline)
+            t_first = started[0] if started else t_start
+            fut.set_result(PrefillResult(
+                request_id=ev.seq_id, first_token=ev.token_id, handle=handle, worker=self.name,
+                timings={"queue_ms": (t_first - t_enq) * 1e3, "prefill_ms": (t_end - t_first) * 1e3,
+                         "prefill_start": t_first, "prefill_end": t_end}))

@@ -1,0 +1,185 @@
+"""Start the prefill and decode pools, as Ray actors or in-process, and build the Orchestrator.
+
+Ray placement: one placement group per pool, one bundle per worker
+({"CPU": 1, "GPU": gpus_per_worker} plus the pool's custom resources, e.g. {"prefill_node": 1}
+to pin a pool to labelled nodes). A dead actor is replaced by a fresh one in the same bundle.
+`ray_address="none"` runs the same worker classes as plain objects in this process (GPU
+benchmarks without Ray, quick local checks).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import resolve_model_config
+from engine.weights import is_checkpoint_dir, read_generation_eos
+from router.orchestrator import Orchestrator
+from router.types import WorkerConfig
+from router.worker_handle import WorkerHandle
+
+log = logging.getLogger("pdserve.launch")
+ACTOR_CONCURRENCY = 512  # threaded actors: blocking prefill() calls and long polls run side by side
+
+
+@dataclass
+class PoolSpec:
+    role: str  # "prefill" | "decode" | "colocated"
+    size: int
+    worker_config: WorkerConfig
+    gpus_per_worker: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)
+
+
+def _worker_class(role: str) -> type:
+    if role == "prefill":
+        from prefill_worker.worker import PrefillWorker  # noqa: PLC0415
+
+        return PrefillWorker
+    from decode_worker.worker import DecodeWorker  # noqa: PLC0415
+
+    return DecodeWorker
+
+
+def _worker_args(spec: PoolSpec, name: str) -> tuple:
+    if spec.role == "prefill":
+        return (spec.worker_config, name)
+    return (spec.worker_config, name, spec.role == "colocated")
+
+
+class RayPools:
+    """Owns the placement groups and actors of every pool; replaces dead actors."""
+
+    def __init__(self, specs: list[PoolSpec]):
+        import ray  # noqa: PLC0415
+        from ray.util.placement_group import placement_group  # noqa: PLC0415
+
+        self.ray = ray
+        self.specs = {s.role: s for s in specs}
+        self.groups = {}
+        self._serial = 0
+        for s in specs:
+            bundle = {"CPU": 1.0, **({"GPU": s.gpus_per_worker} if s.gpus_per_worker else {}), **s.resources}
+            self.groups[s.role] = placement_group([dict(bundle) for _ in range(s.size)], strategy="PACK",
+                                                  name=f"pdserve-{s.role}-{os.getpid()}")
+
+    async def wait_ready(self, timeout_s: float = 120.0) -> None:
+        try:
+            await asyncio.wait_for(asyncio.gather(*(pg.ready() for pg in self.groups.values())), timeout_s)
+        except asyncio.TimeoutError:
+            raise RuntimeError("placement groups not ready in time: the cluster lacks the resources "
+                               f"for {', '.join(f'{s.size} {r}' for r, s in self.specs.items())} workers "
+                               "(check --gpus-per-worker and the pools' custom resources)") from None
+
+    def spawn(self, role: str, bundle: int) -> WorkerHandle:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
+
+        spec = self.specs[role]
+        self._serial += 1
+        name = f"{role}-{bundle}" if self._serial <= sum(s.size for s in self.specs.values()) else \
+            f"{role}-{bundle}-r{self._serial}"
+        actor_cls = self.ray.remote(_worker_class(role))
+        actor = actor_cls.options(
+            name=f"pdserve-{name}-{os.getpid()}", max_concurrency=ACTOR_CONCURRENCY, max_restarts=0,
+            num_cpus=1, num_gpus=spec.gpus_per_worker, resources=spec.resources or None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.groups[role], placement_group_bundle_index=bundle),
+        ).remote(*_worker_args(spec, name))
+        return WorkerHandle(name, "prefill" if role == "prefill" else "decode", actor, is_ray=True, bundle=bundle)
+
+    async def replace(self, dead: WorkerHandle) -> WorkerHandle | None:
+        role = "prefill" if dead.role == "prefill" else next(r for r in self.specs if r != "prefill")
+        try:
+            self.ray.kill(dead.target, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        new = self.spawn(role, dead.bundle)
+        try:
+            await asyncio.wait_for(new.call("ping"), 120)
+        except Exception as e:  # noqa: BLE001
+            log.error("replacement for %s failed to start: %r", dead.name, e)
+            return None
+        return new
+
+    async def shutdown(self, handles: list[WorkerHandle]) -> None:
+        from ray.util.placement_group import remove_placement_group  # noqa: PLC0415
+
+        await asyncio.gather(*(h.call("shutdown") for h in handles if h.alive), return_exceptions=True)
+        for h in handles:
+            try:
+                self.ray.kill(h.target, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        for pg in self.groups.values():
+            remove_placement_group(pg)
+
+
+def init_ray(address: str | None, num_workers: int) -> bool:
+    """Connect to `address`, or start an embedded local Ray sized for the pools. Returns True if
+    this process started Ray (and so should shut it down)."""
+    import ray  # noqa: PLC0415
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local, loopback-only cluster
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return True
+    temp = os.path.join(tempfile.gettempdir(), "pdserve-ray")
+    ray.init(num_cpus=max(os.cpu_count() or 1, num_workers + 1), object_store_memory=256 * 1024 ** 2,
+             include_dashboard=False, _temp_dir=temp, log_to_driver=True,
+             runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
+    return True
+
+
+def pool_specs(cfg: Any) -> list[PoolSpec]:
+    """PoolSpecs from a router.config.ServeConfig."""
+    wc = cfg.worker_config()
+    if cfg.mode == "colocated":
+        return [PoolSpec("colocated", cfg.decode, wc, cfg.gpus_per_worker, dict(cfg.decode_resources or {}))]
+    return [PoolSpec("prefill", cfg.prefill, wc, cfg.gpus_per_worker, dict(cfg.prefill_resources or {})),
+            PoolSpec("decode", cfg.decode, wc, cfg.gpus_per_worker, dict(cfg.decode_resources or {}))]
+
+
+async def build_orchestrator(cfg: Any) -> Orchestrator:
+    """Start every worker described by `cfg` (a ServeConfig) and return a started Orchestrator."""
+    model_cfg = resolve_model_config(cfg.model)
+    eos = tuple(read_generation_eos(cfg.model)) if is_checkpoint_dir(cfg.model) else ()
+    specs = pool_specs(cfg)
+    handles: dict[str, list[WorkerHandle]] = {}
+    if cfg.ray_address == "none":
+        loop = asyncio.get_running_loop()
+        for s in specs:
+            cls = _worker_class(s.role)
+            names = [f"{s.role}-{i}" for i in range(s.size)]
+            objs = await asyncio.gather(*(loop.run_in_executor(None, cls, *_worker_args(s, n)) for n in names))
+            handles[s.role] = [WorkerHandle(n, "prefill" if s.role == "prefill" else "decode", o, is_ray=False)
+                               for n, o in zip(names, objs)]
+
+        async def shutdown_local(workers: list[WorkerHandle]) -> None:
+            await asyncio.gather(*(h.call("shutdown") for h in workers), return_exceptions=True)
+
+        replace, on_shutdown = None, shutdown_local
+    else:
+        started = init_ray(cfg.ray_address, sum(s.size for s in specs))
+        pools = RayPools(specs)
+        await pools.wait_ready()
+        for s in specs:
+            handles[s.role] = [pools.spawn(s.role, i) for i in range(s.size)]
+        every = [h for hs in handles.values() for h in hs]
+        await asyncio.gather(*(h.call("ping") for h in every))  # raises if a worker failed to build
+
+        async def shutdown_ray(workers: list[WorkerHandle]) -> None:
+            await pools.shutdown(workers)
+            if started:
+                import ray  # noqa: PLC0415
+
+                ray.shutdown()
+
+        replace, on_shutdown = pools.replace, shutdown_ray
+    orch = Orchestrator(cfg.mode, model_cfg, handles.get("prefill", []),
+                        handles.get("decode", handles.get("colocated", [])), cfg.policy, eos, replace, on_shutdown)
+    await orch.start()
+    return orch

@@ -1,0 +1,246 @@
+"""Orchestrator: the router's request lifecycle over prefill and decode pools.
+
+Disaggregated:  pick (prefill, decode) -> prefill.prefill(req) -> stream the first token (TTFT)
+                -> decode.submit_prefilled(req, result) -> decode pulls KV, streams the rest.
+Colocated:      pick decode -> decode.submit_prompt(req) -> stream every token.
+
+Tokens come back through one pump task per decode worker (`poll_events` long-poll) and are
+routed to per-request queues. Every phase is stamped into a per-request timeline.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import OrderedDict
+from typing import AsyncIterator, Awaitable, Callable
+
+from engine.config import ModelConfig
+from router.types import GenerateRequest, PrefillResult, StreamEvent, WorkerError, WorkerStats
+from router.worker_handle import WorkerDied, WorkerHandle
+
+log = logging.getLogger("pdserve.router")
+TIMELINES_KEPT = 2048
+
+# Called with a dead worker; returns its replacement (or None if it cannot be replaced).
+ReplaceFn = Callable[[WorkerHandle], Awaitable["WorkerHandle | None"]]
+
+
+class Orchestrator:
+    def __init__(self, mode: str, model_config: ModelConfig, prefill: list[WorkerHandle],
+                 decode: list[WorkerHandle], policy: str = "round_robin", eos_ids: tuple[int, ...] = (),
+                 replace: ReplaceFn | None = None, on_shutdown: Callable[[list[WorkerHandle]], Awaitable[None]] | None = None):
+        if mode not in ("disagg", "colocated"):
+            raise ValueError(f"mode must be disagg or colocated, got {mode!r}")
+        if policy not in ("round_robin", "least_loaded"):
+            raise ValueError(f"policy must be round_robin or least_loaded, got {policy!r}")
+        if not decode or (mode == "disagg" and not prefill):
+            raise ValueError("need at least one decode worker (and one prefill worker in disagg mode)")
+        self.mode, self.model_config, self.policy = mode, model_config, policy
+        self.prefill, self.decode = prefill, decode
+        self.eos_ids = set(eos_ids) | ({model_config.eos_token_id} if model_config.eos_token_id is not None else set())
+        self._replace, self._on_shutdown = replace, on_shutdown
+        self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._streams: dict[str, asyncio.Queue[StreamEvent]] = {}
+        self._assigned: dict[str, tuple[WorkerHandle | None, WorkerHandle]] = {}
+        self._timelines: OrderedDict[str, dict] = OrderedDict()
+        self._stats: dict[str, WorkerStats] = {}
+        self._pumps: dict[str, asyncio.Task] = {}
+        self._transfer_bytes, self._transfer_seconds = 0, 0.0
+        self._closed = False
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        for w in self.decode:
+            self._pumps[w.name] = asyncio.create_task(self._pump(w))
+
+    async def shutdown(self) -> None:
+        self._closed = True
+        for t in self._pumps.values():
+            t.cancel()
+        await asyncio.gather(*self._pumps.values(), return_exceptions=True)
+        if self._on_shutdown is not None:
+            await self._on_shutdown(self.prefill + self.decode)
+
+    # ---- public API (used by router/app.py) ----------------------------------------------------
+    def queue_depth(self) -> int:
+        return len(self._streams)
+
+    def transfer_totals(self) -> tuple[int, float]:
+        return self._transfer_bytes, self._transfer_seconds
+
+    def timeline(self, request_id: str) -> dict | None:
+        return self._timelines.get(request_id)
+
+    async def stats(self) -> list[WorkerStats]:
+        workers = self.prefill + self.decode if self.mode == "disagg" else self.decode
+        results = await asyncio.gather(*(w.call("stats") for w in workers), return_exceptions=True)
+        out = []
+        for w, r in zip(workers, results):
+            if isinstance(r, WorkerStats):
+                self._stats[w.name] = r
+                out.append(r)
+        return out
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamEvent]:
+        rid = req.request_id
+        tl = self._new_timeline(req)
+        queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        self._streams[rid] = queue
+        decode = self._pick(self.decode, "decode")
+        prefill = self._pick(self.prefill, "prefill") if self.mode == "disagg" else None
+        self._assigned[rid] = (prefill, decode)
+        for w in (prefill, decode):
+            if w is not None:
+                w.active += 1
+        tl.update(decode_worker=decode.name, prefill_worker=prefill.name if prefill else None)
+        finished = False
+        try:
+            if prefill is not None:
+                result: PrefillResult = await prefill.call("prefill", req)
+                first = StreamEvent(rid, "token", result.first_token, 0, t=time.time())
+                tl.update(queue_ms=result.timings["queue_ms"], prefill_ms=result.timings["prefill_ms"],
+                          prefill_end_ms=self._rel(tl, result.timings["prefill_end"]), kv_blocks=len(result.handle.block_ids))
+                if self._first_is_last(req, result.first_token):
+                    await prefill.call("release", rid)
+                    first.finished = True
+                    first.finish_reason = "length" if req.params.max_tokens == 1 else "stop"
+                self._on_token(tl, first)
+                yield first
+                if first.finished:
+                    finished = True
+                    return
+                await decode.call("submit_prefilled", req, result)
+            else:
+                await decode.call("submit_prompt", req)
+            while True:
+                ev = await queue.get()
+                if ev.kind == "error":
+                    raise WorkerError(ev.error or "worker error")
+                if ev.kind == "admitted":
+                    self._on_admitted(tl, ev)
+                    continue
+                self._on_token(tl, ev)
+                yield ev
+                if ev.finished:
+                    finished = True
+                    return
+        except WorkerDied as e:
+            tl["finish_reason"] = "error"
+            await self._handle_death(prefill, decode)
+            raise WorkerError(str(e)) from None
+        finally:
+            self._streams.pop(rid, None)
+            self._assigned.pop(rid, None)
+            for w in (prefill, decode):
+                if w is not None:
+                    w.active -= 1
+            if not finished:
+                tl.setdefault("finish_reason", "abort")
+                await self._abort_on(rid, prefill, decode)
+
+    async def abort(self, request_id: str) -> None:
+        pair = self._assigned.get(request_id)
+        if pair is not None:
+            await self._abort_on(request_id, *pair)
+
+    # ---- internals -----------------------------------------------------------------------------
+    async def _abort_on(self, rid: str, prefill: WorkerHandle | None, decode: WorkerHandle) -> None:
+        calls = [w.call("abort", rid) for w in (prefill, decode) if w is not None and w.alive]
+        for r in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(r, Exception) and not isinstance(r, WorkerDied):
+                log.warning("abort of %s failed: %r", rid, r)
+
+    def _first_is_last(self, req: GenerateRequest, token: int) -> bool:
+        p = req.params
+        return p.max_tokens == 1 or token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids)
+
+    def _pick(self, workers: list[WorkerHandle], role: str) -> WorkerHandle:
+        alive = [w for w in workers if w.alive] or workers
+        if self.policy == "round_robin":
+            return alive[next(self._rr[role]) % len(alive)]
+
+        def load(w: WorkerHandle) -> tuple[int, int]:
+            s = self._stats.get(w.name)
+            return (w.active + (s.queue_depth if s else 0), -(s.blocks_free if s else 0))
+
+        return min(alive, key=load)
+
+    async def _pump(self, worker: WorkerHandle) -> None:
+        """Collect token events from one decode worker and route them to request queues."""
+        while not self._closed:
+            try:
+                events = await worker.call("poll_events", 0.05)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a dead worker fails its requests, then is replaced
+                log.error("decode worker %s failed: %r", worker.name, e)
+                await self._handle_death(None, worker)
+                return
+            for ev in events:
+                q = self._streams.get(ev.request_id)
+                if q is not None:
+                    q.put_nowait(ev)
+
+    async def _handle_death(self, prefill: WorkerHandle | None, decode: WorkerHandle) -> None:
+        for w, pool in ((prefill, self.prefill), (decode, self.decode)):
+            if w is None or w.alive and w.target is not None and not await self._is_dead(w):
+                continue
+            w.alive = False
+            if w not in pool:
+                continue
+            # fail every request that was on it
+            for rid, pair in list(self._assigned.items()):
+                if w in pair and rid in self._streams:
+                    self._streams[rid].put_nowait(StreamEvent(rid, "error", finished=True, finish_reason="error",
+                                                              error=f"{w.role} worker {w.name} died"))
+            if self._replace is None:
+                continue
+            new = await self._replace(w)
+            if new is not None and w in pool:
+                pool[pool.index(w)] = new
+                log.warning("replaced dead %s worker %s with %s", w.role, w.name, new.name)
+                if new.role != "prefill":
+                    self._pumps[new.name] = asyncio.create_task(self._pump(new))
+
+    async def _is_dead(self, w: WorkerHandle) -> bool:
+        try:
+            await asyncio.wait_for(w.call("ping"), timeout=10)
+            return False
+        except Exception:  # noqa: BLE001
+            return True
+
+    # ---- timelines -----------------------------------------------------------------------------
+    def _new_timeline(self, req: GenerateRequest) -> dict:
+        tl = {"request_id": req.request_id, "mode": self.mode, "arrival": req.arrival,
+              "prompt_tokens": len(req.prompt_ids), "output_tokens": 0}
+        self._timelines[req.request_id] = tl
+        while len(self._timelines) > TIMELINES_KEPT:
+            self._timelines.popitem(last=False)
+        return tl
+
+    @staticmethod
+    def _rel(tl: dict, t: float) -> float:
+        return round((t - tl["arrival"]) * 1e3, 3)
+
+    def _on_admitted(self, tl: dict, ev: StreamEvent) -> None:
+        tl["decode_admitted_ms"] = self._rel(tl, ev.t)
+        if ev.transfer is not None:
+            s = ev.transfer
+            self._transfer_bytes += s.bytes
+            self._transfer_seconds += s.seconds
+            tl["transfer"] = {"backend": s.backend, "bytes": s.bytes, "descriptors": s.descriptors,
+                              "ms": round(s.seconds * 1e3, 3), "gbytes_per_s": round(s.gbytes_per_s, 3),
+                              "link_ms": {k: round(v, 4) for k, v in s.link_ms.items()}}
+            if "prefill_end_ms" in tl:  # admission wait = time between prefill end and decode join, less the pull
+                tl["decode_wait_ms"] = round(tl["decode_admitted_ms"] - tl["prefill_end_ms"] - s.seconds * 1e3, 3)
+
+    def _on_token(self, tl: dict, ev: StreamEvent) -> None:
+        t = self._rel(tl, ev.t)
+        if ev.index == 0:
+            tl["first_token_ms"] = t
+        tl["last_token_ms"] = t
+        tl["output_tokens"] = ev.index + 1
+        if ev.finished:
+            tl["finish_reason"] = ev.finish_reason

@@ -1,0 +1,77 @@
+"""Wire types that cross process boundaries: what a decode worker needs to pull a prompt's KV.
+
+Typed, frozen dataclasses (pickled by Ray, JSON-able for logs). The router passes them from
+prefill to decode without looking inside.
+"""
+from __future__ import annotations
+
+import base64
+import time
+from dataclasses import asdict, dataclass, field
+
+from engine.kv_layout import KVLayout
+
+__all__ = ["KVLayout", "PeerInfo", "KVHandle", "TransferStats", "LINKS_GBPS"]
+
+# The article's link table (GB/s, 1 GB = 1e9 bytes).
+LINKS_GBPS: dict[str, float] = {"nvlink": 900.0, "ib-400g": 50.0, "ib-100g": 12.5}
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """Everything a peer needs to connect to this transport endpoint."""
+
+    agent: str  # unique agent name
+    backend: str  # "nixl" | "local"
+    layout: KVLayout
+    metadata: bytes = b""  # backend-specific (NIXL agent metadata blob)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["metadata"] = base64.b64encode(self.metadata).decode()
+        return d
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    """A prompt's KV held by a prefill worker under a lease, ready to be pulled."""
+
+    request_id: str
+    source: PeerInfo  # who holds the blocks (and how to reach them)
+    block_ids: tuple[int, ...]  # in token order: block i holds tokens [i*bs, (i+1)*bs)
+    num_tokens: int  # prompt tokens whose KV is in those blocks (last block may be partial)
+    layout_hash: str
+    lease_deadline: float  # time.time() after which the holder may free the blocks
+
+    @property
+    def agent(self) -> str:
+        return self.source.agent
+
+    def expired(self, now: float | None = None) -> bool:
+        return (now if now is not None else time.time()) > self.lease_deadline
+
+
+@dataclass
+class TransferStats:
+    """One transfer, as the router's timeline and metrics report it."""
+
+    request_id: str
+    backend: str
+    bytes: int
+    descriptors: int
+    seconds: float
+    link_ms: dict[str, float] = field(default_factory=dict)  # same bytes on the article's links
+
+    @property
+    def gbytes_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+    @classmethod
+    def build(cls, request_id: str, backend: str, nbytes: int, descriptors: int, seconds: float) -> "TransferStats":
+        return cls(request_id, backend, nbytes, descriptors, seconds,
+                   {name: nbytes / (gbps * 1e9) * 1e3 for name, gbps in LINKS_GBPS.items()})
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["gbytes_per_s"] = self.gbytes_per_s
+        return d
