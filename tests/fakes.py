@@ -108,3 +108,77 @@ class FakeCompletionsServer:
         self._server.should_exit = True
         self._thread.join(timeout=10)
         self._sock.close()
+
+
+# ----------------------------------------------------------------------------- FakeOrchestrator
+# A scripted stand-in for router.orchestrator.Orchestrator, for tests of the HTTP layer's own
+# logic (validation, SSE shaping, stop strings, aborts, 429, metrics). Serving itself is tested
+# against the real orchestrator and workers.
+
+from engine.config import PRESETS, ModelConfig  # noqa: E402
+from router.types import GenerateRequest, StreamEvent, WorkerError, WorkerStats  # noqa: E402
+
+
+def echo_script(prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """The prompt repeated: a byte prompt "ab" yields the text "ababab..." (easy to predict)."""
+    return [prompt_ids[i % len(prompt_ids)] for i in range(max_tokens)]
+
+
+class FakeOrchestrator:
+    """Yields `script(prompt_ids, max_tokens)` as token events, `delay_s` apart; a token equal to
+    `eos_id` ends the stream with "stop". Records aborts; `fail_at` raises WorkerError there."""
+
+    def __init__(self, model_config: ModelConfig | None = None, delay_s: float = 0.0,
+                 script: Any = echo_script, eos_id: int | None = None, fail_at: int | None = None,
+                 mode: str = "disagg"):
+        self.model_config = model_config or PRESETS["tiny"]
+        self.mode, self.delay_s, self.script, self.eos_id, self.fail_at = mode, delay_s, script, eos_id, fail_at
+        self.active: set[str] = set()
+        self.aborted: list[str] = []
+        self.requests: list[GenerateRequest] = []
+        self.timelines: dict[str, dict] = {}
+        self.shut_down = False
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamEvent]:
+        self.requests.append(req)
+        self.active.add(req.request_id)
+        tl = self.timelines[req.request_id] = {"request_id": req.request_id, "mode": self.mode,
+                                               "prompt_tokens": len(req.prompt_ids), "output_tokens": 0,
+                                               "transfer": {"bytes": 4096, "gbytes_per_s": float("inf")}}
+        tokens = self.script(req.prompt_ids, req.params.max_tokens)[: req.params.max_tokens]
+        try:
+            for i, tok in enumerate(tokens):
+                await asyncio.sleep(self.delay_s)
+                if i == self.fail_at:
+                    raise WorkerError("decode worker fake-decode-0 died")
+                stop = tok == self.eos_id and not req.params.ignore_eos
+                last = stop or i == len(tokens) - 1
+                tl["output_tokens"] = i + 1
+                yield StreamEvent(req.request_id, "token", tok, i, finished=last,
+                                  finish_reason=("stop" if stop else "length") if last else None)
+                if last:
+                    return
+        finally:
+            self.active.discard(req.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def timeline(self, request_id: str) -> dict | None:
+        return self.timelines.get(request_id)
+
+    async def stats(self) -> list[WorkerStats]:
+        n = len(self.active)
+        return [WorkerStats("fake-prefill-0", "prefill", queue_depth=0, running=0, parked=0, blocks_total=64,
+                            blocks_free=64),
+                WorkerStats("fake-decode-0", "decode", queue_depth=0, running=n, parked=0, blocks_total=64,
+                            blocks_free=64 - n)]
+
+    def transfer_totals(self) -> tuple[int, float]:
+        return 4096 * len(self.timelines), 0.001 * len(self.timelines)
+
+    def queue_depth(self) -> int:
+        return len(self.active)
+
+    async def shutdown(self) -> None:
+        self.shut_down = True

@@ -1,0 +1,185 @@
+"""`ServeConfig`: everything `pdserve serve` needs, from CLI flags or a YAML file.
+
+One dataclass, built in one place (`ServeConfig.build`), validated in one place (`validate`), so the
+router, the pool launcher and the benchmarks all read the same names. YAML keys are the field
+names (dashes allowed: `max-queue` == `max_queue`); flags given on the command line win over YAML.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from engine.config import KV_DTYPE_BYTES, PRESETS
+from router.types import WorkerConfig
+
+MODES = ("disagg", "colocated")
+POLICIES = ("round_robin", "least_loaded")
+TRANSPORTS = ("nixl", "local")
+WEIGHT_DTYPES = ("fp8", "bf16", "fp32")
+
+
+class ConfigError(ValueError):
+    """A bad setting; the message names the flag (and the YAML key it came from, if any)."""
+
+
+@dataclass
+class ServeConfig:
+    mode: str = "disagg"  # "disagg": separate prefill/decode pools | "colocated": decode workers prefill too
+    model: str = "tiny"  # preset or Hugging Face checkpoint directory
+    dtype: str = "fp8"  # weights
+    kv_dtype: str = "fp8"
+    device: str = "cpu"
+    prefill: int = 1  # prefill workers (disagg only)
+    decode: int = 1  # decode (or colocated) workers
+    chunk_size: int | None = None  # prefill chunk in tokens; None = whole prompts
+    policy: str = "round_robin"
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0 = any free port
+    ray_address: str | None = None  # None = embedded local Ray
+    api_key: str | None = None  # protects every endpoint but /health
+    max_queue: int = 256  # requests admitted and not finished; beyond it: 429
+    gpus_per_worker: float = 0.0
+    num_blocks: int = 1024  # KV blocks per worker
+    block_size: int = 16
+    max_num_seqs: int = 64
+    transport: str = "nixl"
+    lease_s: float = 30.0  # prefill KV is freed if decode has not pulled it by then
+    max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
+    served_model_name: str | None = None  # the name clients send as "model"; None = the model's name
+    prefill_resources: dict[str, float] = field(default_factory=dict)  # Ray custom resources per prefill actor
+    decode_resources: dict[str, float] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def build(cls, flags: dict[str, Any] | None = None, yaml_path: str | Path | None = None) -> "ServeConfig":
+        """YAML (if any) then flags on top; a flag whose value is None was not given."""
+        values: dict[str, Any] = {}
+        if yaml_path is not None:
+            values.update(load_yaml(yaml_path))
+        names = {f.name for f in fields(cls)}
+        for key, value in (flags or {}).items():
+            if value is None:
+                continue
+            if key not in names:
+                raise ConfigError(f"unknown setting {key!r}")
+            values[key] = value
+        cfg = cls(**values)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        def bad(flag: str, why: str) -> ConfigError:
+            value = getattr(self, flag.lstrip("-").replace("-", "_"))
+            return ConfigError(f"{flag} {value!r}: {why}")
+
+        _check_types(self)
+        if self.mode not in MODES:
+            raise bad("--mode", f"must be one of {', '.join(MODES)}")
+        if self.model not in PRESETS and not (Path(self.model) / "config.json").is_file():
+            raise bad("--model", f"not a preset ({', '.join(PRESETS)}) and not a directory containing config.json")
+        if self.dtype not in WEIGHT_DTYPES:
+            raise bad("--dtype", f"must be one of {', '.join(WEIGHT_DTYPES)}")
+        if self.kv_dtype not in KV_DTYPE_BYTES:
+            raise bad("--kv-dtype", f"must be one of {', '.join(sorted(KV_DTYPE_BYTES))}")
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise bad("--device", "must be cpu, cuda or cuda:N")
+        if self.mode == "disagg" and self.prefill < 1:
+            raise bad("--prefill", "disaggregated mode needs at least one prefill worker")
+        if self.prefill < 0:
+            raise bad("--prefill", "must be >= 0")
+        if self.decode < 1:
+            raise bad("--decode", "must be >= 1")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise bad("--chunk-size", "must be >= 1 (omit it for whole-prompt prefill)")
+        if self.policy not in POLICIES:
+            raise bad("--policy", f"must be one of {', '.join(POLICIES)}")
+        if not 0 <= self.port <= 65535:
+            raise bad("--port", "must be in 0..65535 (0 = any free port)")
+        if self.api_key is not None and not self.api_key.strip():
+            raise bad("--api-key", "must not be empty")
+        for flag in ("--max-queue", "--num-blocks", "--block-size", "--max-num-seqs", "--max-tokens-limit"):
+            if getattr(self, flag[2:].replace("-", "_")) < 1:
+                raise bad(flag, "must be >= 1")
+        if self.gpus_per_worker < 0:
+            raise bad("--gpus-per-worker", "must be >= 0 (0 on CPU)")
+        if self.transport not in TRANSPORTS:
+            raise bad("--transport", f"must be one of {', '.join(TRANSPORTS)}")
+        if self.lease_s <= 0:
+            raise bad("--lease-s", "must be > 0 seconds")
+        for name in ("prefill_resources", "decode_resources"):
+            for k, v in getattr(self, name).items():
+                if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                    raise ConfigError(f"{name}: expected a mapping of resource name to a positive number, "
+                                      f"got {k!r}: {v!r}")
+
+    # ------------------------------------------------------------------ views
+    @property
+    def model_name(self) -> str:
+        """The name clients send as `model` (and /v1/models lists)."""
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model if self.model in PRESETS else Path(self.model).resolve().name
+
+    def accepted_model_names(self) -> set[str]:
+        return {self.model_name, self.model}
+
+    def worker_config(self) -> WorkerConfig:
+        return WorkerConfig(model=self.model, dtype=self.dtype, kv_dtype=self.kv_dtype, device=self.device,
+                            block_size=self.block_size, num_blocks=self.num_blocks, chunk_size=self.chunk_size,
+                            max_num_seqs=self.max_num_seqs, lease_s=self.lease_s, transport=self.transport)
+
+    def to_dict(self, redact: bool = True) -> dict[str, Any]:
+        d = asdict(self)
+        if redact and d["api_key"]:
+            d["api_key"] = "***"
+        return d
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config; keys are ServeConfig fields (dashes or underscores)."""
+    import yaml  # noqa: PLC0415
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {str(path)!r}: no such file")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {str(path)!r}: not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {str(path)!r}: expected a mapping of settings, got {type(data).__name__}")
+    names = {f.name for f in fields(ServeConfig)}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        norm = str(key).replace("-", "_")
+        if norm not in names:
+            raise ConfigError(f"--config {str(path)!r}: unknown key {key!r} (known: {', '.join(sorted(names))})")
+        out[norm] = value
+    return out
+
+
+_OPTIONAL = {"chunk_size", "ray_address", "api_key", "served_model_name"}
+
+
+def _check_types(cfg: ServeConfig) -> None:
+    """YAML can carry any type; refuse the wrong ones with the key's name instead of failing later."""
+    for f in fields(cfg):
+        v = getattr(cfg, f.name)
+        if v is None and f.name in _OPTIONAL:
+            continue
+        default = f.default
+        if f.name in ("prefill_resources", "decode_resources"):
+            ok, want = isinstance(v, dict), "a mapping"
+        elif f.name in ("chunk_size",) or isinstance(default, int) and not isinstance(default, bool):
+            ok, want = isinstance(v, int) and not isinstance(v, bool), "an integer"
+        elif isinstance(default, float):
+            ok, want = isinstance(v, (int, float)) and not isinstance(v, bool), "a number"
+            if ok:
+                setattr(cfg, f.name, float(v))
+        else:
+            ok, want = isinstance(v, str), "a string"
+        if not ok:
+            raise ConfigError(f"--{f.name.replace('_', '-')}: expected {want}, got {v!r}")

@@ -1,0 +1,399 @@
+"""The OpenAI wire protocol, as pure functions: request validation, the chat template, stop
+strings, and response / SSE chunk shapes. Nothing here touches the network or the workers, so every
+rule can be unit tested (tests/test_router_protocol.py).
+
+Unknown request fields are ignored, as vLLM and SGLang do, so clients that send extensions
+(`ignore_eos`, `stop_token_ids`) or fields we do not use (`user`) keep working; fields we would
+have to ignore *silently* in a way that changes the answer (`n` > 1, `logprobs`, `echo`,
+penalties) are refused with a 400 instead.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from engine.sequence import SamplingParams
+from engine.tokenizer import Tokenizer
+
+MAX_STOP_STRINGS = 16
+INT64 = 1 << 63
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class OpenAIError(Exception):
+    """An error answered with an OpenAI-style body: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):  # noqa: A002 - the wire name
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,  # noqa: A002
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+# ------------------------------------------------------------------------------ request models
+class _Strict(BaseModel):
+    # strict: "5" is not an int and 1.5 is not an int (wrong types are 400s, not guesses)
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str | None = None  # optional: defaults to the one served model
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: Any = None  # str | list[str]; checked by hand for a clearer message
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    ignore_eos: bool = False  # vLLM extension (benchmarks keep output lengths exact with it)
+    stop_token_ids: list[int] | None = None  # vLLM extension
+
+
+class CompletionRequest(_Common):
+    prompt: Any  # str | list[int] | [str] | [list[int]]; checked by hand
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None  # str | list of {"type": "text", "text": str} | None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+# ------------------------------------------------------------------------------ validation
+@dataclass(frozen=True)
+class Limits:
+    """What the served model allows; built by the app from the orchestrator and ServeConfig."""
+
+    model_name: str  # the name echoed in responses
+    accepted_names: frozenset[str]
+    context_len: int  # prompt + max_tokens must fit
+    vocab_size: int
+    max_tokens_limit: int
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request, ready for the orchestrator."""
+
+    kind: Literal["completion", "chat"]
+    model: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def parse_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"We could not parse the JSON body of your request: {e}", code="invalid_json") from None
+
+
+def _model_validate(cls: type[_Strict], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise bad("The request body must be a JSON object.", code="invalid_json")
+    try:
+        return cls.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        msg = "field required" if err["type"] == "missing" else err["msg"]
+        raise bad(f"Invalid value for '{param}': {msg}.", param=param, code="invalid_type"
+                  if err["type"] != "missing" else "missing_required_parameter") from None
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
+
+
+def completion_prompt_ids(prompt: Any, tok: Tokenizer) -> list[int]:
+    """A string, a list of token ids, or a list holding exactly one of those."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) != 1:
+            raise bad(f"Batched prompts are not supported ({len(prompt)} given); send one prompt per request.",
+                      param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tok.encode(prompt)
+    if _is_ids(prompt):
+        return list(prompt)
+    raise bad("'prompt' must be a string, a list of token ids, or a list holding one of those.", param="prompt")
+
+
+def message_text(msg: ChatMessage, i: int) -> str:
+    c = msg.content
+    if c is None or isinstance(c, str):
+        return c or ""
+    if isinstance(c, list):
+        parts = []
+        for j, part in enumerate(c):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise bad("Only text content parts ({'type': 'text', 'text': ...}) are supported.",
+                          param=f"messages.{i}.content.{j}")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad("'content' must be a string or a list of text parts.", param=f"messages.{i}.content")
+
+
+def render_chat(messages: list[ChatMessage]) -> str:
+    """The one chat template pdserve uses, for every tokenizer: a line per message, then the
+    assistant's cue. Random-weight models have no template of their own; checkpoints' Jinja
+    templates are not applied (documented in the README)."""
+    lines = [f"{m.role}: {message_text(m, i)}\n" for i, m in enumerate(messages)]
+    return "".join(lines) + "assistant: "
+
+
+def _stop_strings(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    if not (isinstance(items, list) and all(isinstance(s, str) for s in items)):
+        raise bad("'stop' must be a string or a list of strings.", param="stop")
+    if len(items) > MAX_STOP_STRINGS:
+        raise bad(f"At most {MAX_STOP_STRINGS} stop strings are supported ({len(items)} given).", param="stop")
+    if any(s == "" for s in items):
+        raise bad("Stop strings must not be empty.", param="stop")
+    return tuple(dict.fromkeys(items))
+
+
+def _check_unsupported(req: _Common) -> None:
+    if req.n is not None and req.n != 1:
+        raise bad(f"Only n=1 is supported (got n={req.n}).", param="n", code="unsupported_value")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) not in (None, 0, 0.0):
+            raise bad(f"'{name}' is not supported; omit it or send 0.", param=name, code="unsupported_parameter")
+    if isinstance(req, CompletionRequest):
+        if req.logprobs is not None:
+            raise bad("'logprobs' is not supported.", param="logprobs", code="unsupported_parameter")
+        if req.echo:
+            raise bad("'echo' is not supported.", param="echo", code="unsupported_parameter")
+        if req.best_of not in (None, 1):
+            raise bad("Only best_of=1 is supported.", param="best_of", code="unsupported_value")
+        if req.suffix:
+            raise bad("'suffix' is not supported.", param="suffix", code="unsupported_parameter")
+    if isinstance(req, ChatCompletionRequest):
+        if req.logprobs:
+            raise bad("'logprobs' is not supported.", param="logprobs", code="unsupported_parameter")
+        if req.top_logprobs is not None:
+            raise bad("'top_logprobs' is not supported.", param="top_logprobs", code="unsupported_parameter")
+
+
+def _sampling(req: _Common, max_tokens: int | None, prompt_len: int, lim: Limits, default_max: int | None,
+              max_param: str) -> SamplingParams:
+    room = lim.context_len - prompt_len
+    if room < 1:
+        raise bad(f"This model's maximum context length is {lim.context_len} tokens; the prompt has "
+                  f"{prompt_len} tokens, which leaves no room to generate.", param="prompt",
+                  code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = min(default_max or room, room, lim.max_tokens_limit)
+    if max_tokens < 1:
+        raise bad(f"'{max_param}' must be at least 1 (got {max_tokens}).", param=max_param)
+    if max_tokens > lim.max_tokens_limit:
+        raise bad(f"'{max_param}' must be at most {lim.max_tokens_limit} on this server (got {max_tokens}).",
+                  param=max_param)
+    if prompt_len + max_tokens > lim.context_len:
+        raise bad(f"This model's maximum context length is {lim.context_len} tokens; you requested "
+                  f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} for the completion).",
+                  param=max_param, code="context_length_exceeded")
+    t = 1.0 if req.temperature is None else req.temperature
+    if not (math.isfinite(t) and 0 <= t <= 2):
+        raise bad(f"'temperature' must be between 0 and 2 (got {t}).", param="temperature")
+    p = 1.0 if req.top_p is None else req.top_p
+    if not (math.isfinite(p) and 0 < p <= 1):
+        raise bad(f"'top_p' must be greater than 0 and at most 1 (got {p}).", param="top_p")
+    if req.seed is not None and not -INT64 <= req.seed < INT64:
+        raise bad("'seed' must fit in a signed 64-bit integer.", param="seed")
+    stop_ids = tuple(req.stop_token_ids or ())
+    if any(not 0 <= i < lim.vocab_size for i in stop_ids):
+        raise bad(f"'stop_token_ids' must be in [0, {lim.vocab_size}).", param="stop_token_ids")
+    return SamplingParams(max_tokens=max_tokens, temperature=t, top_p=p, seed=req.seed,
+                          stop_token_ids=stop_ids, ignore_eos=req.ignore_eos)
+
+
+def _prepare(kind: Literal["completion", "chat"], req: _Common, ids: list[int], max_tokens: int | None,
+             max_param: str, lim: Limits) -> Prepared:
+    if req.model is not None and req.model not in lim.accepted_names:
+        raise OpenAIError(404, f"The model '{req.model}' does not exist; this server serves '{lim.model_name}'.",
+                          param="model", code="model_not_found")
+    _check_unsupported(req)
+    stop = _stop_strings(req.stop)
+    if req.stream_options is not None and not req.stream:
+        raise bad("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
+    if not ids:
+        raise bad("The prompt is empty.", param="prompt" if kind == "completion" else "messages")
+    bad_ids = [i for i in ids if not 0 <= i < lim.vocab_size]
+    if bad_ids:
+        raise bad(f"Token ids must be in [0, {lim.vocab_size}) (bad: {bad_ids[:5]}).", param="prompt")
+    # OpenAI's defaults: 16 tokens for completions, "as many as fit" for chat.
+    default_max = 16 if kind == "completion" else None
+    params = _sampling(req, max_tokens, len(ids), lim, default_max, max_param)
+    return Prepared(kind, lim.model_name, ids, params, stop, bool(req.stream),
+                    bool(req.stream and req.stream_options and req.stream_options.include_usage))
+
+
+def prepare_completion(body: Any, tok: Tokenizer, lim: Limits) -> Prepared:
+    req: CompletionRequest = _model_validate(CompletionRequest, body)
+    ids = completion_prompt_ids(req.prompt, tok)
+    return _prepare("completion", req, ids, req.max_tokens, "max_tokens", lim)
+
+
+def prepare_chat(body: Any, tok: Tokenizer, lim: Limits) -> Prepared:
+    req: ChatCompletionRequest = _model_validate(ChatCompletionRequest, body)
+    if not req.messages:
+        raise bad("'messages' must hold at least one message.", param="messages")
+    if req.max_tokens is not None and req.max_completion_tokens is not None and \
+            req.max_tokens != req.max_completion_tokens:
+        raise bad("'max_tokens' and 'max_completion_tokens' disagree; send one.", param="max_completion_tokens")
+    mt, param = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens is not None
+                 else (req.max_tokens, "max_tokens"))
+    ids = tok.encode(render_chat(req.messages))
+    return _prepare("chat", req, ids, mt, param, lim)
+
+
+# ------------------------------------------------------------------------------ stop strings
+class StopFilter:
+    """Turns detokenized deltas into text safe to emit: text that could still become a stop string
+    is held back, and nothing at or after a stop string is ever emitted."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.text = ""  # everything detokenized so far (truncated at the stop string once found)
+        self.sent = 0  # chars of self.text already emitted
+        self.stopped = False
+
+    def push(self, delta: str) -> str:
+        if self.stopped:
+            return ""
+        self.text += delta
+        # A stop string cannot start before `sent`: its beginning would have been held back.
+        hits = [i for i in (self.text.find(s, self.sent) for s in self.stops) if i >= 0]
+        if hits:
+            end = min(hits)
+            self.stopped, self.text = True, self.text[:end]
+            return self._emit(end)
+        return self._emit(len(self.text) - self._held())
+
+    def finish(self) -> str:
+        """The held-back tail, once generation ended without reaching a stop string."""
+        return self._emit(len(self.text))
+
+    def _held(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of some stop string."""
+        tail = self.text[self.sent:]
+        best = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(tail)), best, -1):
+                if tail.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def _emit(self, upto: int) -> str:
+        out, self.sent = self.text[self.sent:upto], max(self.sent, upto)
+        return out
+
+
+# ------------------------------------------------------------------------------ responses
+def new_request_id(kind: str) -> str:
+    return ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+
+
+def json_safe(x: Any) -> Any:
+    """NaN/inf become null (strict JSON has no such numbers; a 0-second transfer has inf GB/s)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _head(p: Prepared, rid: str, created: int, chunk: bool) -> dict[str, Any]:
+    obj = ("text_completion" if p.kind == "completion" else
+           "chat.completion.chunk" if chunk else "chat.completion")
+    return {"id": rid, "object": obj, "created": created, "model": p.model}
+
+
+def full_response(p: Prepared, rid: str, created: int, text: str, finish_reason: str, use: dict[str, int],
+                  timeline: dict | None) -> dict[str, Any]:
+    if p.kind == "completion":
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason}
+    return {**_head(p, rid, created, False), "choices": [choice], "usage": use,
+            "pdserve": {"timeline": json_safe(timeline)}}
+
+
+def stream_chunk(p: Prepared, rid: str, created: int, text: str, finish_reason: str | None,
+                 first: bool = False, timeline: dict | None = None) -> dict[str, Any]:
+    """One SSE chunk: a token's text (possibly empty), or the final chunk with finish_reason (which
+    carries the timeline when no usage chunk follows, so clients never see an extra chunk)."""
+    if p.kind == "completion":
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    else:
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text or finish_reason is None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    out = {**_head(p, rid, created, True), "choices": [choice]}
+    if timeline is not None:
+        out["pdserve"] = {"timeline": json_safe(timeline)}
+    return out
+
+
+def usage_chunk(p: Prepared, rid: str, created: int, use: dict[str, int], timeline: dict | None) -> dict[str, Any]:
+    """The last chunk before [DONE] with stream_options.include_usage: usage and the timeline."""
+    return {**_head(p, rid, created, True), "choices": [], "usage": use,
+            "pdserve": {"timeline": json_safe(timeline)}}
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), allow_nan=False)}\n\n"
+
+
+def now_created() -> int:
+    return int(time.time())

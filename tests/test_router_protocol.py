@@ -1,0 +1,473 @@
+"""The HTTP layer without workers: request validation (every bad input gets its 4xx and an
+OpenAI-style body), the chat template, stop strings, response shapes, ServeConfig; then the app
+over tests/fakes.FakeOrchestrator for its own logic (SSE, aborts, 429, auth, metrics).
+Serving through real workers is tested in the serving tests."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from engine.config import PRESETS
+from engine.tokenizer import ByteTokenizer
+from router import openai_protocol as oa
+from router.app import create_app
+from router.config import ConfigError, ServeConfig
+from tests.fakes import FakeOrchestrator
+
+TOK = ByteTokenizer()
+LIM = oa.Limits("tiny", frozenset({"tiny"}), context_len=64, vocab_size=320, max_tokens_limit=32)
+
+
+def completion(**body):
+    return oa.prepare_completion({"model": "tiny", "prompt": "hello", **body}, TOK, LIM)
+
+
+def chat(**body):
+    return oa.prepare_chat({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **body}, TOK, LIM)
+
+
+def error_of(fn, *a, **kw) -> oa.OpenAIError:
+    with pytest.raises(oa.OpenAIError) as e:
+        fn(*a, **kw)
+    body = e.value.body()
+    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["message"]
+    return e.value
+
+
+# ------------------------------------------------------------------------------ validation
+def test_valid_completion_is_tokenized_and_sampled_as_asked():
+    p = completion(max_tokens=5, temperature=0, top_p=0.5, seed=7, stop=["\n"], ignore_eos=True,
+                   stream=True, stream_options={"include_usage": True}, user="u", unknown_field=1)
+    assert p.prompt_ids == list(b"hello") and p.kind == "completion" and p.model == "tiny"
+    assert (p.params.max_tokens, p.params.temperature, p.params.top_p, p.params.seed, p.params.ignore_eos) == \
+        (5, 0.0, 0.5, 7, True)
+    assert p.stop == ("\n",) and p.stream and p.include_usage
+
+
+@pytest.mark.parametrize("prompt, ids", [
+    ([104, 105], [104, 105]), (["hi"], list(b"hi")), ([[1, 2, 3]], [1, 2, 3]),
+])
+def test_prompt_forms(prompt, ids):
+    assert completion(prompt=prompt).prompt_ids == ids
+
+
+def test_openai_defaults():
+    p = completion()
+    assert (p.params.max_tokens, p.params.temperature, p.params.top_p) == (16, 1.0, 1.0)  # OpenAI's defaults
+    assert not p.stream and not p.include_usage
+    assert oa.prepare_completion({"prompt": "x"}, TOK, LIM).model == "tiny"  # model may be omitted
+    # chat without max_tokens: as many as fit the context, capped by the server's limit
+    prompt_len = len(oa.render_chat([oa.ChatMessage(role="user", content="hi")]).encode())
+    assert chat().params.max_tokens == min(LIM.max_tokens_limit, LIM.context_len - prompt_len)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"max_tokens": "5"}, "max_tokens"), ({"max_tokens": 1.5}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
+    ({"temperature": "hot"}, "temperature"), ({"stream": "yes"}, "stream"), ({"seed": 1.5}, "seed"),
+    ({"prompt": {"a": 1}}, "prompt"), ({"prompt": [1, "a"]}, "prompt"), ({"prompt": 5}, "prompt"),
+    ({"prompt": [True, 1]}, "prompt"), ({"stop": 5}, "stop"), ({"stop": ["a", 1]}, "stop"),
+    ({"stream_options": {"include_usage": "yes"}, "stream": True}, "stream_options.include_usage"),
+    ({"model": 3}, "model"),
+])
+def test_wrong_types_are_400_naming_the_param(body, param):
+    e = error_of(completion, **body)
+    assert e.status == 400 and e.param == param and e.type == "invalid_request_error"
+
+
+def test_missing_prompt_and_messages():
+    e = error_of(oa.prepare_completion, {"model": "tiny"}, TOK, LIM)
+    assert (e.status, e.param, e.code) == (400, "prompt", "missing_required_parameter")
+    e = error_of(oa.prepare_chat, {"model": "tiny"}, TOK, LIM)
+    assert (e.status, e.param) == (400, "messages")
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"\xff\xfe", b'{"prompt": "x",}'])
+def test_malformed_json(raw):
+    e = error_of(oa.parse_json, raw)
+    assert (e.status, e.code) == (400, "invalid_json")
+
+
+@pytest.mark.parametrize("body", [[], "prompt", 3, None])
+def test_body_must_be_an_object(body):
+    assert error_of(oa.prepare_completion, body, TOK, LIM).status == 400
+
+
+def test_unknown_model_is_404():
+    e = error_of(completion, model="gpt-4")
+    assert (e.status, e.param, e.code) == (404, "model", "model_not_found") and "gpt-4" in e.message
+
+
+@pytest.mark.parametrize("body, param, code", [
+    ({"max_tokens": 0}, "max_tokens", None),
+    ({"max_tokens": -3}, "max_tokens", None),
+    ({"max_tokens": 33}, "max_tokens", None),                                # over the server's limit
+    ({"prompt": "x" * 40, "max_tokens": 30}, "max_tokens", "context_length_exceeded"),
+    ({"prompt": "x" * 64}, "prompt", "context_length_exceeded"),             # the prompt alone fills it
+    ({"prompt": ""}, "prompt", None), ({"prompt": []}, "prompt", None),
+    ({"prompt": [1, 320]}, "prompt", None), ({"prompt": [-1]}, "prompt", None),  # outside the vocabulary
+    ({"prompt": ["a", "b"]}, "prompt", None),                                # batched prompts
+    ({"temperature": -0.1}, "temperature", None), ({"temperature": 2.5}, "temperature", None),
+    ({"temperature": math.nan}, "temperature", None), ({"top_p": 0}, "top_p", None),
+    ({"top_p": 1.5}, "top_p", None), ({"top_p": -1}, "top_p", None),
+    ({"n": 2}, "n", "unsupported_value"), ({"n": 0}, "n", "unsupported_value"),
+    ({"logprobs": 1}, "logprobs", "unsupported_parameter"), ({"echo": True}, "echo", "unsupported_parameter"),
+    ({"best_of": 3}, "best_of", "unsupported_value"), ({"suffix": "x"}, "suffix", "unsupported_parameter"),
+    ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", None),   # without stream
+    ({"stop": ""}, "stop", None), ({"stop": ["a"] * 17}, "stop", None),
+    ({"seed": 1 << 70}, "seed", None), ({"stop_token_ids": [999]}, "stop_token_ids", None),
+])
+def test_bad_values_are_400(body, param, code):
+    e = error_of(completion, **body)
+    assert (e.status, e.param, e.code) == (400, param, code)
+
+
+def test_accepted_edge_values():
+    assert completion(n=1, temperature=2, top_p=1, max_tokens=32, presence_penalty=0).params.max_tokens == 32
+    assert completion(prompt="x" * 32, max_tokens=32).params.max_tokens == 32  # exactly the context
+
+
+def test_chat_template_and_content_parts():
+    msgs = [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]},
+            {"role": "assistant", "content": None}]
+    p = oa.prepare_chat({"messages": msgs, "max_tokens": 4}, TOK, LIM)
+    assert bytes(p.prompt_ids).decode() == "system: be brief\nuser: hello\nassistant: \nassistant: "
+    assert p.kind == "chat"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages.0.content.0"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
+    ({"logprobs": True}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"), ({"n": 3}, "n"),
+])
+def test_bad_chat_requests(body, param):
+    e = error_of(chat, **body)
+    assert (e.status, e.param) == (400, param)
+
+
+def test_max_completion_tokens_wins():
+    assert chat(max_completion_tokens=3).params.max_tokens == 3
+    assert chat(max_tokens=3, max_completion_tokens=3).params.max_tokens == 3
+
+
+# ------------------------------------------------------------------------------ stop strings
+def feed(stops, deltas):
+    f = oa.StopFilter(tuple(stops))
+    out = [f.push(d) for d in deltas]
+    return out, f
+
+
+def test_stop_string_split_across_tokens_is_never_emitted():
+    out, f = feed(["END"], ["ab", "cE", "N", "Dxyz"])
+    assert out == ["ab", "c", "", ""] and f.stopped and "".join(out) == "abc"
+
+
+def test_held_prefix_is_released_when_it_turns_out_not_to_be_a_stop():
+    out, f = feed(["END"], ["aE", "Nx", "y"])
+    assert out == ["a", "ENx", "y"] and not f.stopped
+
+
+def test_held_tail_is_flushed_at_the_end():
+    out, f = feed(["END"], ["abE", "N"])
+    assert out == ["ab", ""] and f.finish() == "EN"
+
+
+def test_earliest_of_several_stops_wins():
+    out, f = feed(["world", "lo"], ["hello world"])
+    assert out == ["hel"] and f.stopped
+    assert f.push("more") == "" and f.finish() == ""
+
+
+def test_stop_at_start_and_no_stops():
+    assert feed(["x"], ["xyz"])[0] == [""]
+    assert feed([], ["a", "b"])[0] == ["a", "b"]
+
+
+# ------------------------------------------------------------------------------ response shapes
+P_CMPL = completion(stream=True)
+P_CHAT = chat(stream=True, stream_options={"include_usage": True})
+
+
+def test_full_responses():
+    use = oa.usage(5, 3)
+    assert use == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    r = oa.full_response(completion(), "cmpl-1", 100, "abc", "length", use, {"transfer": {"gbytes_per_s": math.inf}})
+    assert r["object"] == "text_completion" and r["choices"][0]["text"] == "abc"
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"] == use
+    assert r["pdserve"]["timeline"]["transfer"]["gbytes_per_s"] is None  # strict JSON has no inf
+    json.dumps(r, allow_nan=False)
+    r = oa.full_response(chat(), "chatcmpl-1", 100, "hi", "stop", use, None)
+    assert r["object"] == "chat.completion"
+    assert r["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+
+
+def test_stream_chunks():
+    c = oa.stream_chunk(P_CHAT, "chatcmpl-1", 1, "a", None, first=True)
+    assert c["object"] == "chat.completion.chunk" and c["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
+    assert oa.stream_chunk(P_CHAT, "x", 1, "", None)["choices"][0]["delta"] == {"content": ""}
+    last = oa.stream_chunk(P_CHAT, "x", 1, "", "stop", timeline={"a": 1})
+    assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "stop"
+    assert last["pdserve"] == {"timeline": {"a": 1}}
+    c = oa.stream_chunk(P_CMPL, "cmpl-1", 1, "t", None)
+    assert c["choices"][0] == {"index": 0, "text": "t", "logprobs": None, "finish_reason": None}
+    u = oa.usage_chunk(P_CMPL, "cmpl-1", 1, oa.usage(1, 2), None)
+    assert u["choices"] == [] and u["usage"]["total_tokens"] == 3 and "pdserve" in u
+    assert oa.sse({"a": 1}) == 'data: {"a":1}\n\n' and oa.SSE_DONE == "data: [DONE]\n\n"
+    assert oa.new_request_id("completion").startswith("cmpl-") and oa.new_request_id("chat").startswith("chatcmpl-")
+
+
+# ------------------------------------------------------------------------------ ServeConfig
+def test_config_yaml_then_flags(tmp_path):
+    y = tmp_path / "serve.yaml"
+    y.write_text("mode: colocated\nchunk-size: 64\ndecode: 2\nport: 9000\ndecode_resources: {decode_node: 1}\n")
+    cfg = ServeConfig.build({"port": 9100, "decode": None}, y)
+    assert (cfg.mode, cfg.chunk_size, cfg.decode, cfg.port) == ("colocated", 64, 2, 9100)
+    assert cfg.decode_resources == {"decode_node": 1}
+    wc = cfg.worker_config()
+    assert (wc.chunk_size, wc.model, wc.num_blocks) == (64, "tiny", 1024)
+    assert cfg.model_name == "tiny" and ServeConfig(served_model_name="m").model_name == "m"
+
+
+@pytest.mark.parametrize("yaml_text, needle", [
+    ("prefil: 2\n", "'prefil'"), ("- a\n", "mapping"), ("port: [1\n", "not valid YAML"),
+    ("port: eighty\n", "--port"), ("chunk_size: 1.5\n", "--chunk-size"),
+    ("prefill_resources: {node: -1}\n", "prefill_resources"),
+])
+def test_config_yaml_errors_name_the_key(tmp_path, yaml_text, needle):
+    y = tmp_path / "bad.yaml"
+    y.write_text(yaml_text)
+    with pytest.raises(ConfigError, match=needle):
+        ServeConfig.build({}, y)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    ({"mode": "both"}, "--mode"), ({"model": "/no/such/dir"}, "--model"), ({"prefill": 0}, "--prefill"),
+    ({"decode": 0}, "--decode"), ({"chunk_size": 0}, "--chunk-size"), ({"policy": "random"}, "--policy"),
+    ({"port": 70000}, "--port"), ({"max_queue": 0}, "--max-queue"), ({"transport": "tcp"}, "--transport"),
+    ({"kv_dtype": "int4"}, "--kv-dtype"), ({"device": "tpu"}, "--device"), ({"api_key": " "}, "--api-key"),
+    ({"gpus_per_worker": -1}, "--gpus-per-worker"),
+])
+def test_config_flag_errors_name_the_flag(flags, needle):
+    with pytest.raises(ConfigError, match=needle):
+        ServeConfig.build(flags)
+    assert ServeConfig.build({"mode": "colocated", "prefill": 0}).prefill == 0  # no prefill pool when colocated
+
+
+def test_serve_cli_flags(tmp_path):
+    from engine.cli import build_parser
+    from router.serve_cli import config_from_args, ready_message
+
+    y = tmp_path / "s.yaml"
+    y.write_text("decode: 3\npolicy: least_loaded\n")
+    argv = ["serve", "--mode", "colocated", "--chunk-size", "128", "--config", str(y), "--port", "0",
+            "--api-key", "k"]
+    cfg = config_from_args(build_parser(argv).parse_args(argv))
+    assert (cfg.mode, cfg.chunk_size, cfg.decode, cfg.policy, cfg.port, cfg.api_key) == \
+        ("colocated", 128, 3, "least_loaded", 0, "k")
+    msg = ready_message(cfg, "http://127.0.0.1:8000")
+    assert "http://127.0.0.1:8000/v1/completions" in msg and "Bearer" in msg and "'k'" not in msg
+
+
+# ------------------------------------------------------------------------------ the app over a fake
+def make_app(orch=None, **cfg):
+    cfg = ServeConfig(**{"num_blocks": 64, "block_size": 16, **cfg})
+    orch = orch or FakeOrchestrator(PRESETS["tiny"])
+    return create_app(orch, TOK, cfg), orch
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _post(app, path, body, headers=None, raw=None):
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        if raw is not None:
+            return await c.post(path, content=raw, headers=headers)
+        return await c.post(path, json=body, headers=headers)
+
+
+def sse_payloads(text: str) -> list:
+    events = [e[len("data: "):] for e in text.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_app_completion_and_timeline():
+    app, orch = make_app()
+    r = run(_post(app, "/v1/completions", {"model": "tiny", "prompt": "ab", "max_tokens": 5, "temperature": 0}))
+    assert r.status_code == 200
+    body = r.json()
+    assert body["choices"][0]["text"] == "ababa" and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+    assert body["id"] == r.headers["x-request-id"] == orch.requests[0].request_id
+    assert body["pdserve"]["timeline"]["output_tokens"] == 5
+    assert orch.requests[0].params.temperature == 0.0 and orch.aborted == []
+
+    async def get(path):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.get(path)
+    tl = run(get(f"/v1/requests/{body['id']}/timeline"))
+    assert tl.status_code == 200 and tl.json()["request_id"] == body["id"]
+    missing = run(get("/v1/requests/cmpl-nope/timeline"))
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "request_not_found"
+    models = run(get("/v1/models")).json()
+    assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 1024  # 64 blocks x 16
+
+
+def test_app_stream_with_stop_string_aborts_the_rest():
+    app, orch = make_app()
+    r = run(_post(app, "/v1/completions", {"prompt": "abcd", "max_tokens": 20, "stop": "da", "stream": True,
+                                           "stream_options": {"include_usage": True}}))
+    chunks = sse_payloads(r.text)
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == "abc"
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+    assert chunks[-1]["usage"]["completion_tokens"] == 5 and "timeline" in chunks[-1]["pdserve"]
+    time.sleep(0.05)
+    assert orch.aborted == [chunks[0]["id"]]  # the workers stop generating past the stop string
+
+
+def test_app_chat_stream_and_eos():
+    app, orch = make_app(FakeOrchestrator(PRESETS["tiny"], eos_id=257,
+                                          script=lambda ids, n: [104, 105, 257, 120][:n]))
+    r = run(_post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True}))
+    chunks = sse_payloads(r.text)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "hi"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and "pdserve" in chunks[-1]
+    assert orch.aborted == []
+
+
+def test_app_errors_have_openai_bodies():
+    app, _ = make_app(api_key="secret")
+    ok = {"Authorization": "Bearer secret"}
+    cases = [
+        ({"prompt": "x"}, None, None, 401),
+        ({"prompt": "x"}, {"Authorization": "Bearer wrong"}, None, 401),
+        (None, ok, b"{oops", 400),
+        ({"prompt": "x", "model": "other"}, ok, None, 404),
+        ({"prompt": "x", "max_tokens": 0}, ok, None, 400),
+        ({"prompt": "x" * 1000, "max_tokens": 100}, ok, None, 400),
+    ]
+    for body, headers, raw, status in cases:
+        r = run(_post(app, "/v1/completions", body, headers, raw))
+        assert r.status_code == status, (body, r.text)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+    async def get(path, headers=None):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.get(path, headers=headers)
+    assert run(get("/health")).status_code == 200  # never behind the key
+    assert run(get("/metrics")).status_code == 401 and run(get("/v1/models")).status_code == 401
+    assert run(get("/v1/models", ok)).status_code == 200
+    nf = run(get("/v1/nothing", ok))
+    assert nf.status_code == 404 and "error" in nf.json()
+    assert run(get("/v1/completions", ok)).status_code == 405
+
+
+def test_app_worker_failure():
+    app, _ = make_app(FakeOrchestrator(PRESETS["tiny"], fail_at=2))
+    r = run(_post(app, "/v1/completions", {"prompt": "ab", "max_tokens": 5}))
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "died" in r.json()["error"]["message"]
+    r = run(_post(app, "/v1/completions", {"prompt": "ab", "max_tokens": 5, "stream": True}))
+    payloads = sse_payloads(r.text)
+    assert [p["choices"][0]["text"] for p in payloads[:2]] == ["a", "b"] and "died" in payloads[2]["error"]["message"]
+
+
+def test_app_queue_full_429_and_bad_input_leave_the_inflight_request_alone():
+    app, orch = make_app(FakeOrchestrator(PRESETS["tiny"], delay_s=0.02), max_queue=1)
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            first = asyncio.create_task(c.post("/v1/completions", json={"prompt": "ab", "max_tokens": 10}))
+            while not orch.active:
+                await asyncio.sleep(0.005)
+            full = await c.post("/v1/completions", json={"prompt": "ab", "max_tokens": 10})
+            bad = await c.post("/v1/completions", content=b"not json")
+            return await first, full, bad
+
+    first, full, bad = run(scenario())
+    assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full" and "retry-after" in full.headers
+    assert bad.status_code == 400
+    assert first.status_code == 200 and first.json()["choices"][0]["text"] == "ababababab"
+    assert app.state.pd.inflight == 0
+
+
+def test_app_metrics():
+    app, _ = make_app()
+    run(_post(app, "/v1/completions", {"prompt": "ab", "max_tokens": 4}))
+    run(_post(app, "/v1/completions", {"prompt": "ab", "max_tokens": 0}))
+
+    async def get():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.get("/metrics")
+    text = run(get()).text
+    for line in ['pdserve_requests_total{status="ok"} 1.0', 'pdserve_requests_total{status="rejected"} 1.0',
+                 "pdserve_generation_tokens_total 4.0", "pdserve_prompt_tokens_total 2.0",
+                 "pdserve_time_to_first_token_seconds_count 1.0", "pdserve_inter_token_latency_seconds_count 3.0",
+                 "pdserve_time_per_output_token_seconds_count 1.0", "pdserve_e2e_request_latency_seconds_count 1.0",
+                 "pdserve_kv_transfer_bytes_total 4096.0", "pdserve_router_queue_depth 0.0",
+                 'pdserve_kv_blocks_free{role="decode",worker="fake-decode-0"} 64.0',
+                 'pdserve_kv_blocks_used{role="prefill",worker="fake-prefill-0"} 0.0',
+                 'pdserve_queue_depth{role="decode",worker="fake-decode-0"} 0.0']:
+        assert line in text, line
+
+
+# ------------------------------------------------------------------------------ disconnects (real uvicorn)
+class _Uvicorn:
+    def __init__(self, app):
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                                    lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def _wait(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+def test_client_disconnect_mid_stream_aborts():
+    app, orch = make_app(FakeOrchestrator(PRESETS["tiny"], delay_s=0.05))
+    with _Uvicorn(app) as url:
+        with httpx.stream("POST", url + "/v1/completions", json={"prompt": "ab", "max_tokens": 500, "stream": True},
+                          timeout=10) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(3)]
+            assert got[0].startswith("data: ")
+            rid = json.loads(got[0][6:])["id"]
+        assert _wait(lambda: orch.aborted == [rid] and app.state.pd.inflight == 0)
+        assert _wait(lambda: not orch.active)  # the orchestrator's stream was closed as well
+        assert 'status="aborted"} 1.0' in httpx.get(url + "/metrics").text
+
+
+def test_client_disconnect_while_waiting_non_streaming_aborts():
+    app, orch = make_app(FakeOrchestrator(PRESETS["tiny"], delay_s=0.05))
+    with _Uvicorn(app) as url:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json={"prompt": "ab", "max_tokens": 500}, timeout=0.3)
+        assert _wait(lambda: len(orch.aborted) == 1 and app.state.pd.inflight == 0 and not orch.active)
