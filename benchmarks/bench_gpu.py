@@ -289,9 +289,12 @@ def bench_green(runner, graphs, sm_list: list[int], cap_s: float, B: int = 32, P
             break
         try:
             part = SmPartition.create(decode_sms=d)
-            with torch.cuda.stream(part.decode_stream):  # does the split bind? a GEMM should slow ~SM ratio
-                probe.append({"decode_sms": d, "gemm_slowdown": cuda_time(lambda: a @ a, reps=3) / full,
-                              "how": part.how})
+            with torch.cuda.stream(part.prefill_stream):  # does the split bind? a GEMM slows ~ SM ratio
+                slow_p = cuda_time(lambda: a @ a, reps=3) / full
+            with torch.cuda.stream(part.decode_stream):
+                probe.append({"decode_sms": part.decode_sms, "prefill_sms": part.prefill_sms, "how": part.how,
+                              "decode_gemm_slowdown": cuda_time(lambda: a @ a, reps=3) / full,
+                              "prefill_gemm_slowdown": slow_p})
                 decode()  # graph replay on a green stream, checked before it is timed
             torch.cuda.synchronize()
             rows.append(measure("green", part))

@@ -68,6 +68,33 @@ def _green_stream(num_sms: int, device: int) -> tuple[object, torch.cuda.Stream,
     return ctx, s, "stream created under set_context (unverified path)"
 
 
+def _driver_split(decode_sms: int, device: int) -> tuple[list, torch.cuda.Stream, torch.cuda.Stream, int, str]:
+    """Disjoint by construction: ONE driver split of the device's SMs into a decode group and the
+    remainder, a green context on each, and a stream in each (cuda-python's driver bindings).
+    Two separate `GreenContext.create` calls are not guaranteed disjoint: each splits the whole
+    device and may hand out the same first SMs."""
+    from cuda.bindings import driver as cu  # noqa: PLC0415
+
+    def ok(res):
+        if res[0] != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA driver call failed: {res[0]}")
+        return res[1:] if len(res) > 2 else res[1]
+
+    torch.cuda.init()
+    dev = ok(cu.cuDeviceGet(device))
+    sm = ok(cu.cuDeviceGetDevResource(dev, cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
+    groups, _, rest = ok(cu.cuDevSmResourceSplitByCount(1, sm, 0, decode_sms))
+    made, streams = [], []
+    for res in (rest, groups[0]):  # prefill: the remainder; decode: the group
+        desc = ok(cu.cuDevResourceGenerateDesc([res], 1))
+        ctx = ok(cu.cuGreenCtxCreate(desc, dev, cu.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
+        raw = ok(cu.cuGreenCtxStreamCreate(ctx, cu.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
+        made.append((ctx, raw))
+        streams.append(torch.cuda.ExternalStream(int(raw), device=device))
+    got = int(groups[0].sm.smCount)
+    return made, streams[0], streams[1], got, "cuda.bindings driver split (disjoint)"
+
+
 @dataclass
 class SmPartition:
     """Two streams on disjoint SM sets (or, with `partitioned=False`, two ordinary streams on
@@ -91,8 +118,17 @@ class SmPartition:
         prefill_sms = total - decode_sms if prefill_sms is None else prefill_sms
         if decode_sms < 1 or prefill_sms < 1 or decode_sms + prefill_sms > total:
             raise ValueError(f"SM split {prefill_sms} prefill + {decode_sms} decode does not fit {total} SMs")
+        if prefill_sms == total - decode_sms:
+            try:
+                made, ps, ds, got, how = _driver_split(decode_sms, device)
+                return cls(ps, ds, total - got, got, total, True, how, made)
+            except Exception as e:  # noqa: BLE001 (no cuda-python, or another driver API: use torch's)
+                fallback = f"; driver split unavailable ({type(e).__name__}: {e})"
+        else:
+            fallback = ""
         pc, ps, how = _green_stream(prefill_sms, device)
         dc, ds, _ = _green_stream(decode_sms, device)
+        how += " x2, each split from the whole device: the two SM sets may overlap" + fallback
         return cls(ps, ds, prefill_sms, decode_sms, total, True, how, [pc, dc])
 
     @classmethod
