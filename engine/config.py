@@ -79,7 +79,10 @@ class ModelConfig:
     def from_hf_config(cls, hf: dict[str, Any], name: str = "hf") -> "ModelConfig":
         """Build from a Hugging Face Llama `config.json` dictionary."""
         heads = hf["num_attention_heads"]
-        scaling = hf.get("rope_scaling")
+        # transformers < 5 writes "rope_scaling" + top-level "rope_theta"; transformers >= 5 writes
+        # "rope_parameters" holding rope_type, the scaling fields and rope_theta together.
+        params = hf.get("rope_parameters") or {}
+        scaling = hf.get("rope_scaling") or params
         rope = None
         if scaling:
             kind = scaling.get("rope_type", scaling.get("type"))
@@ -105,7 +108,7 @@ class ModelConfig:
             num_kv_heads=hf.get("num_key_value_heads", heads),
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rope_theta=float(hf.get("rope_theta", params.get("rope_theta", 10000.0))),
             rope_scaling=rope,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),

@@ -57,7 +57,10 @@ def main(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             raise CliError("--device cuda: no CUDA device is available")
-    cfg = resolve_model_config(args.model)
+    try:
+        cfg = resolve_model_config(args.model)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # unreadable or non-Llama config.json
+        raise CliError(f"--model {args.model!r}: cannot read config.json: {e!r}") from None
     ckpt = args.model if args.model not in PRESETS else None
     tok = load_tokenizer(args.model, cfg.bos_token_id, cfg.eos_token_id)
     ids = _parse_ids(args.prompt_ids, cfg.vocab_size) if args.prompt_ids else tok.encode(args.prompt)
@@ -76,7 +79,10 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
     t_load = time.perf_counter()
-    runner = ModelRunner(cfg, cache, args.dtype, args.device, ckpt)
+    try:
+        runner = ModelRunner(cfg, cache, args.dtype, args.device, ckpt)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:  # missing/incomplete/mis-shaped weights
+        raise CliError(f"--model {args.model!r}: cannot load weights: {e}") from None
     load_s = time.perf_counter() - t_load
     eos = tuple(read_generation_eos(args.model)) if ckpt else ()
     engine = LLMEngine(runner, chunk_size=args.chunk_size, eos_ids=eos)

@@ -1,0 +1,95 @@
+"""Shared fixtures: the repo root on sys.path, and small Hugging Face Llama checkpoints.
+
+The checkpoints are written by transformers' own `LlamaForCausalLM.save_pretrained`
+(safetensors), so the engine's loader and model are checked against the reference
+implementation, not against themselves.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# One intra-op thread for the tests' tiny models (set before anything imports torch; inherited
+# by CLI subprocesses). Measured on the 2-core CI-sized machine while other processes were
+# busy: a 1-token forward of the `tiny` preset took 158 ms with 2 OpenMP threads (they spin
+# waiting for each other) and 4 ms with 1. An explicit OMP_NUM_THREADS still wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `from tests.fakes import ...` under plain `pytest` too
+    sys.path.insert(0, str(ROOT))
+
+from engine.config import ModelConfig, RopeScaling  # noqa: E402
+
+# A llama3 rope-scaling rule whose three bands (high, medium, low frequency) are all populated
+# for head_dim 16, theta 10000: wavelengths run 6.3 .. ~20000, the band edges are 16 and 64.
+HF_ROPE = RopeScaling(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
+
+
+def hf_test_config(tied: bool) -> ModelConfig:
+    return ModelConfig(
+        name="hf-tied" if tied else "hf-untied", vocab_size=300, hidden_size=64, intermediate_size=160,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
+        rope_theta=10000.0, rope_scaling=HF_ROPE, rms_norm_eps=1e-5, tie_word_embeddings=tied,
+        bos_token_id=1, eos_token_id=2,
+    )
+
+
+@dataclass(frozen=True)
+class HFCheckpoint:
+    path: Path
+    cfg: ModelConfig
+
+
+def _save_checkpoint(directory: Path, cfg: ModelConfig, seed: int) -> None:
+    """A random LlamaForCausalLM saved as safetensors.
+
+    transformers' default init (std 0.02) makes the logits almost uniform, so greedy choices
+    would hinge on rounding noise. The weights are re-drawn instead: linears with std
+    1/sqrt(fan_in) (activations stay O(1)), embeddings std 1, lm_head std 4/sqrt(hidden)
+    (logits spread with std ~4) and norm weights 1 +- 0.2 (so a loader that ignored them
+    would be caught). Greedy margins are then clear and equality tests do not flake."""
+    import torch  # noqa: PLC0415
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg.to_hf_config())).float().eval()
+    h = cfg.hidden_size
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name == "model.embed_tokens.weight":
+                # tied: the embedding is also the head, so it gets the head's scale
+                p.normal_(0.0, 4.0 * h ** -0.5 if cfg.tie_word_embeddings else 1.0)
+            elif name == "lm_head.weight":
+                p.normal_(0.0, 4.0 * h ** -0.5)
+            else:
+                p.normal_(0.0, p.shape[1] ** -0.5)
+    model.save_pretrained(directory, safe_serialization=True)
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory) -> dict[str, HFCheckpoint]:
+    """{"untied": ..., "tied": ...}: two small random HF checkpoints with llama3 rope scaling."""
+    out = {}
+    for i, kind in enumerate(("untied", "tied")):
+        cfg = hf_test_config(tied=kind == "tied")
+        path = tmp_path_factory.mktemp(f"hf-{kind}")
+        _save_checkpoint(path, cfg, seed=100 + i)
+        out[kind] = HFCheckpoint(path, cfg)
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_models(hf_checkpoints):
+    """transformers' own model loaded back from each checkpoint directory (fp32, eval)."""
+    import torch  # noqa: PLC0415
+    from transformers import LlamaForCausalLM  # noqa: PLC0415
+
+    return {k: LlamaForCausalLM.from_pretrained(c.path, torch_dtype=torch.float32).eval()
+            for k, c in hf_checkpoints.items()}
