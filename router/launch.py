@@ -165,11 +165,19 @@ async def build_orchestrator(cfg: Any) -> Orchestrator:
     else:
         started = init_ray(cfg.ray_address, sum(s.size for s in specs))
         pools = RayPools(specs)
-        await pools.wait_ready()
-        for s in specs:
-            handles[s.role] = [pools.spawn(s.role, i) for i in range(s.size)]
-        every = [h for hs in handles.values() for h in hs]
-        await asyncio.gather(*(h.call("ping") for h in every))  # raises if a worker failed to build
+        try:
+            await pools.wait_ready()
+            for s in specs:
+                handles[s.role] = [pools.spawn(s.role, i) for i in range(s.size)]
+            every = [h for hs in handles.values() for h in hs]
+            await asyncio.gather(*(h.call("ping") for h in every))  # raises if a worker failed to build
+        except BaseException:
+            await pools.shutdown([h for hs in handles.values() for h in hs])
+            if started:
+                import ray  # noqa: PLC0415
+
+                ray.shutdown()
+            raise
 
         async def shutdown_ray(workers: list[WorkerHandle]) -> None:
             await pools.shutdown(workers)

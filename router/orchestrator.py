@@ -49,6 +49,7 @@ class Orchestrator:
         self._pumps: dict[str, asyncio.Task] = {}
         self._transfer_bytes, self._transfer_seconds = 0, 0.0
         self._closed = False
+        self._cleanup: set[asyncio.Task] = set()
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -138,7 +139,11 @@ class Orchestrator:
                     w.active -= 1
             if not finished:
                 tl.setdefault("finish_reason", "abort")
-                await self._abort_on(rid, prefill, decode)
+                # A task, not an await: when the caller was cancelled (client disconnect), an
+                # await here would be cancelled too and the workers would keep the request.
+                task = asyncio.get_running_loop().create_task(self._abort_on(rid, prefill, decode))
+                self._cleanup.add(task)
+                task.add_done_callback(self._cleanup.discard)
 
     async def abort(self, request_id: str) -> None:
         pair = self._assigned.get(request_id)

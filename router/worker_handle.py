@@ -35,7 +35,8 @@ class WorkerHandle:
             return await getattr(self.target, method).remote(*args)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
             self.alive = False
-            raise WorkerDied(f"{self.role} worker {self.name} died: {type(e).__name__}") from None
+            cause = next((ln.strip() for ln in reversed(str(e).splitlines()) if "Error" in ln), type(e).__name__)
+            raise WorkerDied(f"{self.role} worker {self.name} died: {cause}") from None
         except ray.exceptions.RayTaskError as e:
             raise e.as_instanceof_cause() from None
 
