@@ -149,3 +149,31 @@ def test_paged_attention_equals_dense(kv_dtype, query_lens):
         start += q_n
     # nothing was written to another layer
     assert cache.data[:, 0].float().abs().sum() == 0
+
+
+def test_prefill_on_one_pool_decode_on_another_equals_colocated(fp8_runner):
+    """The disaggregation contract at engine level: a prefill_only engine parks the prompt's KV,
+    its blocks' bytes are copied into blocks reserved on a second pool (as the transport will
+    do), and the decode engine continues to the same greedy tokens as the colocated engine."""
+    prompts = [_ids(20, 45), _ids(21, 7)]
+    colocated = _generate(fp8_runner, prompts)
+    decode_runner = ModelRunner(CFG, CacheConfig(block_size=16, num_blocks=32, kv_dtype="fp8"), "fp8")
+    prefill = LLMEngine(fp8_runner, chunk_size=16, prefill_only=True)
+    decode = LLMEngine(decode_runner)
+    seqs = [Sequence(f"d{i}", p, SamplingParams(max_tokens=8, ignore_eos=True)) for i, p in enumerate(prompts)]
+    for s in seqs:
+        prefill.add_request(s)
+    while prefill.has_work:
+        prefill.step()
+    moved = []
+    for s in seqs:
+        src = s.block_table[: -(-len(s.prompt_ids) // 16)]
+        dst = decode.reserve(len(s.prompt_ids), s.params.max_tokens)
+        decode_runner.cache.raw[dst[: len(src)]] = fp8_runner.cache.raw[src]
+        moved.append(Sequence(s.seq_id, s.prompt_ids, s.params, output_ids=list(s.output_ids), block_table=dst))
+        assert prefill.release(s.seq_id)
+        decode.add_prefilled(moved[-1])
+    while decode.has_work:
+        decode.step()
+    assert [s.output_ids for s in moved] == colocated
+    assert prefill.blocks.num_free == prefill.blocks.num_blocks and decode.blocks.num_free == decode.blocks.num_blocks
