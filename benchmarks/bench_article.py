@@ -91,6 +91,9 @@ def run(args: argparse.Namespace, h: eb.Harness, batches: list[int], contexts: l
     return {"model": h.cfg.name, "device": h.device_name, "compute_dtype": cdt, "kv_dtype": kvd,
             "ctx": args.ctx, "mfu": mfu, "peak_tflops": spec.peak(cdt) / 1e12,
             "rows": [asdict(r) for r in rows], **h.spec_record(),
+            "prediction_spec": {"name": spec.name, "mem_bw_gbps": spec.mem_bw / 1e9,
+                                "peak_tflops": spec.peak(cdt) / 1e12, "step_overhead_ms": spec.step_overhead_s * 1e3,
+                                "prefill_overhead_ms": spec.prefill_overhead_s * 1e3, "source": spec.source},
             "calibration_file": args.calibration}
 
 
@@ -109,10 +112,13 @@ def render(r: dict[str, Any]) -> str:
 
     dec = [x for x in r["rows"] if x["kind"] == "decode"]
     pre = [x for x in r["rows"] if x["kind"] == "prefill"]
-    spec = r["spec"]
+    ps = r["prediction_spec"]
+    kind = f"calibrated ({r['calibration_file']})" if r["calibration_file"] else r["spec"]["source_kind"]
     out = [f"bench article: {r['model']} on {r['device']} ({r['compute_dtype']} compute, {r['kv_dtype']} KV)",
-           f"predictions: cost model at MFU {r['mfu']:.2f}, {spec['source_kind']} spec: "
-           f"{spec['mem_bw_gbps']:.1f} GB/s, {r['peak_tflops'] * 1e3:,.1f} GFLOP/s peak ({spec['source']})",
+           f"predictions: cost model at MFU {r['mfu']:.2f}, {kind} spec: {ps['mem_bw_gbps']:.1f} GB/s, "
+           f"{ps['peak_tflops'] * 1e3:,.1f} GFLOP/s peak, overheads {ps['step_overhead_ms']:.2f} ms/step "
+           f"{ps['prefill_overhead_ms']:.2f} ms/prefill",
+           f"spec source: {ps['source']}",
            "", f"decode step @ {r['ctx']} ctx"]
     out.append(eb.table(["batch", "measured ms", "predicted ms", "error %", "achieved GB/s", "bound", "note"],
                         [[str(x["batch"]), f(x["measured_ms"], ".2f"), f(x["predicted_ms"], ".2f"),
@@ -144,7 +150,8 @@ def plot(r: dict[str, Any], path: Path) -> None:
         ax.set_xticks([x[key] for x in rows], [str(x[key]) for x in rows])
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"{r['model']} on {r['device']}; prediction: {r['spec']['source_kind']} spec, MFU {r['mfu']:.2f}",
+    kind = "calibrated" if r["calibration_file"] else r["spec"]["source_kind"]
+    fig.suptitle(f"{r['model']} on {r['device']}; prediction: {kind} spec, MFU {r['mfu']:.2f}",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

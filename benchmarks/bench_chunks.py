@@ -68,10 +68,12 @@ def _crossing(xs: list[int], ys: list[float], target: float) -> float | None:
 
 
 def _fit_overhead(points: list[ChunkPoint], flops_per_chunk: list[float]) -> tuple[float, float]:
-    """Least squares chunk_time = overhead + flops / rate over the sweep -> (overhead_s, rate).
+    """chunk_time = overhead + flops / rate over the sweep -> (overhead_s, rate FLOP/s).
 
-    The intercept is the fixed cost of a step (launches, Python, small GEMMs); it is what makes
-    small chunks lose throughput. A negative fit is clamped to 0 (rate from the largest chunk)."""
+    The overhead is the fixed cost of a step (launches, Python, small GEMMs); it is what makes
+    small chunks lose throughput. First a least-squares line; if that is not physical (negative
+    intercept, e.g. when attention at long chunks runs below the linear rate), the rate is the
+    best the sweep achieved and the overhead what the smallest chunk takes beyond it."""
     xs, ys = flops_per_chunk, [p.chunk_ms / 1e3 for p in points]
     n = len(xs)
     if n >= 2:
@@ -81,7 +83,8 @@ def _fit_overhead(points: list[ChunkPoint], flops_per_chunk: list[float]) -> tup
         icpt = my - slope * mx
         if slope > 0 and icpt >= 0:
             return icpt, 1 / slope
-    return 0.0, xs[-1] / ys[-1]
+    rate = max(x / y for x, y in zip(xs, ys))
+    return max(0.0, ys[0] - xs[0] / rate), rate
 
 
 def run_sweep(args: argparse.Namespace, h: eb.Harness, chunks: list[int]) -> dict[str, Any]:
@@ -184,7 +187,9 @@ def render(r: dict[str, Any]) -> str:
              f"{p['itl_ratio']:.2f}x"] for p in r["points"]]
 
     def f(x: float | None) -> str:
-        return "not crossed in the sweep" if x is None else f"{x:.0f} tokens"
+        if x is None:
+            return "not crossed in the sweep"
+        return "none (the per-chunk overhead alone exceeds a decode step)" if x == 0 else f"{x:.0f} tokens"
 
     lines = [f"bench chunks: {r['model']} on {r['device']} ({r['compute_dtype']} compute), decode batch "
              f"{r['decode_batch']} @ {r['context']} ctx, prompt {r['prompt_len']} tokens",
@@ -219,7 +224,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
         x = r["break_even_chunk"][key]
         if x:
             b.axvline(x, color=style[0], ls=":", lw=1, label=f"{key.replace('_', ' ')}: {x:.0f}")
-    b.set(xscale="log", xlabel="prefill chunk (tokens)", ylabel="decode ITL (ms)",
+    b.set(xscale="log", yscale="log", xlabel="prefill chunk (tokens)", ylabel="decode ITL (ms)",
           title=f"ITL of {r['decode_batch']} decode streams while chunks run")
     b.legend(fontsize=7)
     for ax in (a, b):

@@ -163,7 +163,9 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
                         "random values written into the pool (CUDA default, fast at long contexts)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
+                   help="torch CPU threads (default on CPU: 1, because on a shared machine an oversubscribed "
+                        "thread pool turns into 10-50x outliers; the device probe runs with the same threads, "
+                        "so predictions stay comparable. Raise it on a quiet machine)")
     c = p.add_argument_group("cost model")
     c.add_argument("--mfu", type=float, default=0.4, help="MFU of the predictions (default 0.4, the article's)")
     c.add_argument("--hardware", default=None, help="datasheet preset for the predictions (default: the "
@@ -247,6 +249,8 @@ class Harness:
         from engine.weights import is_checkpoint_dir  # noqa: PLC0415
 
         model = model or args.model
+        if device.type == "cpu" and getattr(args, "threads", None) is None:
+            args.threads = 1
         if getattr(args, "threads", None) is not None:
             if args.threads < 1:
                 raise CliError("--threads must be >= 1")
@@ -329,7 +333,10 @@ def fill_kv_random(cache: Any, blocks: list[int], seed: int = 0) -> None:
     for i in range(0, len(blocks), step):
         idx = torch.tensor(blocks[i:i + step], dtype=torch.long, device=cache.device)
         vals = torch.randn((len(idx), *cache.data.shape[1:]), generator=gen, device=cache.device) * 0.5
-        cache.data[idx] = vals.to(cache.data.dtype)
+        if cache.data.element_size() == 1:  # fp8: write the bytes (index_put on uint8 works on every device)
+            cache.data.view(torch.uint8)[idx] = vals.to(cache.data.dtype).view(torch.uint8)
+        else:
+            cache.data[idx] = vals.to(cache.data.dtype)
         if cache.scales is not None:
             cache.scales[idx] = 1.0
 

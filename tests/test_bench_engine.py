@@ -36,7 +36,8 @@ def test_bench_chunks_writes_result_plot_and_calibration(tmp_path, capsys):
         assert p["mixed_max_ms"] >= p["mixed_p50_ms"]
     assert _positive(r["decode_only_ms"]["median"])
     be = r["break_even_chunk"]
-    assert _positive(be["predicted_spec"]) and _positive(be["predicted_calibrated"])
+    # 0 is a legitimate calibrated answer: the fixed per-chunk cost alone exceeds a decode step
+    assert _positive(be["predicted_spec"]) and be["predicted_calibrated"] >= 0
     assert r["spec"]["source_kind"] == "measured"  # a CPU has no datasheet
     assert _positive(r["probe"]["copy_gbps"]) and _positive(r["probe"]["gemm_tflops"])
     assert (tmp_path / "c.png").stat().st_size > 0
@@ -48,7 +49,7 @@ def test_bench_chunks_writes_result_plot_and_calibration(tmp_path, capsys):
 
 
 def test_bench_article_writes_tables_beside_predictions(tmp_path, capsys):
-    rc = main(["bench", "article", *COMMON, "--batches", "1,4", "--ctx", "32", "--contexts", "32,64",
+    rc = main(["bench", "article", *COMMON, "--kv-fill", "random", "--batches", "1,4", "--ctx", "32", "--contexts", "32,64",
                "--decode-repeats", "2", "--prefill-repeats", "1", "--out-dir", str(tmp_path), "--out", "a"])
     assert rc == 0
     table = capsys.readouterr().out
