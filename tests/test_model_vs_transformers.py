@@ -18,6 +18,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.cli import main as cli_main
 from engine.config import CacheConfig, resolve_model_config
+from engine.linear import Fp8Linear
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner, StepItem
 from engine.sequence import SamplingParams, Sequence
@@ -117,7 +118,7 @@ def test_fp32_logits_match_transformers(kind, hf_checkpoints, hf_models):
 def test_fp8_logits_within_stated_tolerance(kind, hf_checkpoints, hf_models):
     hf, ckpt = hf_models[kind], hf_checkpoints[kind]
     runner = _runner(ckpt, "fp8", "fp8")
-    assert runner.cache.is_fp8 and type(runner.model.layers[0].mlp.down_proj).__name__ == "Fp8Linear"
+    assert runner.cache.is_fp8 and isinstance(runner.model.layers[0].mlp.down_proj, Fp8Linear)
     for seed in (0, 1, 2):
         prompt = _prompt(seed, ckpt.cfg.vocab_size)
         ids = prompt + _hf_greedy(hf, prompt)[0]
