@@ -219,7 +219,7 @@ class Orchestrator:
     # ---- timelines -----------------------------------------------------------------------------
     def _new_timeline(self, req: GenerateRequest) -> dict:
         tl = {"request_id": req.request_id, "mode": self.mode, "arrival": req.arrival,
-              "prompt_tokens": len(req.prompt_ids), "output_tokens": 0}
+              "prompt_tokens": len(req.prompt_ids), "output_tokens": 0, "token_ids": []}
         self._timelines[req.request_id] = tl
         while len(self._timelines) > TIMELINES_KEPT:
             self._timelines.popitem(last=False)
@@ -247,5 +247,6 @@ class Orchestrator:
             tl["first_token_ms"] = t
         tl["last_token_ms"] = t
         tl["output_tokens"] = ev.index + 1
+        tl["token_ids"].append(ev.token_id)  # lets clients check greedy equality across modes
         if ev.finished:
             tl["finish_reason"] = ev.finish_reason
