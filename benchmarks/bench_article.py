@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -191,7 +192,9 @@ def main(args: argparse.Namespace) -> int:
         max_batch = max(0, min(max_batch, int(budget // eb.kv_pool_bytes(cfg, kvd, seq_tokens))))
     h = eb.Harness.build(args, device, kv_tokens=max_batch * seq_tokens + max(contexts),
                          max_pos=max(args.ctx + 1, max(contexts)), pool_blocks=1)
+    load0 = eb.load_average()
     r = run(args, h, batches, contexts, max_batch)
+    r["load_average"] = {"start": load0, "end": eb.load_average(), "cores": os.cpu_count()}
     out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
     name = args.out or f"article-{h.cfg.name}-{device.type}"
     if not args.no_plot:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import math
 import statistics
 import sys
@@ -266,7 +267,9 @@ def main(args: argparse.Namespace) -> int:
     args.model = eb.default_model(args, device, kv_tokens)
     h = eb.Harness.build(args, device, kv_tokens=kv_tokens, max_pos=max(args.context + 1, args.prompt_len),
                          pool_blocks=args.decode_batch + 1)
+    load0 = eb.load_average()
     r = run_sweep(args, h, chunks)
+    r["load_average"] = {"start": load0, "end": eb.load_average(), "cores": os.cpu_count()}
     out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
     name = args.out or f"chunks-{h.cfg.name}-{device.type}"
     files: dict[str, str] = {}

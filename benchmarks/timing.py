@@ -341,6 +341,14 @@ def fill_kv_random(cache: Any, blocks: list[int], seed: int = 0) -> None:
             cache.scales[idx] = 1.0
 
 
+def load_average() -> list[float] | None:
+    """1/5/15-minute load average: on a shared machine it says how much the timings were contended."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def _cpu_name() -> str:
     try:
         for line in open("/proc/cpuinfo"):
