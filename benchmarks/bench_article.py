@@ -135,6 +135,7 @@ def render(r: dict[str, Any]) -> str:
 
 def plot(r: dict[str, Any], path: Path) -> None:
     import matplotlib  # noqa: PLC0415
+    import matplotlib.ticker  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
@@ -149,6 +150,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
         ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel="ms",
                title=f"{kind} {'step' if kind == 'decode' else 'time'}")
         ax.set_xticks([x[key] for x in rows], [str(x[key]) for x in rows])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # only the swept values
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     kind = "calibrated" if r["calibration_file"] else r["spec"]["source_kind"]

@@ -207,6 +207,7 @@ def render(r: dict[str, Any]) -> str:
 
 def plot(r: dict[str, Any], path: Path) -> None:
     import matplotlib  # noqa: PLC0415
+    import matplotlib.ticker  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
@@ -230,6 +231,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
     b.legend(fontsize=7)
     for ax in (a, b):
         ax.set_xticks(xs, [str(x) for x in xs])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # only the swept values
         ax.grid(alpha=0.3)
     fig.suptitle(f"{r['model']} on {r['device']}", fontsize=9)
     fig.tight_layout()
