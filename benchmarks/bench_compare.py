@@ -1,0 +1,405 @@
+"""`pdserve bench compare`: colocated vs chunked vs disaggregated pdserve on the same workload.
+
+For each mode, in turn, a fresh pdserve server (Ray actors + uvicorn on a free loopback port,
+`router.serve_cli.ServerThread`) is started and given:
+1. the equality pass: every request of the seeded workload at once, non-streamed, greedy; the
+   token ids come back in `pdserve.timeline.token_ids`. It also warms the server up (first
+   prefill of each shape) before anything is timed. Token ids must be identical in every mode:
+   a mismatch is printed loudly and the command exits 1.
+2. the timed run: the same workload through `bench serve`'s client (arrivals on schedule,
+   streamed, per-chunk timestamps) -> TTFT/ITL/TPOT/E2E, goodput, stall per document.
+Beside each measured figure: the simulator's prediction on a calibrated device model
+(`benchmarks/compare_predict.py`), labelled "simulated". Results: one JSON with provenance, a
+Markdown report and PNG plots (`benchmarks/compare_report.py`), and one table on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bench_serve import BenchConfig, run_benchmark
+from benchmarks.serve_client import ClientConfig, ClientError
+from benchmarks.workloads import RequestSpec, WorkloadConfig, build_workload
+
+# The CPU-sized default: 8 chats decoding 400 tokens while three 2048-token documents arrive.
+# On the 2-core dev machine with the tiny model a 2048-token prefill takes ~0.6 s and a decode
+# step of 8 streams ~10-20 ms, so the colocated freeze stands out, and the chats (~4-6 s) are
+# still decoding when the last document arrives in every mode. About a minute for all modes.
+DEFAULT_WORKLOAD = dict(chat_streams=8, chat_prompt_len=64, chat_output_len=400, doc_prompt_len=2048,
+                        doc_output_len=8, doc_count=3, doc_start_s=1.0, doc_interval_s=1.2)
+QUICK_WORKLOAD = dict(chat_streams=3, chat_prompt_len=32, chat_output_len=40, doc_prompt_len=512,
+                      doc_output_len=4, doc_count=1, doc_start_s=0.4, doc_interval_s=1.0)
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """One server configuration to measure."""
+
+    label: str                  # "colocated", "chunked-128", "disagg-1P1D"
+    mode: str                   # ServeConfig.mode
+    chunk_size: int | None = None
+    prefill: int = 1
+    decode: int = 1
+
+
+@dataclass
+class ModeRun:
+    spec: ModeSpec
+    serve_config: dict[str, Any]
+    startup_s: float
+    token_ids: dict[str, list[int]]       # equality pass, by request id
+    transfers: list[dict[str, Any]]       # disagg: the KV transfer of each request (equality pass)
+    bench: Any                            # BenchResult of the timed run
+    error: str | None = None
+    load_average: list[float] | None = None  # 1/5/15-min load after the run: a busy machine shows here
+
+
+# ----------------------------------------------------------------------------- arguments
+
+def _ints(text: str, flag: str) -> list[int]:
+    from engine.cli import CliError  # noqa: PLC0415
+
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CliError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise CliError(f"{flag}: expected positive integers, got {text!r}")
+    return vals
+
+
+def build_modes(modes: str, chunk_sizes: str, prefill: int, decode: int) -> list[ModeSpec]:
+    from engine.cli import CliError  # noqa: PLC0415
+
+    names = [m.strip() for m in modes.split(",") if m.strip()]
+    bad = [m for m in names if m not in ("colocated", "chunked", "disagg")]
+    if bad or not names:
+        raise CliError(f"--modes: expected a comma-separated subset of colocated,chunked,disagg, got {modes!r}")
+    if prefill < 1 or decode < 1:
+        raise CliError("--prefill and --decode must be >= 1")
+    out: list[ModeSpec] = []
+    for m in dict.fromkeys(names):
+        if m == "colocated":
+            out.append(ModeSpec("colocated", "colocated", decode=decode))
+        elif m == "chunked":
+            out += [ModeSpec(f"chunked-{c}", "colocated", c, decode=decode)
+                    for c in dict.fromkeys(_ints(chunk_sizes, "--chunk-sizes"))]
+        else:
+            out.append(ModeSpec(f"disagg-{prefill}P{decode}D", "disagg", None, prefill, decode))
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = ("examples:\n"
+                "  pdserve bench compare                          # CPU-sized default, a few minutes\n"
+                "  pdserve bench compare --quick                  # CI-sized\n"
+                "  pdserve bench compare --modes colocated,disagg --prefill 2 --decode 2\n"
+                "  pdserve bench compare --from-json benchmarks/results/compare-tiny-cpu.json  # redraw\n")
+    g = p.add_argument_group("servers")
+    g.add_argument("--modes", default="colocated,chunked,disagg", help="comma-separated: colocated,chunked,disagg")
+    g.add_argument("--chunk-sizes", default="32,128", help="one chunked run per size (tokens)")
+    g.add_argument("--prefill", type=int, default=1, metavar="N", help="disagg prefill workers")
+    g.add_argument("--decode", type=int, default=1, metavar="M", help="decode (and colocated) workers")
+    g.add_argument("--model", default="tiny", help="preset or checkpoint directory")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    g.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per worker")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--startup-timeout-s", type=float, default=300.0)
+    w = p.add_argument_group("workload (the article mix; defaults are CPU-sized)")
+    for flag, key in (("--chat-streams", "chat_streams"), ("--chat-prompt-len", "chat_prompt_len"),
+                      ("--chat-output-len", "chat_output_len"), ("--doc-prompt-len", "doc_prompt_len"),
+                      ("--doc-output-len", "doc_output_len"), ("--doc-count", "doc_count")):
+        w.add_argument(flag, type=int, default=None, help=f"default {DEFAULT_WORKLOAD[key]} ({QUICK_WORKLOAD[key]} with --quick)")
+    w.add_argument("--doc-rate", type=float, default=None, help="documents/s, Poisson (default: fixed spacing)")
+    w.add_argument("--doc-start-s", type=float, default=None, help=f"default {DEFAULT_WORKLOAD['doc_start_s']}")
+    w.add_argument("--doc-interval-s", type=float, default=None, help=f"default {DEFAULT_WORKLOAD['doc_interval_s']}")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--quick", action="store_true", help="tiny CI-sized workload (one short document)")
+    o = p.add_argument_group("SLO, predictions and output")
+    o.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    o.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    o.add_argument("--calibration", default=None,
+                   help="cost-model calibration JSON for the predictions (default: "
+                        "<out-dir>/chunks-<model>-<device>.calibration.json from `pdserve bench chunks`)")
+    o.add_argument("--duration-limit-s", type=float, default=300.0, help="per timed run")
+    o.add_argument("--out", default=None, help="result name (default compare-<model>-<device>)")
+    o.add_argument("--out-dir", default=None, help="default benchmarks/results")
+    o.add_argument("--json", action="store_true", help="print the result summary as JSON instead of the table")
+    o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--from-json", default=None, metavar="RESULT",
+                   help="redraw the report and plots from an earlier result JSON (no servers)")
+
+
+def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
+    base = dict(QUICK_WORKLOAD if args.quick else DEFAULT_WORKLOAD)
+    for key in ("chat_streams", "chat_prompt_len", "chat_output_len", "doc_prompt_len", "doc_output_len",
+                "doc_count", "doc_start_s", "doc_interval_s"):
+        if getattr(args, key) is not None:
+            base[key] = getattr(args, key)
+    return WorkloadConfig(workload="article", seed=args.seed, doc_rate=args.doc_rate, **base)
+
+
+# ----------------------------------------------------------------------------- one mode
+
+def ensure_ray() -> bool:
+    """Start one local Ray for every server of this run (servers reuse it). True if started here."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray  # noqa: PLC0415
+
+    if ray.is_initialized():
+        return False
+    temp = tempfile.mkdtemp(prefix="pdcmp", dir="/tmp")  # short: Ray's socket paths are length-limited
+    ray.init(num_cpus=8, object_store_memory=128 * 1024 ** 2, include_dashboard=False, _temp_dir=temp,
+             log_to_driver=False)
+    return True
+
+
+async def equality_pass(base_url: str, model: str, specs: list[RequestSpec]) -> tuple[dict, list]:
+    """Every request at once, non-streamed, greedy: (token ids by request id, KV transfers)."""
+    from openai import AsyncOpenAI  # noqa: PLC0415
+
+    client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600)
+
+    async def one(s: RequestSpec) -> tuple[str, list[int], dict | None]:
+        prompt = list(s.prompt) if isinstance(s.prompt, tuple) else s.prompt
+        resp = await client.completions.create(model=model, prompt=prompt, max_tokens=s.max_tokens,
+                                               temperature=0, extra_body={"ignore_eos": True})
+        tl = (resp.model_extra or {}).get("pdserve", {}).get("timeline", {})
+        return s.request_id, list(tl.get("token_ids", [])), tl.get("transfer")
+
+    try:
+        out = await asyncio.gather(*(one(s) for s in specs))
+    finally:
+        await client.close()
+    transfers = [{"request_id": rid, **t} for rid, _, t in out if t]
+    return {rid: ids for rid, ids, _ in out}, transfers
+
+
+def run_mode(spec: ModeSpec, cfg_kw: dict[str, Any], bench: BenchConfig, specs: list[RequestSpec],
+             timeout_s: float) -> ModeRun:
+    from router.config import ServeConfig  # noqa: PLC0415
+    from router.serve_cli import ServerThread  # noqa: PLC0415
+
+    cfg = ServeConfig(mode=spec.mode, chunk_size=spec.chunk_size, prefill=spec.prefill, decode=spec.decode,
+                      **cfg_kw)
+    cfg.validate()
+    t0 = time.perf_counter()
+    with ServerThread(cfg, startup_timeout_s=timeout_s) as srv:
+        startup = time.perf_counter() - t0
+        _log(f"  up in {startup:.1f} s at {srv.base_url}; equality pass ({len(specs)} requests at once)")
+        ids, transfers = asyncio.run(equality_pass(srv.base_url, cfg.model_name, specs))
+        _log("  timed run (arrivals on schedule, streamed)")
+        client = replace(bench.client, base_url=srv.base_url, model=cfg.model_name)
+        result = asyncio.run(run_benchmark(replace(bench, client=client), specs))
+    return ModeRun(spec, cfg.to_dict(), startup, ids, transfers, result, load_average=_load())
+
+
+def _load() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- equality
+
+def check_equality(runs: list[ModeRun]) -> dict[str, Any]:
+    """Token ids of every request in every mode against the first mode that ran."""
+    ok = [r for r in runs if r.error is None]
+    if len(ok) < 2:
+        return {"reference": ok[0].spec.label if ok else None, "identical": None, "compared": 0,
+                "mismatches": [], "note": "fewer than two modes ran: nothing to compare"}
+    ref = ok[0]
+    mismatches, compared = [], 0
+    for run in ok[1:]:
+        for rid, want in ref.token_ids.items():
+            got = run.token_ids.get(rid)
+            compared += 1
+            if got != want:
+                first = next((i for i, (a, b) in enumerate(zip(want, got or [])) if a != b),
+                             min(len(want), len(got or [])))
+                mismatches.append({"mode": run.spec.label, "request_id": rid, "first_difference": first,
+                                   "reference_len": len(want), "got_len": len(got or [])})
+    # The timed runs' streamed text is a second, weaker witness (lossy for invalid UTF-8 bytes).
+    texts = {r.spec.label: {x.request_id: x.text for x in r.bench.records} for r in ok}
+    text_diff = [(label, rid) for label, t in texts.items() for rid, s in t.items()
+                 if s != texts[ref.spec.label].get(rid)]
+    return {"reference": ref.spec.label, "identical": not mismatches, "compared": compared,
+            "requests": len(ref.token_ids), "modes": [r.spec.label for r in ok], "mismatches": mismatches,
+            "timed_text_identical": not text_diff, "timed_text_differences": len(text_diff),
+            "how": "greedy token ids from pdserve.timeline.token_ids of the equality pass (every request of "
+                   "the workload at once), compared request by request with the reference mode"}
+
+
+def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every mode, predict, check equality; the JSON payload (without provenance)."""
+    from benchmarks import compare_predict as cp  # noqa: PLC0415
+    from benchmarks.provenance import RESULTS_DIR  # noqa: PLC0415
+    from engine.cli import CliError  # noqa: PLC0415
+
+    modes = build_modes(args.modes, args.chunk_sizes, args.prefill, args.decode)
+    device = args.device or _default_device()
+    wl = workload_from_args(args)
+    try:
+        wl.validate()
+        specs = build_workload(wl)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
+    setup, setup_error = None, None
+    cal = find_calibration(args.calibration, out_dir, args.model, device.split(":")[0])
+    if args.calibration and not cal.is_file():
+        raise CliError(f"--calibration {args.calibration}: no such file")
+    if cal.is_file():
+        try:
+            setup = cp.setup_from_calibration(args.model, cal)
+        except ValueError as e:
+            setup_error = str(e)
+    else:
+        setup_error = f"no calibration at {cal} (run `pdserve bench chunks --model {args.model}` first)"
+    bench = BenchConfig(wl, ClientConfig(duration_limit_s=args.duration_limit_s, seed=args.seed,
+                                         show_progress=not args.no_progress), args.slo_ttft_ms, args.slo_tpot_ms)
+    gpus = 0.0 if device == "cpu" else None
+    cfg_kw = dict(model=args.model, device=device, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs)
+    started_ray = ensure_ray()
+    runs: list[ModeRun] = []
+    try:
+        for i, m in enumerate(modes, 1):
+            _log(f"[{i}/{len(modes)}] {m.label}: starting a fresh pdserve server")
+            workers = m.prefill + m.decode if m.mode == "disagg" else m.decode
+            kw = dict(cfg_kw, gpus_per_worker=gpus if gpus is not None else min(1.0, _gpu_count() / workers))
+            try:
+                runs.append(run_mode(m, kw, bench, specs, args.startup_timeout_s))
+            except Exception as e:  # noqa: BLE001 - one failed mode is reported; the others still run
+                _log(f"  FAILED: {type(e).__name__}: {e}")
+                runs.append(ModeRun(m, {}, 0.0, {}, [], None, f"{type(e).__name__}: {e}"))
+    finally:
+        if started_ray:
+            import ray  # noqa: PLC0415
+
+            ray.shutdown()
+    predictions = {}
+    if setup is not None:
+        for r in runs:
+            sc = cp.sim_config(r.spec.mode, r.spec.chunk_size, r.spec.prefill, r.spec.decode, args.max_num_seqs,
+                               setup.link)
+            predictions[r.spec.label] = cp.predict(r.spec.label, sc, setup, specs, args.slo_ttft_ms, args.slo_tpot_ms)
+    return _payload(args, device, wl, specs, runs, predictions, setup, setup_error, check_equality(runs))
+
+
+def find_calibration(given: str | None, out_dir: Path, model: str, device_kind: str) -> Path:
+    """--calibration, else `bench chunks`' file for this model and device in --out-dir, else in results/."""
+    from benchmarks import compare_predict as cp  # noqa: PLC0415
+    from benchmarks.provenance import RESULTS_DIR  # noqa: PLC0415
+
+    if given:
+        return Path(given)
+    here = cp.default_calibration_path(out_dir, Path(model).name, device_kind)
+    return here if here.is_file() else cp.default_calibration_path(RESULTS_DIR, Path(model).name, device_kind)
+
+
+def _default_device() -> str:
+    try:
+        import torch  # noqa: PLC0415
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+def _gpu_count() -> int:
+    import torch  # noqa: PLC0415
+
+    return max(1, torch.cuda.device_count())
+
+
+def _round(x: Any) -> Any:
+    """Timestamps to 0.01 ms: keeps the JSON small without changing any figure."""
+    if isinstance(x, float):
+        return round(x, 5)
+    if isinstance(x, list):
+        return [_round(v) for v in x]
+    return x
+
+
+def _payload(args, device, wl, specs, runs, predictions, setup, setup_error, equality) -> dict[str, Any]:
+    from benchmarks import compare_predict as cp  # noqa: PLC0415
+    from benchmarks.bench_serve import _finite  # noqa: PLC0415
+
+    modes = []
+    for r in runs:
+        entry: dict[str, Any] = {"label": r.spec.label, "spec": asdict(r.spec), "error": r.error,
+                                 "serve_config": r.serve_config, "startup_s": r.startup_s,
+                                 "load_average": r.load_average}
+        if r.bench is not None:
+            entry["metrics"] = asdict(r.bench.metrics)
+            entry["wall_s"] = r.bench.wall_s
+            entry["records"] = [{k: _round(v) for k, v in asdict(x).items() if k != "text"} for x in r.bench.records]
+            entry["transfers"] = r.transfers
+            entry["token_ids"] = r.token_ids
+            p = predictions.get(r.spec.label)
+            if p is not None:
+                entry["predicted"] = {"metrics": asdict(p.metrics),
+                                      "compared": cp.compare_figures(r.bench.metrics, p.metrics)}
+        modes.append(entry)
+    return _finite({
+        "model": args.model, "device": device, "workload": asdict(wl),
+        "requests": [{"request_id": s.request_id, "kind": s.kind, "prompt_len": s.prompt_len,
+                      "max_tokens": s.max_tokens, "arrival_s": s.arrival_s} for s in specs],
+        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
+        "prediction_setup": setup.describe() if setup else None, "prediction_error": setup_error,
+        "equality": equality, "modes": modes,
+    })
+
+
+def main(args: argparse.Namespace) -> int:
+    import json  # noqa: PLC0415
+
+    from benchmarks import compare_report as rep  # noqa: PLC0415
+    from benchmarks.provenance import RESULTS_DIR, write_result  # noqa: PLC0415
+    from engine.cli import CliError  # noqa: PLC0415
+
+    out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
+    if args.from_json:
+        try:
+            result = json.loads(Path(args.from_json).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CliError(f"--from-json {args.from_json}: {e}") from None
+        name = args.out or Path(args.from_json).stem
+        path = Path(args.from_json)
+    else:
+        payload = run_from_args(args)
+        name = args.out or f"compare-{Path(args.model).name}-{payload['device'].split(':')[0]}"
+        config = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "from_json"}
+        path = write_result(name, payload, config, out_dir)
+        result = json.loads(path.read_text())
+    files = rep.write_report(result, out_dir, name, result_path=path)
+    table = rep.format_table(result)
+    if args.json:
+        print(json.dumps({"result_file": str(path), "report": str(files.markdown),
+                          "plots": [str(p) for p in files.plots], "equality": result["equality"],
+                          "summary": rep.summary_rows(result)}, indent=2))
+    else:
+        print(table)
+        print(f"result: {path}\nreport: {files.markdown}\nplots:  " + ", ".join(str(p) for p in files.plots))
+    eq = result["equality"]
+    if eq.get("identical") is False:
+        print(rep.mismatch_banner(eq), file=sys.stderr)
+        return 1
+    if any(m.get("error") for m in result["modes"]):
+        print("pdserve bench compare: some modes failed: " + "; ".join(
+            f"{m['label']}: {m['error']}" for m in result["modes"] if m.get("error")), file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,150 @@
+"""Predictions for `pdserve bench compare`: the simulator run on exactly the benchmark's workload.
+
+Every request of the seeded workload (same arrival offsets, prompt lengths and max_tokens) is fed
+to the discrete-event simulator (`benchmarks/sim_engine.py`) for each serving mode, with step
+times from the cost model evaluated on a calibrated device spec (`engine/cost_model.py`
+Calibration, e.g. the one `pdserve bench chunks` writes for this device). The simulated token
+times are turned into `RequestRecord`s and go through the same `compute_metrics` as the measured
+run, so a predicted TTFT/ITL/stall is computed by the same formula as the measured one.
+
+What the simulator does not model (so the prediction error includes it): HTTP/SSE and Ray call
+latency per token, the router's event pump, Python scheduling, and on a CPU the prefill and
+decode processes of a disaggregated run sharing the same cores.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.serve_metrics import RequestRecord, ServeMetrics, compute_metrics
+from benchmarks.sim_engine import Request, Sim, SimConfig, StepModel, Workload
+from benchmarks.workloads import RequestSpec
+from engine import cost_model as cm
+
+
+@dataclass(frozen=True)
+class PredictionSetup:
+    """The device model the simulator prices steps with."""
+
+    steps: StepModel
+    link: cm.Link
+    source: str          # where the numbers come from (calibration file, or datasheet)
+
+    def describe(self) -> dict[str, Any]:
+        hw = self.steps.hw
+        return {"source": self.source, "hardware": hw.name, "mem_bw_gbps": hw.mem_bw / cm.GB,
+                "peak_tflops": {k: v / cm.TFLOP for k, v in hw.peak_flops.items()}, "mfu": self.steps.mfu,
+                "weight_dtype": self.steps.weight_dtype, "kv_dtype": self.steps.kv_dtype,
+                "decode_step_overhead_ms": hw.step_overhead_s * 1e3,
+                "prefill_overhead_ms": hw.prefill_overhead_s * 1e3,
+                "link": {"name": self.link.name, "label": self.link.label, "gbytes_per_s": self.link.bw / cm.GB}}
+
+
+def default_calibration_path(results_dir: Path, model: str, device_kind: str) -> Path:
+    """Where `pdserve bench chunks` leaves its calibration for this model and device kind."""
+    return results_dir / f"chunks-{model}-{device_kind}.calibration.json"
+
+
+def setup_from_calibration(model: str, calibration: Path, kv_dtype: str = "fp8") -> PredictionSetup:
+    """A StepModel for `model` on the calibrated device.
+
+    The calibration carries the measured bandwidth, GEMM peak, achieved prefill TFLOP/s and the
+    fixed per-step/per-chunk overheads; the base spec below only supplies the field layout. The
+    KV link is priced at the calibrated memory bandwidth unless the calibration measured links:
+    on one host the transfer is a memory copy.
+    """
+    cal = cm.Calibration.load(calibration)
+    if cal.peak_tflops is None:
+        raise ValueError(f"calibration {calibration} has no peak_tflops; cannot price prefill")
+    base = cm.HardwareSpec(cal.device, (cal.mem_bandwidth_gbps or 1.0) * cm.GB, {}, 0.0, "calibration only")
+    hw = cal.apply(base)
+    mfu = cal.effective_mfu(hw, cm.ARTICLE_MFU)
+    spec = cm.ModelSpec.resolve(model)
+    if cal.links_gbps:
+        name, gbps = next(iter(cal.links_gbps.items()))
+        link = cm.Link(name, f"{name} (measured {gbps:g} GB/s)", gbps * cm.GB)
+    else:
+        link = cm.Link("host-memory", f"host memory copy at {hw.mem_bw / cm.GB:.1f} GB/s (calibrated)", hw.mem_bw)
+    # On a CPU the weights are dequantized and the FLOPs run in the calibration's dtype (fp32).
+    steps = StepModel(spec, hw, mfu, weight_dtype=cal.dtype, kv_dtype=kv_dtype)
+    return PredictionSetup(steps, link, f"{calibration} ({cal.source or cal.device})")
+
+
+def sim_config(mode: str, chunk_size: int | None, prefill: int, decode: int, max_num_seqs: int,
+               link: cm.Link) -> SimConfig:
+    """The simulator's view of one pdserve mode ("colocated" whole or chunked, or "disagg")."""
+    if mode == "disagg":
+        return SimConfig("disagg", prefill_workers=prefill, decode_workers=decode, max_batch=max_num_seqs, link=link)
+    if chunk_size:
+        return SimConfig("chunked", workers=decode, chunk=chunk_size, max_batch=max_num_seqs, link=link)
+    return SimConfig("colocated", workers=decode, max_batch=max_num_seqs, link=link)
+
+
+def simulate_specs(cfg: SimConfig, steps: StepModel, specs: list[RequestSpec]) -> list[RequestRecord]:
+    """Simulate exactly `specs` (no closed loop, no random arrivals) and return client-style records."""
+    sim = Sim(cfg, steps, Workload(streams=0, chat_rate=0.0, doc_rate=0.0, duration=1.0))
+    reqs: list[tuple[RequestSpec, Request]] = []
+    for i, s in enumerate(specs):
+        r = Request(i, "doc" if s.kind == "document" else "chat", s.arrival_s, s.prompt_len, s.max_tokens)
+        sim.requests.append(r)
+        sim.at(s.arrival_s, sim.dispatch, r)
+        reqs.append((s, r))
+    sim.run()
+    records = []
+    for s, r in reqs:
+        t = r.token_times
+        records.append(RequestRecord(
+            s.request_id, s.kind, s.prompt_len, s.max_tokens, s.arrival_s, send_s=s.arrival_s,
+            chunk_times_s=list(t), end_s=t[-1] if t else None, prompt_tokens=s.prompt_len,
+            completion_tokens=len(t), finish_reason="length" if r.done else None,
+            error=None if t else "not finished in the simulation"))
+    return records
+
+
+@dataclass
+class Prediction:
+    label: str
+    records: list[RequestRecord]
+    metrics: ServeMetrics
+
+
+def predict(label: str, cfg: SimConfig, setup: PredictionSetup, specs: list[RequestSpec],
+            slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> Prediction:
+    records = simulate_specs(cfg, setup.steps, specs)
+    return Prediction(label, records, compute_metrics(records, slo_ttft_ms, slo_tpot_ms))
+
+
+def rel_error(predicted: float | None, measured: float | None) -> float | None:
+    """(predicted - measured) / measured; None when either is missing or measured is 0."""
+    if predicted is None or measured is None or measured == 0:
+        return None
+    return (predicted - measured) / measured
+
+
+# (key, label, getter) for every figure that gets a prediction beside it.
+COMPARED: list[tuple[str, str, Any]] = [
+    ("stall_max_ms", "max stall (ms)", lambda m: m.stall_ms.max),
+    ("tokens_lost_mean", "tokens lost / doc", lambda m: m.tokens_lost.mean),
+    ("ttft_chat_p50_ms", "TTFT chat p50 (ms)", lambda m: _kind(m, "chat").p50),
+    ("ttft_doc_p50_ms", "TTFT doc p50 (ms)", lambda m: _kind(m, "document").p50),
+    ("itl_p50_ms", "ITL p50 (ms)", lambda m: m.itl_ms.p50),
+    ("itl_p99_ms", "ITL p99 (ms)", lambda m: m.itl_ms.p99),
+    ("tpot_p50_ms", "TPOT p50 (ms)", lambda m: m.tpot_ms.p50),
+    ("output_tok_s", "output tok/s", lambda m: m.output_throughput),
+]
+
+
+def _kind(m: ServeMetrics, kind: str) -> Any:
+    from benchmarks.serve_metrics import Dist  # noqa: PLC0415
+
+    return m.ttft_ms_by_kind.get(kind, Dist(0, None, None, None, None, None))
+
+
+def compare_figures(measured: ServeMetrics, predicted: ServeMetrics) -> dict[str, dict[str, float | None]]:
+    """{key: {measured, predicted, error}} for every figure in COMPARED."""
+    out = {}
+    for key, _, get in COMPARED:
+        m, p = get(measured), get(predicted)
+        out[key] = {"measured": m, "predicted": p, "error": rel_error(p, m)}
+    return out

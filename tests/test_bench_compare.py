@@ -1,0 +1,117 @@
+"""`pdserve bench compare` end to end on the tiny model (real Ray, NIXL, uvicorn, openai client),
+plus its equality checker and predictions on their own.
+
+The end-to-end run is the CI-sized `--quick` workload: three chat streams and one 512-token
+document, in colocated, chunked (64) and disaggregated (1P1D) mode, each on a fresh server.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import bench_compare as bc
+from benchmarks import compare_predict as cp
+from benchmarks.bench_serve import BenchConfig, BenchResult
+from benchmarks.serve_metrics import compute_metrics
+from benchmarks.workloads import WorkloadConfig, build_workload
+from engine.cli import main as cli_main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+CALIBRATION = Path(__file__).resolve().parent.parent / "benchmarks/results/chunks-tiny-cpu.calibration.json"
+
+
+@pytest.mark.timeout(240)
+def test_bench_compare_end_to_end(tmp_path, capsys):
+    pytest.importorskip("ray")
+    rc = cli_main(["bench", "compare", "--quick", "--model", "tiny", "--device", "cpu",
+                   "--modes", "colocated,chunked,disagg", "--chunk-sizes", "64", "--out-dir", str(tmp_path),
+                   "--out", "cmp", "--no-progress", "--calibration", str(CALIBRATION)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    result = json.loads((tmp_path / "cmp.json").read_text())
+    assert result["provenance"]["git_commit"] and result["provenance"]["date_utc"]
+    modes = {m["label"]: m for m in result["modes"]}
+    assert list(modes) == ["colocated", "chunked-64", "disagg-1P1D"]
+    specs = {r["request_id"]: r for r in result["requests"]}
+
+    # Greedy equality: the disaggregated and colocated servers gave the same tokens per request.
+    col, dis = modes["colocated"]["token_ids"], modes["disagg-1P1D"]["token_ids"]
+    assert set(col) == set(specs) == set(dis)
+    for rid, ids in col.items():
+        assert len(ids) == specs[rid]["max_tokens"]
+        assert dis[rid] == ids, rid
+        assert modes["chunked-64"]["token_ids"][rid] == ids, rid
+    assert result["equality"]["identical"] is True and result["equality"]["compared"] == 2 * len(specs)
+
+    for label, m in modes.items():
+        assert m["error"] is None, label
+        assert m["metrics"]["completed"] == len(specs), label
+        assert m["metrics"]["documents"], label
+        # the simulated figures sit beside the measured ones
+        assert m["predicted"]["compared"]["stall_max_ms"]["predicted"] is not None, label
+    # The document's KV crossed the transport in disaggregated mode: its prompt's worth of bytes.
+    doc_tx = [t for t in modes["disagg-1P1D"]["transfers"] if t["request_id"].startswith("doc")]
+    assert doc_tx and doc_tx[0]["bytes"] > 0
+
+    report = (tmp_path / "cmp.md").read_text()
+    assert "## Measured" in report and "simulated" in report and "Identical" in report
+    for plot in ("cmp-timeline.png", "cmp-latency.png", "cmp-predicted.png"):
+        assert (tmp_path / plot).read_bytes()[:8] == PNG_MAGIC, plot
+        assert f"]({plot})" in report
+    # the one table names every mode and the files
+    for label in modes:
+        assert label in out
+    assert "report:" in out and "IDENTICAL" in out
+
+    # The report can be redrawn from the JSON alone.
+    (tmp_path / "cmp.md").unlink()
+    assert cli_main(["bench", "compare", "--from-json", str(tmp_path / "cmp.json"), "--out-dir", str(tmp_path)]) == 0
+    assert (tmp_path / "cmp.md").is_file()
+
+
+def _run(label: str, ids: dict[str, list[int]]) -> bc.ModeRun:
+    return bc.ModeRun(bc.ModeSpec(label, "colocated"), {}, 0.0, ids, [],
+                      BenchResult(BenchConfig(), "tiny", [], compute_metrics([]), 0.0))
+
+
+def test_equality_check_reports_the_first_differing_token():
+    ref = _run("colocated", {"a": [1, 2, 3], "b": [4, 5]})
+    same = _run("disagg-1P1D", {"a": [1, 2, 3], "b": [4, 5]})
+    bad = _run("chunked-7", {"a": [1, 9, 3], "b": [4]})
+    eq = bc.check_equality([ref, same, bad])
+    assert eq["identical"] is False and eq["compared"] == 4
+    assert {(m["mode"], m["request_id"], m["first_difference"]) for m in eq["mismatches"]} == {
+        ("chunked-7", "a", 1), ("chunked-7", "b", 1)}
+    assert bc.check_equality([ref, same])["identical"] is True
+
+
+def test_mode_list_parsing_and_errors():
+    from engine.cli import CliError
+
+    modes = bc.build_modes("colocated,chunked,disagg", "32,128", 2, 1)
+    assert [(m.label, m.mode, m.chunk_size, m.prefill, m.decode) for m in modes] == [
+        ("colocated", "colocated", None, 1, 1), ("chunked-32", "colocated", 32, 1, 1),
+        ("chunked-128", "colocated", 128, 1, 1), ("disagg-2P1D", "disagg", None, 2, 1)]
+    for bad in (("colocated,fast", "32"), ("chunked", "0"), ("chunked", "a,b")):
+        with pytest.raises(CliError):
+            bc.build_modes(*bad, 1, 1)
+
+
+def test_prediction_of_the_freeze_on_the_calibrated_device():
+    """On the calibrated CPU, whole-prompt colocated serving must be predicted to stall the
+    streams for about one document prefill; chunked and disaggregated for about one step."""
+    setup = cp.setup_from_calibration("tiny", CALIBRATION)
+    specs = build_workload(WorkloadConfig(workload="article", chat_streams=4, chat_output_len=60,
+                                          doc_prompt_len=1024, doc_count=1, doc_start_s=0.3))
+    prefill_ms = setup.steps.prefill(1024) * 1e3
+    step_ms = setup.steps.decode([cp.Request(0, "chat", 0.0, 64, 60)] * 4) * 1e3
+
+    def stall(mode: str, chunk: int | None = None) -> float:
+        p = cp.predict(mode, cp.sim_config(mode, chunk, 1, 1, 64, setup.link), setup, specs, None, None)
+        return p.metrics.stall_ms.max
+
+    assert prefill_ms <= stall("colocated") <= prefill_ms + 2 * step_ms
+    assert stall("colocated", 64) < stall("colocated") / 2
+    assert stall("disagg") <= 1.5 * step_ms
