@@ -18,6 +18,7 @@ transfer handles before raising; the transport never sees tokens or requests, on
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 
 import torch
@@ -56,8 +57,12 @@ class Transport(ABC):
         """Make `peer` reachable. Raises LayoutMismatch if its layout differs from ours."""
 
     @abstractmethod
-    def read(self, handle: KVHandle, local_blocks: list[int], timeout_s: float = 30.0) -> TransferStats:
-        """Copy the handle's blocks from its source into `local_blocks` (same order, same count)."""
+    def read(self, handle: KVHandle, local_blocks: list[int], timeout_s: float = 30.0,
+             coalesced: bool = True) -> TransferStats:
+        """Copy the handle's blocks from its source into `local_blocks` (same order, same count),
+        connecting first if needed. Runs of consecutive ids travel as one descriptor unless
+        `coalesced=False` (one per block: the benchmark's baseline). Raises TransferTimeout
+        after `timeout_s`, TransportError if the peer is dead, ValueError for bad block ids."""
 
     @abstractmethod
     def notify(self, peer_agent: str, request_id: str) -> None:
@@ -69,6 +74,22 @@ class Transport(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+    @property
+    def registered(self) -> bool:
+        """True while a pool is registered (False again after close())."""
+        return self.layout is not None
+
+    def make_handle(self, request_id: str, block_ids: list[int], num_tokens: int,
+                    lease_s: float = 60.0) -> KVHandle:
+        """The KVHandle a holder gives out for blocks of its registered pool."""
+        if self.layout is None:
+            raise TransportError("register() the KV pool before making handles")
+        if self.layout.blocks_for(num_tokens) != len(block_ids):
+            raise ValueError(f"{num_tokens} tokens need {self.layout.blocks_for(num_tokens)} blocks of "
+                             f"{self.layout.block_size}, got {len(block_ids)}")
+        return KVHandle(request_id, self.describe(), tuple(block_ids), num_tokens, self.layout.compat_hash,
+                        time.time() + lease_s)
 
     def check_layout(self, peer: PeerInfo) -> None:
         assert self.layout is not None, "register() first"

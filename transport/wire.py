@@ -25,11 +25,23 @@ class PeerInfo:
     backend: str  # "nixl" | "local"
     layout: KVLayout
     metadata: bytes = b""  # backend-specific (NIXL agent metadata blob)
+    # Where the registered pool starts in the owner's address space: a reader addresses block b
+    # of this peer at base_addr + b * layout.block_bytes.
+    base_addr: int = 0
+    device_id: int = 0  # GPU ordinal for VRAM pools, 0 for host memory
+    mem_type: str = "DRAM"  # "DRAM" (host) | "VRAM" (GPU)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["metadata"] = base64.b64encode(self.metadata).decode()
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PeerInfo":
+        d = dict(d)
+        d["layout"] = d["layout"] if isinstance(d["layout"], KVLayout) else KVLayout.from_dict(d["layout"])
+        d["metadata"] = base64.b64decode(d.get("metadata", ""))
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -49,6 +61,18 @@ class KVHandle:
 
     def expired(self, now: float | None = None) -> bool:
         return (now if now is not None else time.time()) > self.lease_deadline
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["source"] = self.source.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVHandle":
+        d = dict(d)
+        d["source"] = PeerInfo.from_dict(d["source"])
+        d["block_ids"] = tuple(d["block_ids"])
+        return cls(**d)
 
 
 @dataclass

@@ -1,0 +1,81 @@
+"""Turn a block-id mapping into as few byte ranges as possible.
+
+A transfer moves remote block r[i] into local block l[i]. In the block-major pool (see
+engine/kv_layout.py) a block is one contiguous byte range, so wherever both r and l step by +1
+the blocks merge into one range. A fresh block manager hands out ascending ids, so a long prompt
+usually becomes one descriptor instead of thousands: descriptor count, not bytes, is what makes
+naive KV transfers crawl (each descriptor costs a post, a completion and, over RDMA, a work
+request).
+
+`coalesce(..., enabled=False)` keeps one range per block: the benchmark's "coalescing off" arm.
+`split_for_streams` then cuts the ranges into byte-balanced groups, one per parallel stream.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class Run:
+    """`nbytes` bytes at `remote_offset` in the peer's pool go to `local_offset` in ours."""
+
+    remote_offset: int
+    local_offset: int
+    nbytes: int
+
+
+def check_blocks(remote_blocks: Sequence[int], local_blocks: Sequence[int], remote_num_blocks: int,
+                 local_num_blocks: int) -> None:
+    """Raise ValueError for mappings that would read or write outside a pool or clobber a block."""
+    if len(remote_blocks) != len(local_blocks):
+        raise ValueError(f"{len(remote_blocks)} remote blocks but {len(local_blocks)} local blocks")
+    for name, ids, n in (("remote", remote_blocks, remote_num_blocks), ("local", local_blocks, local_num_blocks)):
+        bad = [b for b in ids if not 0 <= b < n]
+        if bad:
+            raise ValueError(f"{name} block ids {bad[:5]} outside the pool of {n} blocks")
+    if len(set(local_blocks)) != len(local_blocks):
+        raise ValueError("local block ids repeat: two remote blocks would land in one local block")
+
+
+def coalesce(remote_blocks: Sequence[int], local_blocks: Sequence[int], block_bytes: int,
+             enabled: bool = True) -> list[Run]:
+    """Byte ranges for moving remote_blocks[i] -> local_blocks[i], merged where both sides are
+    consecutive (and in order). Order of the result follows the input."""
+    runs: list[Run] = []
+    start_r = start_l = prev_r = prev_l = -1
+    count = 0
+    for r, l in zip(remote_blocks, local_blocks):
+        if enabled and count and r == prev_r + 1 and l == prev_l + 1:
+            count += 1
+        else:
+            if count:
+                runs.append(Run(start_r * block_bytes, start_l * block_bytes, count * block_bytes))
+            start_r, start_l, count = r, l, 1
+        prev_r, prev_l = r, l
+    if count:
+        runs.append(Run(start_r * block_bytes, start_l * block_bytes, count * block_bytes))
+    return runs
+
+
+def split_for_streams(runs: list[Run], streams: int, min_bytes: int = 1 << 20) -> list[list[Run]]:
+    """Byte-balanced groups of runs, at most `streams` of them, cutting a run in two where a group
+    boundary falls inside it. Groups smaller than `min_bytes` are not worth a thread, so small
+    transfers stay one group."""
+    total = sum(r.nbytes for r in runs)
+    streams = max(1, min(streams, total // max(min_bytes, 1) or 1))
+    if streams == 1:
+        return [list(runs)]
+    target = -(-total // streams)
+    groups: list[list[Run]] = [[]]
+    room = target
+    for run in runs:
+        ro, lo, n = run.remote_offset, run.local_offset, run.nbytes
+        while n > 0:
+            if room == 0:
+                groups.append([])
+                room = target
+            take = min(n, room)
+            groups[-1].append(Run(ro, lo, take))
+            ro, lo, n, room = ro + take, lo + take, n - take, room - take
+    return groups
