@@ -128,30 +128,37 @@ def _ok_modes(result: dict[str, Any]) -> list[dict[str, Any]]:
     return [m for m in result["modes"] if "metrics" in m]
 
 
+def _first_stalled_document(m: dict[str, Any]) -> dict[str, Any] | None:
+    docs = m["metrics"]["documents"]
+    return next((d for d in docs if d.get("stall_s") is not None), docs[0] if docs else None)
+
+
 def plot_timelines(result: dict[str, Any], path: Path) -> Path:
     """Chat token arrivals around the first document (with streams in flight) of each mode."""
     plt = _plt()
     modes = _ok_modes(result)
+    firsts = [_first_stalled_document(m) for m in modes]
+    # wide enough for the slowest mode's document to reach its first token
+    span_ms = max([1000.0] + [1.25 * _num(d["ttft_s"]) * 1e3 for d in firsts if d])
     fig, axes = plt.subplots(len(modes), 1, figsize=(10, 1.2 + 1.7 * len(modes)), sharex=True, squeeze=False)
-    span_ms = 1000.0  # wide enough for the slowest mode's document to reach its first token
-    for ax, m in zip(axes[:, 0], modes):
-        docs = [d for d in m["metrics"]["documents"] if d.get("stall_s") is not None] or m["metrics"]["documents"]
-        chats = [r for r in m["records"] if r["kind"] == "chat" and r["chunk_times_s"]]
-        if not docs:
-            ax.set_title(f"{m['label']}: no document completed")
+    for ax, m, d in zip(axes[:, 0], modes, firsts):
+        if d is None:
+            ax.set_title(f"{m['label']}: no document completed", fontsize=9, loc="left")
             continue
-        d = docs[0]
         a = _num(d["arrival_s"])
+        chats = [r for r in m["records"] if r["kind"] == "chat" and r["chunk_times_s"]]
         ax.eventplot([[(t - a) * 1e3 for t in r["chunk_times_s"]] for r in chats], colors="tab:blue",
                      linelengths=0.7, linewidths=0.8)
-        ax.axvspan(0, (_num(d["first_token_s"]) - a) * 1e3, color="tab:orange", alpha=0.15,
-                   label=f"{d['request_id']}: arrival to first token")
-        ax.axvline(0, color="tab:orange", lw=1)
+        shown = [x for x in m["metrics"]["documents"] if -0.25 * span_ms < (_num(x["arrival_s"]) - a) * 1e3 < span_ms]
+        for j, x in enumerate(shown):  # a later document may fall inside the window too
+            xa = (_num(x["arrival_s"]) - a) * 1e3
+            ax.axvspan(xa, (_num(x["first_token_s"]) - a) * 1e3, color=("tab:orange", "tab:red")[j % 2], alpha=0.15,
+                       label=f"{x['request_id']}: sent to first token")
+            ax.axvline(xa, color=("tab:orange", "tab:red")[j % 2], lw=1)
         stall = _num(d.get("stall_s"))
-        span_ms = max(span_ms, 1.25 * _num(d["ttft_s"]) * 1e3)
         ax.set_title(f"{m['label']}: longest gap of a stream in flight "
-                     f"{'-' if stall is None else f'{stall * 1e3:.0f} ms'}, document TTFT {_num(d['ttft_s']) * 1e3:.0f} ms",
-                     fontsize=9, loc="left")
+                     f"{'-' if stall is None else f'{stall * 1e3:.0f} ms'}, {d['request_id']} TTFT "
+                     f"{_num(d['ttft_s']) * 1e3:.0f} ms", fontsize=9, loc="left")
         ax.set_ylabel("chat stream")
         ax.set_yticks([])
         ax.legend(loc="upper right", fontsize=7)
