@@ -296,7 +296,7 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
             sc = cp.sim_config(r.spec.mode, r.spec.chunk_size, r.spec.prefill, r.spec.decode, args.max_num_seqs,
                                setup.link)
             predictions[r.spec.label] = cp.predict(r.spec.label, sc, setup, specs, args.slo_ttft_ms, args.slo_tpot_ms)
-    return _payload(args, device, wl, specs, runs, predictions, setup, setup_error, check_equality(runs))
+    return _payload(args, device, wl, specs, runs, predictions, setup, setup_error, cal, check_equality(runs))
 
 
 def find_calibration(given: str | None, out_dir: Path, model: str, device_kind: str) -> Path:
@@ -334,7 +334,8 @@ def _round(x: Any) -> Any:
     return x
 
 
-def _payload(args, device, wl, specs, runs, predictions, setup, setup_error, equality) -> dict[str, Any]:
+def _payload(args, device, wl, specs, runs, predictions, setup, setup_error, calibration,
+             equality) -> dict[str, Any]:
     from benchmarks import compare_predict as cp  # noqa: PLC0415
     from benchmarks.bench_serve import _finite  # noqa: PLC0415
 
@@ -360,6 +361,8 @@ def _payload(args, device, wl, specs, runs, predictions, setup, setup_error, equ
                       "max_tokens": s.max_tokens, "arrival_s": s.arrival_s} for s in specs],
         "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
         "prediction_setup": setup.describe() if setup else None, "prediction_error": setup_error,
+        "prediction_reference": cp.reference_points(setup, calibration, wl.doc_prompt_len, wl.chat_streams,
+                                                    wl.chat_prompt_len + wl.chat_output_len // 2) if setup else None,
         "equality": equality, "modes": modes,
     })
 

@@ -68,7 +68,38 @@ def setup_from_calibration(model: str, calibration: Path, kv_dtype: str = "fp8")
         link = cm.Link("host-memory", f"host memory copy at {hw.mem_bw / cm.GB:.1f} GB/s (calibrated)", hw.mem_bw)
     # On a CPU the weights are dequantized and the FLOPs run in the calibration's dtype (fp32).
     steps = StepModel(spec, hw, mfu, weight_dtype=cal.dtype, kv_dtype=kv_dtype)
-    return PredictionSetup(steps, link, f"{calibration} ({cal.source or cal.device})")
+    return PredictionSetup(steps, link, f"{_shown(calibration)} ({cal.source or cal.device})")
+
+
+def _shown(path: Path) -> str:
+    """The path relative to the repository when it is inside it (result files travel between machines)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        return str(Path(path).resolve().relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+def reference_points(setup: PredictionSetup, calibration: Path, doc_prompt_len: int, chat_streams: int,
+                     chat_ctx: int) -> dict[str, Any]:
+    """The two step times that decide the comparison, as the cost model prices them, beside what
+    `bench chunks` measured for the same prompt (its JSON next to the calibration), if it did."""
+    r = Request(0, "chat", 0.0, chat_ctx, 1)
+    out: dict[str, Any] = {"doc_prefill_ms_predicted": setup.steps.prefill(doc_prompt_len) * 1e3,
+                           "decode_step_ms_predicted": setup.steps.decode([r] * chat_streams) * 1e3,
+                           "decode_step_context": chat_ctx, "decode_step_batch": chat_streams}
+    sweep = Path(str(calibration).replace(".calibration.json", ".json"))
+    try:
+        import json  # noqa: PLC0415
+
+        points = json.loads(sweep.read_text()).get("points", [])
+        hit = next((p for p in points if p.get("chunk") == doc_prompt_len), None)
+        if hit is not None:
+            out["doc_prefill_ms_measured_by_bench_chunks"] = hit["prefill_s"] * 1e3
+            out["bench_chunks_result"] = _shown(sweep)
+    except (OSError, ValueError):
+        pass
+    return out
 
 
 def sim_config(mode: str, chunk_size: int | None, prefill: int, decode: int, max_num_seqs: int,

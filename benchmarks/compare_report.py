@@ -269,6 +269,20 @@ def _predicted_section(result: dict[str, Any]) -> list[str]:
     return _md_table(["mode"] + [label for _, label, _ in COMPARED], rows)
 
 
+def _reference_lines(ref: dict[str, Any] | None) -> list[str]:
+    if not ref:
+        return []
+    line = (f"The cost model prices one document prefill at {ref['doc_prefill_ms_predicted']:.0f} ms and a decode "
+            f"step of {ref['decode_step_batch']} streams at context {ref['decode_step_context']} at "
+            f"{ref['decode_step_ms_predicted']:.1f} ms")
+    if "doc_prefill_ms_measured_by_bench_chunks" in ref:
+        line += (f"; `pdserve bench chunks` measured the same whole prefill at "
+                 f"{ref['doc_prefill_ms_measured_by_bench_chunks']:.0f} ms on its own ({ref['bench_chunks_result']}), "
+                 f"{ref['doc_prefill_ms_measured_by_bench_chunks'] / ref['doc_prefill_ms_predicted']:.1f}x the model's "
+                 "figure: the calibration carries one prefill rate, fit over every chunk size of the sweep")
+    return [line + ".", ""]
+
+
 def _transfer_section(result: dict[str, Any]) -> list[str]:
     rows = []
     for m in _ok_modes(result):
@@ -333,6 +347,7 @@ def write_report(result: dict[str, Any], out_dir: Path, name: str, result_path: 
                   f"peak at MFU {ps['mfu']:.2f}, decode step overhead {ps['decode_step_overhead_ms']:.1f} ms, "
                   f"per prefill/chunk overhead {ps['prefill_overhead_ms']:.1f} ms; KV link: {ps['link']['label']}. "
                   "Metrics are computed from the simulated token times with the same formulas as the measured ones.", "",
+                  *_reference_lines(result.get("prediction_reference")),
                   "Each cell: measured / simulated (error = (simulated - measured) / measured).", "",
                   *_predicted_section(result), "",
                   "Not in the model: the HTTP/SSE and Ray hop per token, the router's event pump, Python scheduling "
