@@ -242,3 +242,24 @@ def test_coalesce_and_stream_split():
     assert [sum(r.nbytes for r in g) for g in groups] == [4 << 20, 4 << 20]
     assert groups[1][0] == Run(4 << 20, 4 << 20, 4 << 20)
     assert len(split_for_streams([Run(0, 0, 1000)], 4)) == 1  # small transfers stay one stream
+
+
+def test_bench_transfer_small_sweep_verifies_every_byte(tmp_path, capsys):
+    """`pdserve bench transfer --json` on a tiny sweep: schema, verification, provenance file."""
+    import json
+
+    from engine.cli import main as cli_main
+
+    rc = cli_main(["bench", "transfer", "--size-mb", "1", "--block-tokens", "16,64", "--repeats", "1",
+                   "--json", "--no-plot", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {r["backend"] for r in out["rows"]} == {"nixl", "local"} and out["memcpy_gbytes_per_s"] > 0
+    assert len(out["rows"]) == 2 * 2 * 2  # backends x block sizes x coalescing on/off
+    for r in out["rows"]:
+        assert r["verified"] and r["bytes"] == 1 << 20 and r["gbytes_per_s"] > 0
+        assert set(r) >= {"backend", "bytes", "block_tokens", "coalesced", "descriptors", "ms", "gbytes_per_s"}
+    uncoalesced = {r["block_tokens"]: r["descriptors"] for r in out["rows"] if not r["coalesced"]}
+    assert uncoalesced == {16: 4, 64: 1}  # one descriptor per 256 KiB / 1 MiB block
+    saved = json.loads((tmp_path / "transfer.json").read_text())
+    assert saved["provenance"]["git_commit"] and saved["rows"] == out["rows"]
