@@ -60,14 +60,20 @@ def _layout(block_tokens: int, num_blocks: int) -> KVLayout:
                     scale_layout="none", num_blocks=num_blocks)
 
 
-def _pattern(nbytes: int) -> torch.Tensor:
+def _pattern(nbytes: int, device: str = "cpu") -> torch.Tensor:
     """The holder's pool contents; both processes derive it from SEED to verify every byte."""
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(SEED))
+    cpu = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(SEED))
+    return cpu if device == "cpu" else cpu.to(device)
 
 
-def _holder_main(conn, pool_bytes: int, block_tokens: list[int]) -> None:
+def _sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+def _holder_main(conn, pool_bytes: int, block_tokens: list[int], device: str) -> None:
     """The second process: one NIXL agent per block size over the same bytes; serves reads."""
-    pool = _pattern(pool_bytes)
+    pool = _pattern(pool_bytes, device)
     transports, infos = [], {}
     for bt in block_tokens:
         layout = _layout(bt, pool_bytes // _layout(bt, 1).block_bytes)
@@ -99,6 +105,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed transfers per row (at least; rows under 256 MiB repeat up to 20x); "
                    "the median is reported")
     p.add_argument("--streams", type=int, default=None, help="NIXL parallel copy streams (default min(2, cores))")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="where both pools live (default: cuda if available; GPU path not yet measured)")
     p.add_argument("--json", action="store_true", help="print the result object as JSON instead of the table")
     p.add_argument("--name", default="transfer", help="result file name under benchmarks/results/")
     p.add_argument("--out-dir", default=None, help="directory for the JSON and PNG (default benchmarks/results)")
@@ -123,15 +131,17 @@ def main(args: argparse.Namespace) -> int:
                        f"({token_bytes} B/token x block tokens)")
 
     print(f"preparing {pool_bytes / 2**20:.0f} MiB pools ...", file=sys.stderr)
-    expected = _pattern(pool_bytes)
-    dst = torch.zeros(pool_bytes, dtype=torch.uint8)  # zero_ also faults every page in
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    expected = _pattern(pool_bytes, device)
+    dst = torch.zeros(pool_bytes, dtype=torch.uint8, device=device)  # zero_ also faults every page in
 
     memcpy: dict[int, list[float]] = {}
     ctx = mp.get_context("spawn")  # torch + NIXL do not survive fork
     holder = conn = None
     if "nixl" in backends:
         conn, child = ctx.Pipe()
-        holder = ctx.Process(target=_holder_main, args=(child, pool_bytes, blocks), daemon=True)
+        holder = ctx.Process(target=_holder_main, args=(child, pool_bytes, blocks, device),
+                             daemon=True)
         holder.start()
     rows: list[Row] = []
     transports = {}
@@ -171,8 +181,10 @@ def main(args: argparse.Namespace) -> int:
                 stats.append(t.read(handle, ids, timeout_s=120, coalesced=coalesced))
                 verified = verified and torch.equal(dst[:size], expected[:size])
                 dst[:size].zero_()
+                _sync(device)
                 t0 = time.perf_counter()
                 dst[:size].copy_(expected[:size])
+                _sync(device)
                 copies.append(time.perf_counter() - t0)
             secs = statistics.median(s.seconds for s in stats)
             gbps, memcpy_gbps = size / secs / 1e9, size / statistics.median(copies) / 1e9
@@ -190,7 +202,7 @@ def main(args: argparse.Namespace) -> int:
     memcpy_ref = memcpy_med[max(memcpy_med)]
     result = {"rows": [asdict(r) for r in rows], "memcpy_gbytes_per_s": memcpy_ref,
               "memcpy_by_size": {str(s): g for s, g in memcpy_med.items()},
-              "links_gbytes_per_s": LINKS_GBPS, "skipped_size_block": skipped,
+              "pool_device": device, "links_gbytes_per_s": LINKS_GBPS, "skipped_size_block": skipped,
               "mapping": {"bytes_per_token": token_bytes, "layers": LAYERS, "kv_heads": 8, "head_dim": 128,
                           "dtype": "fp8", "scales": "none"}}
     config = {k: v for k, v in vars(args).items() if not k.startswith("_")}
