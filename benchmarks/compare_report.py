@@ -128,6 +128,12 @@ def _ok_modes(result: dict[str, Any]) -> list[dict[str, Any]]:
     return [m for m in result["modes"] if "metrics" in m]
 
 
+def _times(r: dict[str, Any]) -> list[float]:
+    from benchmarks.bench_compare import unpack  # noqa: PLC0415
+
+    return unpack(r["chunk_times_s"])
+
+
 def _first_stalled_document(m: dict[str, Any]) -> dict[str, Any] | None:
     docs = m["metrics"]["documents"]
     return next((d for d in docs if d.get("stall_s") is not None), docs[0] if docs else None)
@@ -146,8 +152,8 @@ def plot_timelines(result: dict[str, Any], path: Path) -> Path:
             ax.set_title(f"{m['label']}: no document completed", fontsize=9, loc="left")
             continue
         a = _num(d["arrival_s"])
-        chats = [r for r in m["records"] if r["kind"] == "chat" and r["chunk_times_s"]]
-        ax.eventplot([[(t - a) * 1e3 for t in r["chunk_times_s"]] for r in chats], colors="tab:blue",
+        chats = [_times(r) for r in m["records"] if r["kind"] == "chat"]
+        ax.eventplot([[(t - a) * 1e3 for t in ts] for ts in chats if ts], colors="tab:blue",
                      linelengths=0.7, linewidths=0.8)
         shown = [x for x in m["metrics"]["documents"] if -0.25 * span_ms < (_num(x["arrival_s"]) - a) * 1e3 < span_ms]
         for j, x in enumerate(shown):  # a later document may fall inside the window too
@@ -179,7 +185,7 @@ def plot_latency(result: dict[str, Any], path: Path) -> Path:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.2))
     for m in modes:
         gaps = sorted((b - a) * 1e3 for r in m["records"] if r.get("error") is None
-                      for a, b in zip(r["chunk_times_s"], r["chunk_times_s"][1:]))
+                      for ts in [_times(r)] for a, b in zip(ts, ts[1:]))
         if gaps:
             a1.step(gaps, [(i + 1) / len(gaps) for i in range(len(gaps))], where="post", label=m["label"])
     a1.set_xscale("log")
@@ -195,8 +201,8 @@ def plot_latency(result: dict[str, Any], path: Path) -> Path:
     a1.legend(fontsize=8)
     for i, m in enumerate(modes):
         for kind, marker, color in (("chat", "o", "tab:blue"), ("document", "^", "tab:red")):
-            ys = [(r["chunk_times_s"][0] - r["send_s"]) * 1e3 for r in m["records"]
-                  if r["kind"] == kind and r.get("error") is None and r["chunk_times_s"]]
+            ys = [(ts[0] - r["send_s"]) * 1e3 for r in m["records"] for ts in [_times(r)]
+                  if r["kind"] == kind and r.get("error") is None and ts]
             a2.scatter([i + (0.12 if kind == "document" else -0.12)] * len(ys), ys, marker=marker, color=color,
                        alpha=0.7, s=22, label=kind if i == 0 else None)
     a2.set_xticks(range(len(modes)), [m["label"] for m in modes], fontsize=8)
