@@ -158,6 +158,7 @@ def ensure_ray() -> bool:
         return False
     temp = tempfile.mkdtemp(prefix="pdcmp", dir="/tmp")  # short: Ray's socket paths are length-limited
     ray.init(num_cpus=8, object_store_memory=128 * 1024 ** 2, include_dashboard=False, _temp_dir=temp,
+             _node_ip_address="127.0.0.1",  # loopback only
              log_to_driver=False)
     return True
 

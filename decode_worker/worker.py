@@ -28,7 +28,10 @@ class DecodeWorker(EngineLoop):
         runner = self.engine.runner
         self.transport = None
         if not colocated:
-            self.transport = make_transport(cfg.transport, name)
+            # A NIXL puller without the busy-polling progress thread pulls ~2x faster (measured by
+            # `pdserve bench transfer`); prefill keeps it so peers' reads progress while it computes.
+            options = {"progress_thread": False} if cfg.transport == "nixl" else {}
+            self.transport = make_transport(cfg.transport, name, **options)
             self.transport.register(runner.cache.raw, runner.layout)
         self._events: list[StreamEvent] = []
         self._events_cv = threading.Condition()

@@ -62,7 +62,7 @@ class LLMEngine:
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
         if prompt_len < 1:
             raise ValueError("prompt must contain at least one token")
-        total = prompt_len + (1 if self.prefill_only else max_tokens)
+        total = prompt_len + (0 if self.prefill_only else max_tokens)
         if prompt_len + max_tokens > self.max_context:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                              f"context of {self.max_context} tokens")
@@ -126,7 +126,8 @@ class LLMEngine:
             else:
                 n = min(seq.prefill_remaining, budget)
             if not seq.block_table:  # first chunk: reserve the sequence's whole budget
-                need = len(seq.prompt_ids) + (1 if self.prefill_only else seq.params.max_tokens)
+                # prefill_only: the sampled first token is decoded (and cached) by the decode pool
+                need = len(seq.prompt_ids) + (0 if self.prefill_only else seq.params.max_tokens)
                 if not self.blocks.can_allocate(self.blocks.blocks_for(need)):
                     break  # head-of-line waits for blocks: keeps FIFO order
                 self.blocks.grow(seq.block_table, need)

@@ -12,7 +12,7 @@ from engine.sequence import Sequence
 from engine.worker_base import EngineLoop, build_engine
 from router.types import GenerateRequest, PrefillResult, WorkerConfig, WorkerError, WorkerStats
 from transport import make_transport
-from transport.wire import KVHandle, PeerInfo
+from transport.wire import PeerInfo
 
 
 class PrefillWorker(EngineLoop):
@@ -98,11 +98,8 @@ class PrefillWorker(EngineLoop):
                 entry[3].append(t_start)
         for ev in events:
             fut, t_enq, seq, started = self._pending.pop(ev.seq_id)
-            deadline = t_end + self.cfg.lease_s
-            self._leases[ev.seq_id] = deadline
-            handle = KVHandle(request_id=ev.seq_id, source=self.peer_info, block_ids=tuple(seq.block_table),
-                              num_tokens=len(seq.prompt_ids), layout_hash=self.peer_info.layout.compat_hash,
-                              lease_deadline=deadline)
+            handle = self.transport.make_handle(ev.seq_id, seq.block_table, len(seq.prompt_ids), self.cfg.lease_s)
+            self._leases[ev.seq_id] = handle.lease_deadline
             t_first = started[0] if started else t_start
             fut.set_result(PrefillResult(
                 request_id=ev.seq_id, first_token=ev.token_id, handle=handle, worker=self.name,

@@ -130,6 +130,7 @@ def init_ray(address: str | None, num_workers: int) -> bool:
     temp = os.path.join(tempfile.gettempdir(), "pdserve-ray")
     ray.init(num_cpus=max(os.cpu_count() or 1, num_workers + 1), object_store_memory=256 * 1024 ** 2,
              include_dashboard=False, _temp_dir=temp, log_to_driver=True,
+             _node_ip_address="127.0.0.1",  # an embedded cluster never leaves loopback
              runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
     return True
 

@@ -50,6 +50,7 @@ class Orchestrator:
         self._transfer_bytes, self._transfer_seconds = 0, 0.0
         self._closed = False
         self._cleanup: set[asyncio.Task] = set()
+        self._replacing: dict[str, asyncio.Task] = {}  # dead worker name -> its replacement task
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -58,9 +59,12 @@ class Orchestrator:
 
     async def shutdown(self) -> None:
         self._closed = True
-        for t in self._pumps.values():
+        if self._cleanup:  # aborts of requests that ended early still reach the workers
+            await asyncio.wait(list(self._cleanup), timeout=10)
+        tasks = [*self._pumps.values(), *self._replacing.values()]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._pumps.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._on_shutdown is not None:
             await self._on_shutdown(self.prefill + self.decode)
 
@@ -189,25 +193,31 @@ class Orchestrator:
                     q.put_nowait(ev)
 
     async def _handle_death(self, prefill: WorkerHandle | None, decode: WorkerHandle) -> None:
+        """Fail the requests of whichever of these workers is dead, and start its replacement
+        (once, however many requests noticed the death)."""
         for w, pool in ((prefill, self.prefill), (decode, self.decode)):
-            if w is None or w.alive and w.target is not None and not await self._is_dead(w):
+            if w is None or w not in pool or w.name in self._replacing:
+                continue
+            if w.alive and not await self._is_dead(w):
                 continue
             w.alive = False
-            if w not in pool:
-                continue
-            # fail every request that was on it
             for rid, pair in list(self._assigned.items()):
                 if w in pair and rid in self._streams:
                     self._streams[rid].put_nowait(StreamEvent(rid, "error", finished=True, finish_reason="error",
                                                               error=f"{w.role} worker {w.name} died"))
-            if self._replace is None:
-                continue
-            new = await self._replace(w)
-            if new is not None and w in pool:
-                pool[pool.index(w)] = new
-                log.warning("replaced dead %s worker %s with %s", w.role, w.name, new.name)
+            if self._replace is not None:
+                self._replacing[w.name] = asyncio.create_task(self._replace_worker(w, pool))
+
+    async def _replace_worker(self, dead: WorkerHandle, pool: list[WorkerHandle]) -> None:
+        try:
+            new = await self._replace(dead)
+            if new is not None and dead in pool:
+                pool[pool.index(dead)] = new
+                log.warning("replaced dead %s worker %s with %s", dead.role, dead.name, new.name)
                 if new.role != "prefill":
                     self._pumps[new.name] = asyncio.create_task(self._pump(new))
+        finally:
+            self._replacing.pop(dead.name, None)
 
     async def _is_dead(self, w: WorkerHandle) -> bool:
         try:

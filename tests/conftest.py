@@ -18,6 +18,11 @@ import pytest
 # busy: a 1-token forward of the `tiny` preset took 158 ms with 2 OpenMP threads (they spin
 # waiting for each other) and 4 ms with 1. An explicit OMP_NUM_THREADS still wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Tests talk to 127.0.0.1 only. Ray rewrites "127.0.0.1" in a cluster address to the machine's
+# network IP unless this flag (meant for single-host Windows/macOS clusters) makes every Ray node
+# a loopback node; set before anything imports ray.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `from tests.fakes import ...` under plain `pytest` too

@@ -146,9 +146,9 @@ def test_prefill_only_engine_parks_then_releases(runner):
     for s in seqs:
         engine.add_request(s)
     _drain(engine)
-    # parked: first token sampled, KV (prompt + 1 slot) held until release
+    # parked: first token sampled, the prompt's KV held until release (decode caches the first token)
     assert sorted(engine.parked) == ["q10", "q11", "q12"] and all(len(s.output_ids) == 1 for s in seqs)
-    assert engine.blocks.num_used == sum(engine.blocks.blocks_for(len(s.prompt_ids) + 1) for s in seqs)
+    assert engine.blocks.num_used == sum(engine.blocks.blocks_for(len(s.prompt_ids)) for s in seqs)
     assert engine.release("q10")
     assert engine.abort("q11")  # abort reaches parked sequences too
     assert not engine.release("q10")
