@@ -37,6 +37,7 @@ def ray_cluster():
     os.environ["RAY_AUTH_MODE"] = "disabled"
     temp = tempfile.mkdtemp(prefix="pdray", dir="/tmp")  # short: Ray's socket paths are length-limited
     ray.init(num_cpus=8, object_store_memory=128 * 1024 ** 2, include_dashboard=False, _temp_dir=temp,
+             _node_ip_address="127.0.0.1",
              log_to_driver=False)
     yield
     ray.shutdown()
