@@ -1,14 +1,16 @@
 # Two commands do everything on a fresh machine:
-#   make demo   the main job (CPU demo on the tiny model, local Ray cluster)
+#   make demo   the main job: colocated vs chunked vs disaggregated serving of the tiny model on a
+#               local Ray cluster (`pdserve bench compare`, a few minutes on 2 CPU cores)
 #   make test   the test suite
-# Both create .venv and install pdserve with what it needs.
+# Both create .venv and install pdserve with what it needs. Other targets: make serve, make generate.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # A CPU build of torch (pip's plain `torch` would pull a multi-GB CUDA build).
 TORCH ?= torch==2.13.0
+export RAY_AUTH_MODE ?= disabled
 
-.PHONY: demo test install clean
+.PHONY: demo test install serve generate clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,10 +22,16 @@ $(BIN)/.installed: pyproject.toml
 install: $(BIN)/.installed
 
 demo: install
-	$(BIN)/pdserve generate --model tiny --prompt "Hello, pdserve" --max-tokens 32 --temperature 0
+	$(BIN)/pdserve bench compare
 
 test: install
-	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q tests
+
+serve: install
+	$(BIN)/pdserve serve --mode disagg --model tiny --prefill 1 --decode 1
+
+generate: install
+	$(BIN)/pdserve generate --model tiny --prompt "Hello, pdserve" --max-tokens 32 --temperature 0
 
 clean:
 	rm -rf $(VENV) .pytest_cache
