@@ -6,7 +6,8 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# A CPU build of torch (pip's plain `torch` would pull a multi-GB CUDA build).
+# A CPU build of torch on the dev/CI machines (plain `torch` would pull a multi-GB CUDA build);
+# on a GPU machine: make TORCH=torch install
 TORCH ?= torch==2.13.0
 export RAY_AUTH_MODE ?= disabled
 
@@ -15,7 +16,7 @@ export RAY_AUTH_MODE ?= disabled
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)" || $(BIN)/pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev,gpu]"
 	touch $@
 
