@@ -56,7 +56,7 @@ class LLMEngine:
         self.waiting: deque[Sequence] = deque()  # admitted, prompt not fully cached
         self.running: list[Sequence] = []  # decoding
         self.parked: dict[str, Sequence] = {}  # prefill_only: first token sampled, KV held
-        self.last_step: StepStats | None = None
+        self.last_step: StepStats | None = None  # the last step() call's figures; None if it ran nothing
 
     # ---- admission -------------------------------------------------------------------------
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
@@ -139,12 +139,15 @@ class LLMEngine:
         t0 = time.perf_counter()
         decode = list(self.running)
         prefill = self._schedule_prefill()
-        items = [StepItem([s.all_ids[-1]], s.num_tokens - 1, s.block_table) for s in decode]
+        # a running sequence always has a sampled token (its last, not yet cached); output_ids[-1]
+        # avoids all_ids, which copies the whole prompt of every stream on every step
+        items = [StepItem([s.output_ids[-1]], s.num_tokens - 1, s.block_table) for s in decode]
         for seq, n in prefill:
             done = seq.num_cached + n == len(seq.prompt_ids)
             items.append(StepItem(seq.prompt_ids[seq.num_cached:seq.num_cached + n], seq.num_cached,
                                   seq.block_table, want_logits=done))
         if not items:
+            self.last_step = None  # nothing could run (idle, or every waiting prompt lacks blocks)
             return []
         logits = self.runner.forward(items)
         # rows of `logits` follow items with want_logits: all decodes, then finished prefills

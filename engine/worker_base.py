@@ -11,6 +11,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable
 
 from engine.config import CacheConfig, resolve_model_config
@@ -36,27 +37,59 @@ class EngineLoop:
     """Runs `tick()` (subclass hook: one engine step and its bookkeeping) until closed.
 
     `call(fn)` runs `fn()` on the loop thread before the next step and returns its result: the
-    only way other threads mutate engine state."""
+    only way other threads mutate engine state.
+
+    When the loop ends (it died, or `close()`), nothing is left waiting forever: `on_exit()` (a
+    subclass hook, on the loop thread) fails the work the subclass holds, every queued `call`
+    fails, and later calls and `check_running()` raise `error_type`."""
 
     idle_wait_s = 0.002  # how long an idle loop sleeps between inbox/notification polls
+    error_type: type[Exception] = RuntimeError  # what callers get from a dead or closed loop
 
     def __init__(self, name: str):
         self.name = name
         self._inbox: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
-        self.steps = 0
+        self._exited = False  # set by the loop thread once it will never read the inbox again
+        self.steps = 0  # forward passes run
         self.fatal: BaseException | None = None
 
     def start(self) -> None:
         self._thread.start()
 
+    def check_running(self) -> None:
+        """Raise `error_type` if the loop has died or been closed."""
+        if self.fatal is not None or self._stop.is_set() or self._exited:
+            raise self._ended_error()
+
     def call(self, fn: Callable[[], Any], timeout: float | None = 60.0) -> Any:
-        if self.fatal is not None:
-            raise RuntimeError(f"worker {self.name} loop died: {self.fatal!r}")
+        self.check_running()
         fut: Future = Future()
         self._inbox.put((fn, fut))
-        return fut.result(timeout)
+        if self._exited:  # the loop ended between the check and the put: nobody else will answer
+            self._fail_inbox()
+        try:
+            return fut.result(timeout)
+        except FutureTimeout:
+            if fut.done():  # fn itself raised a TimeoutError
+                raise
+            raise self.error_type(f"worker {self.name} did not answer within {timeout:g} s "
+                                  "(its engine loop is stuck or overloaded)") from None
+
+    def _ended_error(self) -> Exception:
+        if self.fatal is not None:
+            return self.error_type(f"worker {self.name}: its engine loop died ({self.fatal!r}); "
+                                   "the worker must be restarted")
+        return self.error_type(f"worker {self.name} is shut down")
+
+    def _fail_inbox(self) -> None:
+        while True:
+            try:
+                _, fut = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            fut.set_exception(self._ended_error())
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -74,16 +107,26 @@ class EngineLoop:
                 return
 
     def _run(self) -> None:
+        # Block on the inbox (a short idle wait) unless the last tick ran a forward pass and work
+        # remains: a loop whose work is all blocked (prompts waiting for KV blocks that only a
+        # lease expiry or a pull will free) must not spin a core, nor count empty steps.
+        progressed = False
         try:
             while not self._stop.is_set():
-                busy = self.has_work()
-                self._drain_inbox(block=not busy)
-                self.tick()
-                if busy:
+                self._drain_inbox(block=not (progressed and self.has_work()))
+                progressed = bool(self.tick())
+                if progressed:
                     self.steps += 1
         except BaseException as e:  # noqa: BLE001
             log.exception("worker %s loop died", self.name)
             self.fatal = e
+        finally:
+            self._exited = True
+            try:
+                self.on_exit()
+            except Exception:  # noqa: BLE001
+                log.exception("worker %s: failing its pending work failed", self.name)
+            self._fail_inbox()
 
     def close(self) -> None:
         self._stop.set()
@@ -94,8 +137,13 @@ class EngineLoop:
     def has_work(self) -> bool:
         raise NotImplementedError
 
-    def tick(self) -> None:
+    def tick(self) -> bool:
+        """One step of the loop; True if it ran a forward pass."""
         raise NotImplementedError
+
+    def on_exit(self) -> None:
+        """Loop thread, once, as the loop ends: fail every request still held (nothing may wait
+        forever on a loop that is gone)."""
 
 
 def now() -> float:

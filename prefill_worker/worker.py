@@ -16,6 +16,8 @@ from transport.wire import PeerInfo
 
 
 class PrefillWorker(EngineLoop):
+    error_type = WorkerError
+
     def __init__(self, cfg: WorkerConfig, name: str = "prefill-0"):
         super().__init__(name)
         self.cfg = cfg
@@ -67,6 +69,8 @@ class PrefillWorker(EngineLoop):
                            blocks_total=e.blocks.num_blocks, blocks_free=e.blocks.num_free, steps=self.steps)
 
     def ping(self) -> str:
+        """Raises if the engine loop is gone, so the router reports and replaces the worker."""
+        self.check_running()
         return self.name
 
     def shutdown(self) -> None:
@@ -81,7 +85,14 @@ class PrefillWorker(EngineLoop):
         self._leases.pop(request_id, None)
         return self.engine.release(request_id)
 
-    def tick(self) -> None:
+    def on_exit(self) -> None:
+        error = self._ended_error()
+        for fut, *_ in self._pending.values():
+            if not fut.done():
+                fut.set_exception(error)
+        self._pending.clear()
+
+    def tick(self) -> bool:
         for request_id in self.transport.poll_notifications():
             self._release(request_id)
         now = time.time()
@@ -89,10 +100,12 @@ class PrefillWorker(EngineLoop):
             self.leases_expired += 1
             self._release(request_id)
         if not self.engine.has_work:
-            return
+            return False
         t_start = time.time()
         events = self.engine.step()
         t_end = time.time()
+        if self.engine.last_step is None:  # every waiting prompt lacks blocks (parked KV holds them)
+            return False
         for entry in self._pending.values():
             if entry[2].num_cached and not entry[3]:
                 entry[3].append(t_start)
@@ -105,3 +118,4 @@ class PrefillWorker(EngineLoop):
                 request_id=ev.seq_id, first_token=ev.token_id, handle=handle, worker=self.name,
                 timings={"queue_ms": (t_first - t_enq) * 1e3, "prefill_ms": (t_end - t_first) * 1e3,
                          "prefill_start": t_first, "prefill_end": t_end}))
+        return True
