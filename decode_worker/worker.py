@@ -10,17 +10,30 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.block_manager import NoFreeBlocks
 from engine.sequence import Sequence
 from engine.worker_base import EngineLoop, build_engine, log
-from router.types import GenerateRequest, PrefillResult, StreamEvent, WorkerConfig, WorkerStats
+from router.types import GenerateRequest, PrefillResult, StreamEvent, WorkerConfig, WorkerError, WorkerStats
 from transport import make_transport
+from transport.base import TransferTimeout, TransportError
+
+# How long an abort is remembered. A submit that reaches this worker after its own abort (the
+# router's abort and submit calls run on separate threads) is then refused instead of decoded
+# for nobody; longer than any transfer, so an aborted pull is always discarded.
+ABORT_MEMORY_S = 120.0
+
+
+class LeaseExpired(TransportError):
+    """The prefill side's lease on the KV ran out before the pull finished: its blocks may
+    already hold another prompt, so the copy cannot be trusted."""
 
 
 class DecodeWorker(EngineLoop):
+    error_type = WorkerError
+
     def __init__(self, cfg: WorkerConfig, name: str = "decode-0", colocated: bool = False):
         super().__init__(name)
         self.cfg, self.colocated = cfg, colocated
@@ -37,23 +50,32 @@ class DecodeWorker(EngineLoop):
         self._events_cv = threading.Condition()
         self._admissions: deque[tuple[GenerateRequest, PrefillResult]] = deque()  # waiting for blocks
         self._in_transfer: dict[str, list[int]] = {}  # request id -> reserved local blocks
-        self._aborted: set[str] = set()
+        self._aborted: OrderedDict[str, float] = OrderedDict()  # request id -> when aborted (oldest first)
         self._xfer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-xfer")
         self.start()
 
     # ---- called from other threads (Ray actor methods) -------------------------------------
     def submit_prompt(self, req: GenerateRequest) -> None:
         """Colocated: admit a raw prompt (prefilled here, whole or in chunks)."""
-        self.call(lambda: self.engine.add_request(Sequence(req.request_id, list(req.prompt_ids), req.params)))
+        def admit() -> None:
+            if not self._refuse_aborted(req.request_id):
+                self.engine.add_request(Sequence(req.request_id, list(req.prompt_ids), req.params))
+
+        self.call(admit)
 
     def submit_prefilled(self, req: GenerateRequest, result: PrefillResult) -> None:
         """Disaggregated: admit a request whose prompt KV waits on a prefill worker."""
         self.engine.check_fits(len(req.prompt_ids), req.params.max_tokens)
-        self.call(lambda: self._admissions.append((req, result)))
+        def admit() -> None:
+            if not self._refuse_aborted(req.request_id):
+                self._admissions.append((req, result))
+
+        self.call(admit)
 
     def abort(self, request_id: str) -> bool:
         def do() -> bool:
-            self._aborted.add(request_id)
+            self._aborted[request_id] = time.time()
+            self._aborted.move_to_end(request_id)
             before = len(self._admissions)
             kept = [a for a in self._admissions if a[0].request_id != request_id]
             self._admissions = deque(kept)
@@ -62,10 +84,14 @@ class DecodeWorker(EngineLoop):
         return self.call(do)
 
     def poll_events(self, timeout_s: float = 0.05) -> list[StreamEvent]:
+        """Buffered events; once the loop is gone and they are drained, raises (the router then
+        reports the worker dead and replaces it)."""
         with self._events_cv:
             if not self._events:
                 self._events_cv.wait(timeout_s)
             out, self._events = self._events, []
+        if not out and self._exited:
+            raise self._ended_error()
         return out
 
     def stats(self) -> WorkerStats:
@@ -76,6 +102,8 @@ class DecodeWorker(EngineLoop):
                            blocks_free=e.blocks.num_free, steps=self.steps)
 
     def ping(self) -> str:
+        """Raises if the engine loop is gone, so the router reports and replaces the worker."""
+        self.check_running()
         return self.name
 
     def shutdown(self) -> None:
@@ -94,7 +122,34 @@ class DecodeWorker(EngineLoop):
                 self._events.extend(events)
                 self._events_cv.notify_all()
 
+    def _refuse_aborted(self, request_id: str) -> bool:
+        """A submit that arrives after its own abort: drop it (and end the stream, if any)."""
+        if request_id not in self._aborted:
+            return False
+        self._emit([StreamEvent(request_id, "error", finished=True, finish_reason="abort",
+                                error=f"request {request_id} was aborted")])
+        return True
+
+    def _fail_expired_admissions(self) -> None:
+        """Queued admissions whose prefill lease ran out while they waited for blocks: the KV is
+        gone (or reused), so fail them now rather than pull garbage later."""
+        now = time.time()
+        if not any(r.handle.lease_deadline <= now for _, r in self._admissions):
+            return
+        kept: deque[tuple[GenerateRequest, PrefillResult]] = deque()
+        for req, result in self._admissions:
+            if result.handle.lease_deadline > now:
+                kept.append((req, result))
+                continue
+            waited = now - result.timings.get("prefill_end", now)
+            self._fail_admission(req.request_id, [], (
+                f"KV transfer failed: the KV lease on {result.handle.agent} expired while the request "
+                f"waited {waited:.1f} s for free KV blocks on {self.name}; raise --lease-s or add decode capacity"))
+        self._admissions = kept
+
     def _start_transfers(self) -> None:
+        if self._admissions:
+            self._fail_expired_admissions()
         while self._admissions:
             req, result = self._admissions[0]
             try:
@@ -109,8 +164,25 @@ class DecodeWorker(EngineLoop):
         """Transfer thread: pull, notify, then hand the sequence to the loop thread."""
         handle = result.handle
         try:
+            # The prefill side frees these blocks at its lease deadline, and may reuse them at once:
+            # a pull is only valid if it finishes before then (same clock on one node; NTP across).
+            left = handle.lease_deadline - time.time()
+            if left <= 0:
+                raise LeaseExpired(f"the KV lease on {handle.agent} expired {-left:.2f} s before the pull "
+                                   "started; raise --lease-s")
             self.transport.connect(handle.source)
-            stats = self.transport.read(handle, blocks[: len(handle.block_ids)], self.cfg.transfer_timeout_s)
+            try:
+                stats = self.transport.read(handle, blocks[: len(handle.block_ids)],
+                                            min(self.cfg.transfer_timeout_s, left))
+            except TransferTimeout:
+                if left >= self.cfg.transfer_timeout_s:
+                    raise
+                raise LeaseExpired(f"the KV lease on {handle.agent} ran out ({left:.2f} s left when the "
+                                   "pull started) before the pull finished; raise --lease-s") from None
+            late = time.time() - handle.lease_deadline
+            if late >= 0:
+                raise LeaseExpired(f"the pull from {handle.agent} finished {late:.2f} s after the KV lease "
+                                   "ran out, so its blocks may hold another prompt; raise --lease-s")
             self.transport.notify(handle.agent, req.request_id)
         except Exception as e:  # noqa: BLE001 - reported to the router as this request's error
             log.warning("KV pull for %s failed: %s", req.request_id, e)
@@ -121,12 +193,12 @@ class DecodeWorker(EngineLoop):
     def _fail_admission(self, request_id: str, blocks: list[int], message: str) -> None:
         self._in_transfer.pop(request_id, None)
         self.engine.blocks.free(blocks)
-        self._emit([StreamEvent(request_id, "error", finished=True, finish_reason="error", error=message)])
+        if request_id not in self._aborted:  # an aborted request's stream is gone: nothing after abort
+            self._emit([StreamEvent(request_id, "error", finished=True, finish_reason="error", error=message)])
 
     def _admit(self, req: GenerateRequest, result: PrefillResult, blocks: list[int], stats) -> None:
         self._in_transfer.pop(req.request_id, None)
         if req.request_id in self._aborted:
-            self._aborted.discard(req.request_id)
             self.engine.blocks.free(blocks)
             return
         seq = Sequence(req.request_id, list(req.prompt_ids), req.params, output_ids=[result.first_token],
@@ -135,14 +207,30 @@ class DecodeWorker(EngineLoop):
         self._emit([StreamEvent(req.request_id, "admitted", transfer=stats,
                                 finished=seq.finish_reason is not None, finish_reason=seq.finish_reason)])
 
-    def tick(self) -> None:
+    def on_exit(self) -> None:
+        e = self.engine
+        held = [s.seq_id for s in (*e.waiting, *e.running)] + [r.request_id for r, _ in self._admissions]
+        held += list(self._in_transfer)
+        error = str(self._ended_error())
+        self._emit([StreamEvent(rid, "error", finished=True, finish_reason="error", error=error)
+                    for rid in held if rid not in self._aborted])
+
+    def _forget_old_aborts(self) -> None:
+        cutoff = time.time() - ABORT_MEMORY_S
+        while self._aborted:
+            rid, t = next(iter(self._aborted.items()))
+            if t > cutoff or rid in self._in_transfer:
+                return
+            del self._aborted[rid]
+
+    def tick(self) -> bool:
         self._start_transfers()
+        if self._aborted:
+            self._forget_old_aborts()
         if not self.engine.has_work:
-            return
+            return False
         events = self.engine.step()
         t = time.time()
         self._emit([StreamEvent(ev.seq_id, "token", ev.token_id, ev.index, ev.finished, ev.finish_reason, t)
                     for ev in events])
-        # forget abort marks of requests that can no longer appear
-        if self._aborted and not self._in_transfer:
-            self._aborted.clear()
+        return self.engine.last_step is not None
