@@ -100,6 +100,10 @@ class RayPools:
             await asyncio.wait_for(new.call("ping"), 120)
         except Exception as e:  # noqa: BLE001
             log.error("replacement for %s failed to start: %r", dead.name, e)
+            try:  # a half-started actor would keep the bundle that the next attempt needs
+                self.ray.kill(new.target, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
             return None
         return new
 
@@ -155,9 +159,15 @@ async def build_orchestrator(cfg: Any) -> Orchestrator:
         for s in specs:
             cls = _worker_class(s.role)
             names = [f"{s.role}-{i}" for i in range(s.size)]
-            objs = await asyncio.gather(*(loop.run_in_executor(None, cls, *_worker_args(s, n)) for n in names))
+            objs = await asyncio.gather(*(loop.run_in_executor(None, cls, *_worker_args(s, n)) for n in names),
+                                        return_exceptions=True)
             handles[s.role] = [WorkerHandle(n, "prefill" if s.role == "prefill" else "decode", o, is_ray=False)
-                               for n, o in zip(names, objs)]
+                               for n, o in zip(names, objs) if not isinstance(o, BaseException)]
+            failed = next((o for o in objs if isinstance(o, BaseException)), None)
+            if failed is not None:  # stop the workers that did start (loop threads, registered pools)
+                for h in (h for hs in handles.values() for h in hs):
+                    h.target.shutdown()
+                raise failed
 
         async def shutdown_local(workers: list[WorkerHandle]) -> None:
             await asyncio.gather(*(h.call("shutdown") for h in workers), return_exceptions=True)

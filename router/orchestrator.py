@@ -131,8 +131,11 @@ class Orchestrator:
                 if ev.finished:
                     finished = True
                     return
-        except WorkerDied as e:
+        except WorkerError as e:
             tl["finish_reason"] = "error"
+            # Not only WorkerDied: a worker whose engine loop died still answers Ray calls but
+            # fails every request, and a failed KV pull often means the prefill side is gone.
+            # _handle_death pings both and replaces whichever is really dead.
             await self._handle_death(prefill, decode)
             raise WorkerError(str(e)) from None
         finally:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from router.types import WorkerError
+
+log = logging.getLogger("pdserve.router")
 
 
 class WorkerDied(WorkerError):
@@ -38,7 +41,11 @@ class WorkerHandle:
             cause = next((ln.strip() for ln in reversed(str(e).splitlines()) if "Error" in ln), type(e).__name__)
             raise WorkerDied(f"{self.role} worker {self.name} died: {cause}") from None
         except ray.exceptions.RayTaskError as e:
-            raise e.as_instanceof_cause() from None
+            # Re-raise the worker's own exception: str() of Ray's wrapper is the whole remote
+            # traceback, which would reach the client as the error message.
+            log.debug("%s.%s failed on the worker:\n%s", self.name, method, e)
+            cause = getattr(e, "cause", None)
+            raise (cause if isinstance(cause, Exception) else e.as_instanceof_cause()) from None
 
     def __repr__(self) -> str:
         return f"WorkerHandle({self.name}, {self.role}, {'ray' if self.is_ray else 'local'})"
