@@ -51,6 +51,8 @@ class DecodeWorker(EngineLoop):
         self._admissions: deque[tuple[GenerateRequest, PrefillResult]] = deque()  # waiting for blocks
         self._in_transfer: dict[str, list[int]] = {}  # request id -> reserved local blocks
         self._aborted: OrderedDict[str, float] = OrderedDict()  # request id -> when aborted (oldest first)
+        # colocated: request id -> (sequence, admitted at, first prefill step at) until its first token
+        self._prefill_clock: dict[str, tuple[Sequence, float, float | None]] = {}
         self._xfer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-xfer")
         self.start()
 
@@ -59,7 +61,9 @@ class DecodeWorker(EngineLoop):
         """Colocated: admit a raw prompt (prefilled here, whole or in chunks)."""
         def admit() -> None:
             if not self._refuse_aborted(req.request_id):
-                self.engine.add_request(Sequence(req.request_id, list(req.prompt_ids), req.params))
+                seq = Sequence(req.request_id, list(req.prompt_ids), req.params)
+                self.engine.add_request(seq)
+                self._prefill_clock[req.request_id] = (seq, time.time(), None)
 
         self.call(admit)
 
@@ -215,6 +219,20 @@ class DecodeWorker(EngineLoop):
         self._emit([StreamEvent(rid, "error", finished=True, finish_reason="error", error=error)
                     for rid in held if rid not in self._aborted])
 
+    def _stamp_prefills(self, events: list[StreamEvent], t_start: float) -> None:
+        """Colocated timelines: queue = admission to first prefill step, prefill = first prefill
+        step to first token (all chunks, and the decode steps mixed with them)."""
+        for rid, (seq, t_submit, t_first) in list(self._prefill_clock.items()):
+            if t_first is None and seq.num_cached:
+                self._prefill_clock[rid] = (seq, t_submit, t_start)
+            elif seq.finish_reason is not None and not seq.output_ids:  # aborted before its first token
+                del self._prefill_clock[rid]
+        for ev in events:
+            if ev.index == 0 and ev.request_id in self._prefill_clock:
+                _, t_submit, t_first = self._prefill_clock.pop(ev.request_id)
+                t_first = t_first or t_submit
+                ev.timings = {"queue_ms": (t_first - t_submit) * 1e3, "prefill_ms": (ev.t - t_first) * 1e3}
+
     def _forget_old_aborts(self) -> None:
         cutoff = time.time() - ABORT_MEMORY_S
         while self._aborted:
@@ -229,8 +247,12 @@ class DecodeWorker(EngineLoop):
             self._forget_old_aborts()
         if not self.engine.has_work:
             return False
+        t_start = time.time()
         events = self.engine.step()
         t = time.time()
-        self._emit([StreamEvent(ev.seq_id, "token", ev.token_id, ev.index, ev.finished, ev.finish_reason, t)
-                    for ev in events])
+        out = [StreamEvent(ev.seq_id, "token", ev.token_id, ev.index, ev.finished, ev.finish_reason, t)
+               for ev in events]
+        if self._prefill_clock:
+            self._stamp_prefills(out, t_start)
+        self._emit(out)
         return self.engine.last_step is not None

@@ -258,6 +258,8 @@ class Orchestrator:
         t = self._rel(tl, ev.t)
         if ev.index == 0:
             tl["first_token_ms"] = t
+            if ev.timings:  # colocated: the decode worker timed the prompt's queue and prefill
+                tl.update({k: round(v, 3) for k, v in ev.timings.items()})
         tl["last_token_ms"] = t
         tl["output_tokens"] = ev.index + 1
         tl["token_ids"].append(ev.token_id)  # lets clients check greedy equality across modes

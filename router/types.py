@@ -42,6 +42,7 @@ class StreamEvent:
     t: float = field(default_factory=time.time)
     transfer: TransferStats | None = None  # on "admitted" in disaggregated mode
     error: str | None = None
+    timings: dict[str, float] | None = None  # colocated, on token 0: queue_ms, prefill_ms
 
 
 @dataclass

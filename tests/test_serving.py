@@ -106,8 +106,9 @@ def test_greedy_tokens_identical_across_modes(ray_cluster, expected, name):
             assert token_ids(resp) == expected[prompt], f"{name}: {prompt!r}"
             assert resp.usage.completion_tokens == MAX_TOKENS
             assert resp.choices[0].finish_reason == "length"
+        tl = resp.model_extra["pdserve"]["timeline"]
+        assert tl["queue_ms"] >= 0 and tl["prefill_ms"] > 0 and tl["first_token_ms"] <= tl["last_token_ms"]
         if name.startswith("disagg"):
-            tl = resp.model_extra["pdserve"]["timeline"]
             assert tl["transfer"]["bytes"] > 0 and tl["transfer"]["descriptors"] >= 1
             assert set(tl["transfer"]["link_ms"]) == {"nvlink", "ib-400g", "ib-100g"}
         assert wait_blocks_free(srv.url) == 0, "KV blocks leaked"
