@@ -91,6 +91,21 @@ class Transport(ABC):
         return KVHandle(request_id, self.describe(), tuple(block_ids), num_tokens, self.layout.compat_hash,
                         time.time() + lease_s)
 
+    @abstractmethod
+    def _check_open(self) -> None:
+        """Raise TransportError if close() has run."""
+
+    def _check_read(self, handle: KVHandle) -> None:
+        """The preconditions every backend's read() shares: still open, a pool registered, and a
+        handle made for a pool of this layout (the hash is cheap; connect() diffs the full layout)."""
+        self._check_open()
+        if not self.registered:
+            raise TransportError("register() the KV pool before read()")
+        assert self.layout is not None  # registered implies a layout
+        if handle.layout_hash != self.layout.compat_hash:
+            raise TransportError(f"handle {handle.request_id!r} has layout hash {handle.layout_hash}, "
+                                 f"this pool {self.layout.compat_hash}")
+
     def check_layout(self, peer: PeerInfo) -> None:
         assert self.layout is not None, "register() first"
         diff = self.layout.differences(peer.layout)

@@ -66,12 +66,7 @@ class LocalTransport(Transport):
 
     def read(self, handle: KVHandle, local_blocks: list[int], timeout_s: float = 30.0,
              coalesced: bool = True) -> TransferStats:
-        self._check_open()
-        if self._pool is None:
-            raise TransportError("register() the KV pool before read()")
-        if handle.layout_hash != self.layout.compat_hash:
-            raise TransportError(f"handle {handle.request_id!r} has layout hash {handle.layout_hash}, "
-                                 f"this pool {self.layout.compat_hash}")
+        self._check_read(handle)
         self.connect(handle.source)
         remote, remote_layout = self._remote_pool(handle.agent)
         check_blocks(handle.block_ids, local_blocks, remote_layout.num_blocks, self.layout.num_blocks)

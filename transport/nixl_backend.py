@@ -146,12 +146,7 @@ class NixlTransport(Transport):
              coalesced: bool = True) -> TransferStats:
         """Pull the handle's blocks into `local_blocks`. `coalesced=False` posts one descriptor
         per block (benchmark baseline only)."""
-        self._check_open()
-        if self._pool is None:
-            raise TransportError("register() the KV pool before read()")
-        if handle.layout_hash != self.layout.compat_hash:
-            raise TransportError(f"handle {handle.request_id!r} has layout hash {handle.layout_hash}, "
-                                 f"this pool {self.layout.compat_hash}")
+        self._check_read(handle)
         self.connect(handle.source)
         peer = self._peers[handle.agent]
         check_blocks(handle.block_ids, local_blocks, peer.layout.num_blocks, self.layout.num_blocks)
