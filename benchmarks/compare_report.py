@@ -124,6 +124,15 @@ def _plt() -> Any:
     return plt
 
 
+def _save(fig: Any, path: Path) -> Path:
+    """Every figure of the report is laid out, written at the same dpi, and closed (pyplot keeps
+    open figures alive otherwise)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return path
+
+
 def _ok_modes(result: dict[str, Any]) -> list[dict[str, Any]]:
     return [m for m in result["modes"] if "metrics" in m]
 
@@ -172,10 +181,7 @@ def plot_timelines(result: dict[str, Any], path: Path) -> Path:
     axes[-1, 0].set_xlabel("time from the document's arrival (ms); each tick is a streamed token")
     fig.suptitle(f"Token arrivals of the chat streams around a {result['workload']['doc_prompt_len']}-token "
                  f"document ({result['model']} on {result['device']})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_latency(result: dict[str, Any], path: Path) -> Path:
@@ -211,10 +217,7 @@ def plot_latency(result: dict[str, Any], path: Path) -> Path:
     a2.set_title("TTFT per request", fontsize=10)
     a2.grid(alpha=0.3, axis="y", which="both")
     a2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_predicted(result: dict[str, Any], path: Path) -> Path:
@@ -233,10 +236,7 @@ def plot_predicted(result: dict[str, Any], path: Path) -> Path:
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 # ----------------------------------------------------------------------------- Markdown
