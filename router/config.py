@@ -45,6 +45,7 @@ class ServeConfig:
     max_num_seqs: int = 64
     transport: str = "nixl"
     lease_s: float = 30.0  # prefill KV is freed if decode has not pulled it by then
+    transfer_timeout_s: float = 30.0  # one KV pull; also capped by the lease time left
     max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
     served_model_name: str | None = None  # the name clients send as "model"; None = the model's name
     prefill_resources: dict[str, float] = field(default_factory=dict)  # Ray custom resources per prefill actor
@@ -107,6 +108,8 @@ class ServeConfig:
             raise bad("--transport", f"must be one of {', '.join(TRANSPORTS)}")
         if self.lease_s <= 0:
             raise bad("--lease-s", "must be > 0 seconds")
+        if self.transfer_timeout_s <= 0:
+            raise bad("--transfer-timeout-s", "must be > 0 seconds")
         for name in ("prefill_resources", "decode_resources"):
             for k, v in getattr(self, name).items():
                 if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
@@ -127,7 +130,8 @@ class ServeConfig:
     def worker_config(self) -> WorkerConfig:
         return WorkerConfig(model=self.model, dtype=self.dtype, kv_dtype=self.kv_dtype, device=self.device,
                             block_size=self.block_size, num_blocks=self.num_blocks, chunk_size=self.chunk_size,
-                            max_num_seqs=self.max_num_seqs, lease_s=self.lease_s, transport=self.transport)
+                            max_num_seqs=self.max_num_seqs, lease_s=self.lease_s, transport=self.transport,
+                            transfer_timeout_s=self.transfer_timeout_s)
 
     def to_dict(self, redact: bool = True) -> dict[str, Any]:
         d = asdict(self)

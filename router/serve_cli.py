@@ -61,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"KV transport between pools (default {D.transport})")
     g.add_argument("--lease-s", type=float, default=None,
                    help=f"seconds prefill keeps KV that decode has not pulled (default {D.lease_s:g})")
+    g.add_argument("--transfer-timeout-s", type=float, default=None,
+                   help=f"seconds one KV pull may take before the request fails (default {D.transfer_timeout_s:g})")
     g.add_argument("--ray-address", default=None,
                    help="an existing Ray cluster (e.g. auto or ray://host:10001); default: start a local one; "
                         "'none' runs the workers in this process without Ray")

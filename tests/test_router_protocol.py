@@ -249,7 +249,8 @@ def test_config_yaml_errors_name_the_key(tmp_path, yaml_text, needle):
     ({"decode": 0}, "--decode"), ({"chunk_size": 0}, "--chunk-size"), ({"policy": "random"}, "--policy"),
     ({"port": 70000}, "--port"), ({"max_queue": 0}, "--max-queue"), ({"transport": "tcp"}, "--transport"),
     ({"kv_dtype": "int4"}, "--kv-dtype"), ({"device": "tpu"}, "--device"), ({"api_key": " "}, "--api-key"),
-    ({"gpus_per_worker": -1}, "--gpus-per-worker"),
+    ({"gpus_per_worker": -1}, "--gpus-per-worker"), ({"lease_s": 0}, "--lease-s"),
+    ({"transfer_timeout_s": -1}, "--transfer-timeout-s"),
 ])
 def test_config_flag_errors_name_the_flag(flags, needle):
     with pytest.raises(ConfigError, match=needle):
