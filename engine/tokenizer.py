@@ -54,25 +54,32 @@ def load_tokenizer(model: str, bos_id: int | None, eos_id: int | None) -> Tokeni
 
 
 class Detokenizer:
-    """Turns a growing list of ids into text deltas. Text that ends in U+FFFD (an incomplete
-    multi-byte character) is held back until the next token completes it."""
+    """Turns a growing list of ids into text deltas, decoding only a short window per token (the
+    SSE loop calls this once per token; decoding the whole output each time is quadratic).
+
+    `prefix` .. `read` is the window already emitted; text that ends in U+FFFD (an incomplete
+    multi-byte character) is held back until later tokens complete it. Decoding from `prefix`
+    rather than from `read` keeps tokenizers that render a token differently at the start of a
+    string (leading spaces) consistent."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tok = tokenizer
         self.ids: list[int] = []
-        self.emitted = ""
+        self.prefix = 0  # start of the decode window
+        self.read = 0  # ids[:read] are already emitted as text
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        delta = text[len(self.emitted):] if text.startswith(self.emitted) else text
-        self.emitted = text
-        return delta
+        return self._delta(final=False)
 
     def flush(self) -> str:
-        text = self.tok.decode(self.ids)
-        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
-        self.emitted = text
-        return delta
+        """Whatever is held back (an incomplete character at the end becomes U+FFFD)."""
+        return self._delta(final=True)
+
+    def _delta(self, final: bool) -> str:
+        emitted = self.tok.decode(self.ids[self.prefix:self.read])
+        text = self.tok.decode(self.ids[self.prefix:])
+        if text.endswith("\ufffd") and not final:
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)  # tokens that render as '' advance it too
+        return text[len(emitted):] if len(text) > len(emitted) else ""
