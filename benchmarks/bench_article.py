@@ -23,9 +23,9 @@ import torch
 from tqdm import tqdm
 
 from benchmarks import timing as eb
-from benchmarks.provenance import RESULTS_DIR, write_result
-from engine import cost_model as cm
-from engine.cli import CliError
+from costmodel.provenance import RESULTS_DIR, write_result
+from costmodel import cost_model as cm
+from cli import CliError
 from engine.model_runner import StepItem
 
 CPU_DEFAULTS = dict(model="tiny", batches="1,8,32,64,256", ctx=256, contexts="256,512,1024,2048",

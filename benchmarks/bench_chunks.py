@@ -28,10 +28,10 @@ import torch
 from tqdm import tqdm
 
 from benchmarks import timing as eb
-from benchmarks.provenance import RESULTS_DIR, write_result
+from costmodel.provenance import RESULTS_DIR, write_result
 from benchmarks.timing import measure, time_call
-from engine import cost_model as cm
-from engine.cli import CliError
+from costmodel import cost_model as cm
+from cli import CliError
 from engine.model_runner import StepItem
 
 CPU_DEFAULTS = dict(model="tiny", decode_batch=8, context=512, prompt_len=2048,

@@ -9,7 +9,7 @@ For each mode, in turn, a fresh pdserve server (Ray actors + uvicorn on a free l
 2. the timed run: the same workload through `bench serve`'s client (arrivals on schedule,
    streamed, per-chunk timestamps) -> TTFT/ITL/TPOT/E2E, goodput, stall per document.
 Beside each measured figure: the simulator's prediction on a calibrated device model
-(`benchmarks/compare_predict.py`), labelled "simulated". Results: one JSON with provenance, a
+(`costmodel/compare_predict.py`), labelled "simulated". Results: one JSON with provenance, a
 Markdown report and PNG plots (`benchmarks/compare_report.py`), and one table on stdout.
 """
 from __future__ import annotations
@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_serve import BenchConfig, run_benchmark
+from benchmarks.compare_report import pack
 from benchmarks.serve_client import ClientConfig, ClientError
-from benchmarks.workloads import RequestSpec, WorkloadConfig, build_workload
+from costmodel.workloads import RequestSpec, WorkloadConfig, build_workload
 
 # The CPU-sized default: 8 chats decoding 400 tokens while three 2048-token documents arrive.
 # On the 2-core dev machine with the tiny model a 2048-token prefill takes ~0.6 s and a decode
@@ -64,7 +65,7 @@ class ModeRun:
 # ----------------------------------------------------------------------------- arguments
 
 def _ints(text: str, flag: str) -> list[int]:
-    from engine.cli import CliError  # noqa: PLC0415
+    from cli import CliError  # noqa: PLC0415
 
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
@@ -76,7 +77,7 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def build_modes(modes: str, chunk_sizes: str, prefill: int, decode: int) -> list[ModeSpec]:
-    from engine.cli import CliError  # noqa: PLC0415
+    from cli import CliError  # noqa: PLC0415
 
     names = [m.strip() for m in modes.split(",") if m.strip()]
     bad = [m for m in names if m not in ("colocated", "chunked", "disagg")]
@@ -246,9 +247,9 @@ def check_equality(runs: list[ModeRun]) -> dict[str, Any]:
 
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Run every mode, predict, check equality; the JSON payload (without provenance)."""
-    from benchmarks import compare_predict as cp  # noqa: PLC0415
-    from benchmarks.provenance import RESULTS_DIR  # noqa: PLC0415
-    from engine.cli import CliError  # noqa: PLC0415
+    from costmodel import compare_predict as cp  # noqa: PLC0415
+    from costmodel.provenance import RESULTS_DIR  # noqa: PLC0415
+    from cli import CliError  # noqa: PLC0415
 
     modes = build_modes(args.modes, args.chunk_sizes, args.prefill, args.decode)
     device = args.device or _default_device()
@@ -302,8 +303,8 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def find_calibration(given: str | None, out_dir: Path, model: str, device_kind: str) -> Path:
     """--calibration, else `bench chunks`' file for this model and device in --out-dir, else in results/."""
-    from benchmarks import compare_predict as cp  # noqa: PLC0415
-    from benchmarks.provenance import RESULTS_DIR  # noqa: PLC0415
+    from costmodel import compare_predict as cp  # noqa: PLC0415
+    from costmodel.provenance import RESULTS_DIR  # noqa: PLC0415
 
     if given:
         return Path(given)
@@ -326,20 +327,9 @@ def _gpu_count() -> int:
     return max(1, torch.cuda.device_count())
 
 
-def _pack(times: list[float]) -> str:
-    """Timestamps as one string of space-separated seconds, to 0.01 ms: with the JSON indented
-    one number per line, per-token lists would make the file ten times larger."""
-    return " ".join(f"{t:.5f}" for t in times)
-
-
-def unpack(text: str | list, cast: type = float) -> list:
-    """Inverse of the packing of `chunk_times_s` (float) and `token_ids` (cast=int) in the result JSON."""
-    return [cast(x) for x in text.split()] if isinstance(text, str) else list(text)
-
-
 def _payload(args, device, wl, specs, runs, predictions, setup, setup_error, calibration,
              equality) -> dict[str, Any]:
-    from benchmarks import compare_predict as cp  # noqa: PLC0415
+    from costmodel import compare_predict as cp  # noqa: PLC0415
     from benchmarks.bench_serve import _finite  # noqa: PLC0415
 
     modes = []
@@ -350,7 +340,7 @@ def _payload(args, device, wl, specs, runs, predictions, setup, setup_error, cal
         if r.bench is not None:
             entry["metrics"] = asdict(r.bench.metrics)
             entry["wall_s"] = r.bench.wall_s
-            entry["records"] = [{k: (_pack(v) if k == "chunk_times_s" else v) for k, v in asdict(x).items()
+            entry["records"] = [{k: (pack(v) if k == "chunk_times_s" else v) for k, v in asdict(x).items()
                                  if k != "text"} for x in r.bench.records]
             entry["transfers"] = r.transfers
             entry["token_ids"] = {rid: " ".join(map(str, ids)) for rid, ids in r.token_ids.items()}
@@ -376,8 +366,8 @@ def main(args: argparse.Namespace) -> int:
     import json  # noqa: PLC0415
 
     from benchmarks import compare_report as rep  # noqa: PLC0415
-    from benchmarks.provenance import RESULTS_DIR, write_result  # noqa: PLC0415
-    from engine.cli import CliError  # noqa: PLC0415
+    from costmodel.provenance import RESULTS_DIR, write_result  # noqa: PLC0415
+    from cli import CliError  # noqa: PLC0415
 
     out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
     if args.from_json:

@@ -3,7 +3,7 @@ TTFT/TPOT/ITL/E2E, throughput, goodput and the article's stall metric.
 
 In-process use (`bench compare`): `result = await run_benchmark(BenchConfig(...))`, then
 `result.metrics` (a ServeMetrics) and `result.records` (one RequestRecord per request).
-Metric formulas: see benchmarks/serve_metrics.py.
+Metric formulas: see costmodel/serve_metrics.py.
 """
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.provenance import write_result
+from costmodel.provenance import write_result
 from benchmarks.serve_client import ClientConfig, ClientError, run_requests
-from benchmarks.serve_metrics import Dist, RequestRecord, ServeMetrics, compute_metrics
-from benchmarks.workloads import RequestSpec, WorkloadConfig, build_workload
+from costmodel.serve_metrics import Dist, RequestRecord, ServeMetrics, compute_metrics
+from costmodel.workloads import RequestSpec, WorkloadConfig, build_workload
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    from engine.cli import CliError  # local: keeps this module importable without the CLI
+    from cli import CliError  # local: keeps this module importable without the CLI
 
     config = config_from_args(args)
     try:

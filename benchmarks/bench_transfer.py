@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks.provenance import RESULTS_DIR, write_result
-from engine.cli import CliError
+from costmodel.provenance import RESULTS_DIR, write_result
+from cli import CliError
 from transport import LINKS_GBPS, make_transport
 from transport.wire import KVHandle, KVLayout
 

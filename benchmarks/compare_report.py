@@ -13,6 +13,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+
+def pack(times: list[float]) -> str:
+    """Timestamps as one string of space-separated seconds, to 0.01 ms: with the JSON indented
+    one number per line, per-token lists would make the file ten times larger."""
+    return " ".join(f"{t:.5f}" for t in times)
+
+
+def unpack(text: str | list, cast: type = float) -> list:
+    """Inverse of the packing of `chunk_times_s` (float) and `token_ids` (cast=int) in the result JSON."""
+    return [cast(x) for x in text.split()] if isinstance(text, str) else list(text)
+
+
 # (header, unit row, getter over a metrics dict)
 _COLUMNS: list[tuple[str, str, Any]] = [
     ("TTFT p50", "ms", lambda m: m["ttft_ms"]["p50"]),
@@ -138,8 +150,6 @@ def _ok_modes(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _times(r: dict[str, Any]) -> list[float]:
-    from benchmarks.bench_compare import unpack  # noqa: PLC0415
-
     return unpack(r["chunk_times_s"])
 
 
@@ -264,7 +274,7 @@ def _documents_section(result: dict[str, Any]) -> list[str]:
 
 def _predicted_section(result: dict[str, Any]) -> list[str]:
     """One row per mode; each cell: measured / simulated (error of the simulation)."""
-    from benchmarks.compare_predict import COMPARED  # noqa: PLC0415
+    from costmodel.compare_predict import COMPARED  # noqa: PLC0415
 
     rows = []
     for m in _ok_modes(result):
@@ -347,7 +357,7 @@ def write_report(result: dict[str, Any], out_dir: Path, name: str, result_path: 
              "## Stall per document", "", *_documents_section(result), "",
              "## Predicted (simulated) vs measured", ""]
     if ps:
-        lines += [f"Predictions are **simulated**: the discrete-event simulator (`benchmarks/sim_engine.py`) run on the same "
+        lines += [f"Predictions are **simulated**: the discrete-event simulator (`costmodel/sim_engine.py`) run on the same "
                   f"requests, with step times from the cost model on a calibrated device: {ps['source']}. "
                   f"Device model: {ps['mem_bw_gbps']:.1f} GB/s, {', '.join(f'{v:.3f} TFLOP/s {k}' for k, v in ps['peak_tflops'].items())} "
                   f"peak at MFU {ps['mfu']:.2f}, decode step overhead {ps['decode_step_overhead_ms']:.1f} ms, "

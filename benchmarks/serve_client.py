@@ -22,8 +22,8 @@ import openai
 from openai import AsyncOpenAI
 from tqdm import tqdm
 
-from benchmarks.serve_metrics import RequestRecord
-from benchmarks.workloads import RequestSpec
+from costmodel.serve_metrics import RequestRecord
+from costmodel.workloads import RequestSpec
 
 
 class ClientError(Exception):

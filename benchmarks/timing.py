@@ -124,14 +124,14 @@ def resolve_device(name: str | None) -> torch.device:
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        from engine.cli import CliError  # noqa: PLC0415
+        from cli import CliError  # noqa: PLC0415
 
         raise CliError("--device cuda: no CUDA device is available")
     return torch.device(name)
 
 
 def parse_ints(text: str, flag: str) -> list[int]:
-    from engine.cli import CliError  # noqa: PLC0415
+    from cli import CliError  # noqa: PLC0415
 
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
@@ -190,7 +190,7 @@ _CUDA_MARGIN = 8e9  # activations, allocator slack, CUDA context
 
 def cuda_kv_budget(cfg: Any, weight_dtype: str, device: torch.device) -> float:
     """Bytes left for the KV pool on `device` once `cfg`'s weights are loaded (rough, safe side)."""
-    from engine import cost_model as cm  # noqa: PLC0415
+    from costmodel import cost_model as cm  # noqa: PLC0415
 
     free = torch.cuda.mem_get_info(device)[0]
     m = cm.ModelSpec.from_config(cfg)
@@ -241,12 +241,12 @@ class Harness:
     @classmethod
     def build(cls, args: argparse.Namespace, device: torch.device, kv_tokens: int, max_pos: int,
               pool_blocks: int = 1, model: str | None = None) -> "Harness":
-        from engine import cost_model as cm  # noqa: PLC0415
+        from costmodel import cost_model as cm  # noqa: PLC0415
         from engine.block_manager import BlockManager  # noqa: PLC0415
-        from engine.cli import CliError  # noqa: PLC0415
+        from cli import CliError  # noqa: PLC0415
         from engine.config import PRESETS, CacheConfig, resolve_model_config  # noqa: PLC0415
         from engine.model_runner import ModelRunner  # noqa: PLC0415
-        from engine.weights import is_checkpoint_dir  # noqa: PLC0415
+        from engine.config import is_checkpoint_dir  # noqa: PLC0415
 
         model = model or args.model
         if device.type == "cpu" and getattr(args, "threads", None) is None:

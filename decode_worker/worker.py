@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from engine.block_manager import NoFreeBlocks
 from engine.sequence import Sequence
 from engine.worker_base import EngineLoop, build_engine, log
-from router.types import GenerateRequest, PrefillResult, StreamEvent, WorkerConfig, WorkerError, WorkerStats
+from contracts.worker import GenerateRequest, PrefillResult, StreamEvent, WorkerConfig, WorkerError, WorkerStats
 from transport import make_transport
 from transport.base import TransferTimeout, TransportError
 

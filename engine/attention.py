@@ -6,7 +6,8 @@ query_lens[i]` tokens already cached. Whole prefill, chunked prefill, decode and
 are all the same call: decode is simply query_len == 1.
 
 `AttentionBackend` is the seam for GPU kernels: `TorchReferenceAttention` is the readable,
-CPU-capable reference; `engine/gpu/` provides faster backends with identical semantics.
+CPU-capable reference; `engine/gpu/` provides faster backends with identical semantics, and
+`engine/attention_registry.py` picks one for a device (so this base never imports a backend).
 """
 from __future__ import annotations
 
@@ -64,15 +65,3 @@ class TorchReferenceAttention(AttentionBackend):
             out[start:start + qlen] = oi.transpose(0, 1)
             start += qlen
         return out
-
-
-def default_backend(device: torch.device) -> AttentionBackend:
-    """The fastest backend available on `device` (the torch reference on CPU)."""
-    if device.type == "cuda":
-        try:
-            from engine.gpu.attention import CudaAttention  # noqa: PLC0415 (optional GPU path)
-
-            return CudaAttention()
-        except ImportError:
-            pass
-    return TorchReferenceAttention()

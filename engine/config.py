@@ -210,5 +210,23 @@ def with_overrides(cfg: Any, **kw: Any) -> Any:
     return replace(cfg, **{k: v for k, v in kw.items() if v is not None})
 
 
+def is_checkpoint_dir(model: str) -> bool:
+    """A Hugging Face checkpoint directory (has config.json), as opposed to a preset name."""
+    p = Path(model)
+    return p.is_dir() and (p / "config.json").is_file()
+
+
+def read_generation_eos(directory: str | Path) -> list[int]:
+    """All eos ids a checkpoint declares (config.json and generation_config.json)."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        f = Path(directory) / name
+        if f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    return sorted(set(ids))
+
+
 __all__ = ["ModelConfig", "RopeScaling", "CacheConfig", "PRESETS", "resolve_model_config",
-           "KV_DTYPE_BYTES", "with_overrides"]
+           "KV_DTYPE_BYTES", "with_overrides", "is_checkpoint_dir",
+           "read_generation_eos"]

@@ -5,13 +5,13 @@ import argparse
 import json
 import time
 
-from engine.cli import CliError
+from cli import CliError
 from engine.config import PRESETS, CacheConfig, resolve_model_config
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.sequence import SamplingParams, Sequence
 from engine.tokenizer import load_tokenizer
-from engine.weights import is_checkpoint_dir, read_generation_eos
+from engine.config import is_checkpoint_dir, read_generation_eos
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

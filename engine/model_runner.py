@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionBackend, AttentionMetadata, default_backend
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention_registry import default_backend
 from engine.config import CacheConfig, ModelConfig
 from engine.kv_cache import KVCache
 from engine.kv_layout import KVLayout

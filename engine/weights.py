@@ -7,7 +7,6 @@ standard deviation of ~4: greedy choices then have clear margins, so the equalit
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -119,19 +118,3 @@ def build_model(cfg: ModelConfig, weight_dtype: str = "fp8", device: str | torch
     else:
         init_random(model, seed)
     return model.eval()
-
-
-def is_checkpoint_dir(model: str) -> bool:
-    p = Path(model)
-    return p.is_dir() and (p / "config.json").is_file()
-
-
-def read_generation_eos(directory: str | Path) -> list[int]:
-    """All eos ids a checkpoint declares (config.json and generation_config.json)."""
-    ids: list[int] = []
-    for name in ("config.json", "generation_config.json"):
-        f = Path(directory) / name
-        if f.is_file():
-            eos = json.loads(f.read_text()).get("eos_token_id")
-            ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
-    return sorted(set(ids))

@@ -12,18 +12,33 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
-from engine.config import CacheConfig, resolve_model_config
+from engine.config import CacheConfig, is_checkpoint_dir, read_generation_eos, resolve_model_config
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
-from engine.weights import is_checkpoint_dir, read_generation_eos
 
 log = logging.getLogger("pdserve.worker")
 
 
-def build_engine(cfg: Any, prefill_only: bool) -> LLMEngine:
-    """LLMEngine from a router.types.WorkerConfig (duck-typed to keep engine/ free of router/)."""
+class EngineSettings(Protocol):
+    """The fields of a worker's configuration that build its engine (`contracts.worker.WorkerConfig`
+    has them; stated here structurally so engine/ imports nothing above it)."""
+
+    model: str  # preset or checkpoint directory
+    dtype: str
+    kv_dtype: str
+    device: str
+    block_size: int
+    num_blocks: int
+    chunk_size: int | None
+    max_num_seqs: int
+    max_prefill_tokens: int
+    seed: int
+
+
+def build_engine(cfg: EngineSettings, prefill_only: bool) -> LLMEngine:
+    """LLMEngine from a worker's configuration."""
     model_cfg = resolve_model_config(cfg.model)
     ckpt = cfg.model if is_checkpoint_dir(cfg.model) else None
     cache = CacheConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, kv_dtype=cfg.kv_dtype)

@@ -10,7 +10,7 @@ from concurrent.futures import Future
 
 from engine.sequence import Sequence
 from engine.worker_base import EngineLoop, build_engine
-from router.types import GenerateRequest, PrefillResult, WorkerConfig, WorkerError, WorkerStats
+from contracts.worker import GenerateRequest, PrefillResult, WorkerConfig, WorkerError, WorkerStats
 from transport import make_transport
 from transport.wire import PeerInfo
 

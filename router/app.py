@@ -27,7 +27,7 @@ from engine.tokenizer import Detokenizer, Tokenizer
 from router import openai_protocol as oa
 from router.config import ServeConfig
 from router.metrics import ServeMetrics
-from router.types import GenerateRequest, WorkerError
+from contracts.worker import GenerateRequest, WorkerError
 
 log = logging.getLogger("pdserve.app")
 DISCONNECT_POLL_S = 0.25

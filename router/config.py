@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import KV_DTYPE_BYTES, PRESETS
-from router.types import WorkerConfig
+from contracts.worker import WorkerConfig
 
 MODES = ("disagg", "colocated")
 POLICIES = ("round_robin", "least_loaded")

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import resolve_model_config
-from engine.weights import is_checkpoint_dir, read_generation_eos
+from engine.config import is_checkpoint_dir, read_generation_eos
 from router.orchestrator import Orchestrator
-from router.types import WorkerConfig
+from contracts.worker import WorkerConfig
 from router.worker_handle import WorkerHandle
+from router.worker_host import WorkerHost, load_worker_class
 
 log = logging.getLogger("pdserve.launch")
 ACTOR_CONCURRENCY = 512  # threaded actors: blocking prefill() calls and long polls run side by side
@@ -32,16 +33,6 @@ class PoolSpec:
     worker_config: WorkerConfig
     gpus_per_worker: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)
-
-
-def _worker_class(role: str) -> type:
-    if role == "prefill":
-        from prefill_worker.worker import PrefillWorker  # noqa: PLC0415
-
-        return PrefillWorker
-    from decode_worker.worker import DecodeWorker  # noqa: PLC0415
-
-    return DecodeWorker
 
 
 def _worker_args(spec: PoolSpec, name: str) -> tuple:
@@ -81,12 +72,12 @@ class RayPools:
         self._serial += 1
         name = f"{role}-{bundle}" if self._serial <= sum(s.size for s in self.specs.values()) else \
             f"{role}-{bundle}-r{self._serial}"
-        actor_cls = self.ray.remote(_worker_class(role))
+        actor_cls = self.ray.remote(WorkerHost)
         actor = actor_cls.options(
             name=f"pdserve-{name}-{os.getpid()}", max_concurrency=ACTOR_CONCURRENCY, max_restarts=0,
             num_cpus=1, num_gpus=spec.gpus_per_worker, resources=spec.resources or None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.groups[role], placement_group_bundle_index=bundle),
-        ).remote(*_worker_args(spec, name))
+        ).remote(role, *_worker_args(spec, name))
         return WorkerHandle(name, "prefill" if role == "prefill" else "decode", actor, is_ray=True, bundle=bundle)
 
     async def replace(self, dead: WorkerHandle) -> WorkerHandle | None:
@@ -97,7 +88,7 @@ class RayPools:
             pass
         new = self.spawn(role, dead.bundle)
         try:
-            await asyncio.wait_for(new.call("ping"), 120)
+            await asyncio.wait_for(new.ping(), 120)
         except Exception as e:  # noqa: BLE001
             log.error("replacement for %s failed to start: %r", dead.name, e)
             try:  # a half-started actor would keep the bundle that the next attempt needs
@@ -110,7 +101,7 @@ class RayPools:
     async def shutdown(self, handles: list[WorkerHandle]) -> None:
         from ray.util.placement_group import remove_placement_group  # noqa: PLC0415
 
-        await asyncio.gather(*(h.call("shutdown") for h in handles if h.alive), return_exceptions=True)
+        await asyncio.gather(*(h.shutdown() for h in handles if h.alive), return_exceptions=True)
         for h in handles:
             try:
                 self.ray.kill(h.target, no_restart=True)
@@ -157,7 +148,7 @@ async def build_orchestrator(cfg: Any) -> Orchestrator:
     if cfg.ray_address == "none":
         loop = asyncio.get_running_loop()
         for s in specs:
-            cls = _worker_class(s.role)
+            cls = load_worker_class(s.role)  # in-process workers: this process runs the engine
             names = [f"{s.role}-{i}" for i in range(s.size)]
             objs = await asyncio.gather(*(loop.run_in_executor(None, cls, *_worker_args(s, n)) for n in names),
                                         return_exceptions=True)
@@ -170,7 +161,7 @@ async def build_orchestrator(cfg: Any) -> Orchestrator:
                 raise failed
 
         async def shutdown_local(workers: list[WorkerHandle]) -> None:
-            await asyncio.gather(*(h.call("shutdown") for h in workers), return_exceptions=True)
+            await asyncio.gather(*(h.shutdown() for h in workers), return_exceptions=True)
 
         replace, on_shutdown = None, shutdown_local
     else:
@@ -181,7 +172,7 @@ async def build_orchestrator(cfg: Any) -> Orchestrator:
             for s in specs:
                 handles[s.role] = [pools.spawn(s.role, i) for i in range(s.size)]
             every = [h for hs in handles.values() for h in hs]
-            await asyncio.gather(*(h.call("ping") for h in every))  # raises if a worker failed to build
+            await asyncio.gather(*(h.ping() for h in every))  # raises if a worker failed to build
         except BaseException:
             await pools.shutdown([h for hs in handles.values() for h in hs])
             if started:

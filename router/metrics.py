@@ -16,7 +16,7 @@ from typing import Any, Iterator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from router.types import WorkerStats
+from contracts.worker import WorkerStats
 
 log = logging.getLogger("pdserve.metrics")
 

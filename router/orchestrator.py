@@ -17,7 +17,7 @@ from collections import OrderedDict
 from typing import AsyncIterator, Awaitable, Callable
 
 from engine.config import ModelConfig
-from router.types import GenerateRequest, PrefillResult, StreamEvent, WorkerError, WorkerStats
+from contracts.worker import GenerateRequest, PrefillResult, StreamEvent, WorkerError, WorkerStats
 from router.worker_handle import WorkerDied, WorkerHandle
 
 log = logging.getLogger("pdserve.router")
@@ -80,7 +80,7 @@ class Orchestrator:
 
     async def stats(self) -> list[WorkerStats]:
         workers = self.prefill + self.decode if self.mode == "disagg" else self.decode
-        results = await asyncio.gather(*(w.call("stats") for w in workers), return_exceptions=True)
+        results = await asyncio.gather(*(w.stats() for w in workers), return_exceptions=True)
         out = []
         for w, r in zip(workers, results):
             if isinstance(r, WorkerStats):
@@ -103,12 +103,12 @@ class Orchestrator:
         finished = False
         try:
             if prefill is not None:
-                result: PrefillResult = await prefill.call("prefill", req)
+                result: PrefillResult = await prefill.prefill(req)
                 first = StreamEvent(rid, "token", result.first_token, 0, t=time.time())
                 tl.update(queue_ms=result.timings["queue_ms"], prefill_ms=result.timings["prefill_ms"],
                           prefill_end_ms=self._rel(tl, result.timings["prefill_end"]), kv_blocks=len(result.handle.block_ids))
                 if self._first_is_last(req, result.first_token):
-                    await prefill.call("release", rid)
+                    await prefill.release(rid)
                     first.finished = True
                     first.finish_reason = "length" if req.params.max_tokens == 1 else "stop"
                 self._on_token(tl, first)
@@ -116,9 +116,9 @@ class Orchestrator:
                 if first.finished:
                     finished = True
                     return
-                await decode.call("submit_prefilled", req, result)
+                await decode.submit_prefilled(req, result)
             else:
-                await decode.call("submit_prompt", req)
+                await decode.submit_prompt(req)
             while True:
                 ev = await queue.get()
                 if ev.kind == "error":
@@ -159,7 +159,7 @@ class Orchestrator:
 
     # ---- internals -----------------------------------------------------------------------------
     async def _abort_on(self, rid: str, prefill: WorkerHandle | None, decode: WorkerHandle) -> None:
-        calls = [w.call("abort", rid) for w in (prefill, decode) if w is not None and w.alive]
+        calls = [w.abort(rid) for w in (prefill, decode) if w is not None and w.alive]
         for r in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(r, Exception) and not isinstance(r, WorkerDied):
                 log.warning("abort of %s failed: %r", rid, r)
@@ -183,7 +183,7 @@ class Orchestrator:
         """Collect token events from one decode worker and route them to request queues."""
         while not self._closed:
             try:
-                events = await worker.call("poll_events", 0.05)
+                events = await worker.poll_events(0.05)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - a dead worker fails its requests, then is replaced
@@ -224,7 +224,7 @@ class Orchestrator:
 
     async def _is_dead(self, w: WorkerHandle) -> bool:
         try:
-            await asyncio.wait_for(w.call("ping"), timeout=10)
+            await asyncio.wait_for(w.ping(), timeout=10)
             return False
         except Exception:  # noqa: BLE001
             return True

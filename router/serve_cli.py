@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any, AsyncIterator, Callable
 
-from engine.cli import CliError
+from cli import CliError
 from engine.config import PRESETS, resolve_model_config
 from engine.tokenizer import load_tokenizer
 from router.config import MODES, POLICIES, TRANSPORTS, WEIGHT_DTYPES, ConfigError, ServeConfig

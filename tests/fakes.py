@@ -116,7 +116,7 @@ class FakeCompletionsServer:
 # against the real orchestrator and workers.
 
 from engine.config import PRESETS, ModelConfig  # noqa: E402
-from router.types import GenerateRequest, StreamEvent, WorkerError, WorkerStats  # noqa: E402
+from contracts.worker import GenerateRequest, StreamEvent, WorkerError, WorkerStats  # noqa: E402
 
 
 def echo_script(prompt_ids: list[int], max_tokens: int) -> list[int]:

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bench_compare as bc
-from benchmarks import compare_predict as cp
+from benchmarks.compare_report import unpack
+from costmodel import compare_predict as cp
 from benchmarks.bench_serve import BenchConfig, BenchResult
-from benchmarks.serve_metrics import compute_metrics
-from benchmarks.workloads import WorkloadConfig, build_workload
-from engine.cli import main as cli_main
+from costmodel.serve_metrics import compute_metrics
+from costmodel.workloads import WorkloadConfig, build_workload
+from cli import main as cli_main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CALIBRATION = Path(__file__).resolve().parent.parent / "benchmarks/results/chunks-tiny-cpu.calibration.json"
@@ -37,7 +38,7 @@ def test_bench_compare_end_to_end(tmp_path, capsys):
     specs = {r["request_id"]: r for r in result["requests"]}
 
     # Greedy equality: the disaggregated and colocated servers gave the same tokens per request.
-    ids_of = lambda label: {rid: bc.unpack(v, int) for rid, v in modes[label]["token_ids"].items()}  # noqa: E731
+    ids_of = lambda label: {rid: unpack(v, int) for rid, v in modes[label]["token_ids"].items()}  # noqa: E731
     col, dis, chunked = ids_of("colocated"), ids_of("disagg-1P1D"), ids_of("chunked-64")
     assert set(col) == set(specs) == set(dis)
     for rid, ids in col.items():
@@ -89,7 +90,7 @@ def test_equality_check_reports_the_first_differing_token():
 
 
 def test_mode_list_parsing_and_errors():
-    from engine.cli import CliError
+    from cli import CliError
 
     modes = bc.build_modes("colocated,chunked,disagg", "32,128", 2, 1)
     assert [(m.label, m.mode, m.chunk_size, m.prefill, m.decode) for m in modes] == [

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from engine import cost_model as cm
-from engine.cli import main as cli_main
+from costmodel import cost_model as cm
+from cli import main as cli_main
 from engine.config import PRESETS
 
 M, HW = cm.ARTICLE_MODEL, cm.ARTICLE_HW
@@ -25,7 +25,7 @@ def r(x: float, nd: int = 0) -> float:
 
 
 def test_import_loads_no_torch():
-    code = "import sys, engine.cost_model, engine.cost_cli; assert 'torch' not in sys.modules, 'torch loaded'"
+    code = "import sys, costmodel.cost_model, costmodel.cost_cli; assert 'torch' not in sys.modules, 'torch loaded'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

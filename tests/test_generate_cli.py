@@ -1,6 +1,6 @@
 """`pdserve generate`: error paths (one clear line on stderr, exit 2) and run-to-run determinism.
 
-Error paths run in-process through engine.cli.main (the console script's entry point); only
+Error paths run in-process through cli.main (the console script's entry point); only
 the determinism check and one error path spawn real processes (each costs ~2 s).
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import main as cli_main
+from cli import main as cli_main
 from tests.conftest import hf_test_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,7 +23,7 @@ TINY_CMD = ["generate", "--model", "tiny", "--prompt-ids", "1,2,3", "--max-token
 
 def _pdserve() -> list[str]:
     script = Path(sys.executable).with_name("pdserve")
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "engine.cli"]
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "cli"]
 
 
 def _run_error(capsys, argv: list[str]) -> str:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine.block_manager import BlockManager
-from engine.cli import main as cli_main
+from cli import main as cli_main
 from engine.config import CacheConfig, resolve_model_config
 from engine.linear import Fp8Linear
 from engine.llm_engine import LLMEngine

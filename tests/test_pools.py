@@ -15,7 +15,7 @@ from openai import APIError, APIStatusError, OpenAI  # noqa: E402
 from engine.sequence import SamplingParams  # noqa: E402
 from router.config import ServeConfig  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
-from router.types import GenerateRequest, WorkerConfig  # noqa: E402
+from contracts.worker import GenerateRequest, WorkerConfig  # noqa: E402
 
 
 @pytest.fixture

@@ -259,7 +259,7 @@ def test_config_flag_errors_name_the_flag(flags, needle):
 
 
 def test_serve_cli_flags(tmp_path):
-    from engine.cli import build_parser
+    from cli import build_parser
     from router.serve_cli import config_from_args, ready_message
 
     y = tmp_path / "s.yaml"

@@ -11,9 +11,9 @@ import pytest
 
 from benchmarks.bench_serve import BenchConfig, format_table, run_benchmark
 from benchmarks.serve_client import ClientConfig
-from benchmarks.serve_metrics import RequestRecord, compute_metrics, percentile
-from benchmarks.workloads import RequestSpec, WorkloadConfig, build_workload
-from engine.cli import main as cli_main
+from costmodel.serve_metrics import RequestRecord, compute_metrics, percentile
+from costmodel.workloads import RequestSpec, WorkloadConfig, build_workload
+from cli import main as cli_main
 from tests.fakes import FakeCompletionsServer, FakeScript
 
 approx = pytest.approx

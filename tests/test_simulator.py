@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from benchmarks.sim_engine import Sim, SimConfig, StepModel, Workload, simulate
-from benchmarks.simulate import capacity_special_case, percentiles, summarize
-from engine import cost_model as cm
-from engine.cli import main as cli_main
+from costmodel.sim_engine import Sim, SimConfig, StepModel, Workload, simulate
+from costmodel.simulate import capacity_special_case, percentiles, summarize
+from costmodel import cost_model as cm
+from cli import main as cli_main
 
 M, HW = cm.ARTICLE_MODEL, cm.ARTICLE_HW
 STEPS = StepModel(M, HW)

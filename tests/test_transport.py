@@ -248,7 +248,7 @@ def test_bench_transfer_small_sweep_verifies_every_byte(tmp_path, capsys):
     """`pdserve bench transfer --json` on a tiny sweep: schema, verification, provenance file."""
     import json
 
-    from engine.cli import main as cli_main
+    from cli import main as cli_main
 
     rc = cli_main(["bench", "transfer", "--size-mb", "1", "--block-tokens", "16,64", "--repeats", "1",
                    "--json", "--no-plot", "--out-dir", str(tmp_path)])

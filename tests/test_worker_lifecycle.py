@@ -20,7 +20,7 @@ from engine.config import PRESETS
 from engine.sequence import SamplingParams
 from prefill_worker.worker import PrefillWorker
 from router.orchestrator import Orchestrator
-from router.types import GenerateRequest, StreamEvent, WorkerConfig, WorkerError
+from contracts.worker import GenerateRequest, StreamEvent, WorkerConfig, WorkerError
 from router.worker_handle import WorkerHandle
 
 _names = itertools.count()

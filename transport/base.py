@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-
-import torch
+from typing import TYPE_CHECKING
 
 from transport.wire import KVHandle, KVLayout, PeerInfo, TransferStats
+
+if TYPE_CHECKING:  # the interface names torch only in annotations: the wire types stay torch-free
+    import torch
 
 
 class TransportError(RuntimeError):

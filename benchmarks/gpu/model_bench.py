@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu_ceilings import gemm_shapes
-from benchmarks.gpu_timing import CTX, cuda_time
+from benchmarks.gpu.ceilings import gemm_shapes
+from benchmarks.gpu.timing import CTX, cuda_time
 
 
 # ---- the engine on the GPU --------------------------------------------------------------------

@@ -13,9 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.sim_engine import MODES, Request, Sim, SimConfig, StepModel, Workload, simulate
-from engine import cost_model as cm
-from engine.cli import CliError
+from costmodel.sim_engine import MODES, Request, Sim, SimConfig, StepModel, Workload, simulate
+from costmodel import cost_model as cm
+from cli import CliError
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -135,7 +135,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", default="llama-3.1-70b", help="model preset, checkpoint dir or config.json")
     g.add_argument("--hw", default="h100-sxm", help=f"GPU preset: {', '.join(sorted(cm.HARDWARE))}")
     g.add_argument("--mfu", type=float, default=None, help="default 0.4, or the calibration's")
-    g.add_argument("--calibration", default=None, help="calibration JSON (see engine/cost_model.py)")
+    g.add_argument("--calibration", default=None, help="calibration JSON (see costmodel/cost_model.py)")
     g.add_argument("--fixed-ctx", type=int, default=None,
                    help="price every decode sequence at this context (the article's 4k assumption)")
     g = p.add_argument_group("serving")
@@ -213,7 +213,7 @@ def render_capacity(rows: list[dict[str, Any]]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from benchmarks.provenance import RESULTS_DIR, write_result
+    from costmodel.provenance import RESULTS_DIR, write_result
 
     steps, link = _steps(args)
     out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
@@ -245,7 +245,7 @@ def main(args: argparse.Namespace) -> int:
     results = [summarize(s, args.warmup, slo) for s in sims]
     payload: dict[str, Any] = {"simulated": True, "slo": slo, "results": results}
     if not args.no_png:
-        from benchmarks.sim_plot import plot_timelines
+        from costmodel.sim_plot import plot_timelines
 
         png = Path(args.png) if args.png else out_dir / f"{args.name}.png"
         payload["png"] = str(plot_timelines(sims, png, args.warmup))

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu_timing import cuda_time
+from benchmarks.gpu.timing import cuda_time
 
 KV_TRANSFER_BYTES = 4096 * 80 * 2 * 8 * 128  # the article's 671 MB: 4k tokens of 70B FP8 K/V
 

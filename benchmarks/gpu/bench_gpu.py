@@ -29,11 +29,11 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.gpu_ceilings import bench_ceilings
-from benchmarks.gpu_colocation import bench_green
-from benchmarks.gpu_model_bench import bench_decode, bench_hf, bench_prefill, build_runner
-from benchmarks.gpu_transfer import bench_transfer
-from engine.cli import CliError
+from benchmarks.gpu.ceilings import bench_ceilings
+from benchmarks.gpu.colocation import bench_green
+from benchmarks.gpu.model_bench import bench_decode, bench_hf, bench_prefill, build_runner
+from benchmarks.gpu.transfer import bench_transfer
+from cli import CliError
 
 SECTIONS = ("ceilings", "decode", "prefill", "green", "hf", "transfer")
 TARGETS = {  # issue 7
@@ -96,11 +96,11 @@ def check_targets(res: dict) -> list[dict]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from benchmarks.provenance import write_result  # noqa: PLC0415
+    from costmodel.provenance import write_result  # noqa: PLC0415
     from engine.config import PRESETS  # noqa: PLC0415
 
     if not torch.cuda.is_available():
-        raise CliError("bench gpu needs a CUDA device (this machine has none); see benchmarks/gpu_device_run.sh")
+        raise CliError("bench gpu needs a CUDA device (this machine has none); see benchmarks/gpu/device_run.sh")
     sections = [x for x in args.sections.split(",") if x]
     models = [x for x in args.models.split(",") if x]
     bad = [x for x in sections if x not in SECTIONS] + [m for m in models if m not in PRESETS]
@@ -215,7 +215,7 @@ def print_summary(res: dict) -> None:
 if __name__ == "__main__":
     import sys
 
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_gpu", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu.bench_gpu", description=__doc__.splitlines()[0])
     add_arguments(ap)
     try:
         sys.exit(main(ap.parse_args()))

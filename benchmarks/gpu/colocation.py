@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu_timing import CTX, cuda_time, pct
+from benchmarks.gpu.timing import CTX, cuda_time, pct
 
 
 # ---- single-GPU disaggregation: decode ITL under prefill pressure ----------------------------

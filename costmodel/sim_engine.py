@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine import cost_model as cm
+from costmodel import cost_model as cm
 
 MODES = ("colocated", "chunked", "disagg")
 

@@ -1,8 +1,8 @@
 """Predictions for `pdserve bench compare`: the simulator run on exactly the benchmark's workload.
 
 Every request of the seeded workload (same arrival offsets, prompt lengths and max_tokens) is fed
-to the discrete-event simulator (`benchmarks/sim_engine.py`) for each serving mode, with step
-times from the cost model evaluated on a calibrated device spec (`engine/cost_model.py`
+to the discrete-event simulator (`costmodel/sim_engine.py`) for each serving mode, with step
+times from the cost model evaluated on a calibrated device spec (`costmodel/cost_model.py`
 Calibration, e.g. the one `pdserve bench chunks` writes for this device). The simulated token
 times are turned into `RequestRecord`s and go through the same `compute_metrics` as the measured
 run, so a predicted TTFT/ITL/stall is computed by the same formula as the measured one.
@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serve_metrics import RequestRecord, ServeMetrics, compute_metrics
-from benchmarks.sim_engine import Request, Sim, SimConfig, StepModel, Workload
-from benchmarks.workloads import RequestSpec
-from engine import cost_model as cm
+from costmodel.serve_metrics import RequestRecord, ServeMetrics, compute_metrics
+from costmodel.sim_engine import Request, Sim, SimConfig, StepModel, Workload
+from costmodel.workloads import RequestSpec
+from costmodel import cost_model as cm
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ COMPARED: list[tuple[str, str, Any]] = [
 
 
 def _kind(m: ServeMetrics, kind: str) -> Any:
-    from benchmarks.serve_metrics import Dist  # noqa: PLC0415
+    from costmodel.serve_metrics import Dist  # noqa: PLC0415
 
     return m.ttft_ms_by_kind.get(kind, Dist(0, None, None, None, None, None))
 

@@ -1,5 +1,8 @@
 """`pdserve` command line: one subcommand per module, imported only when used.
 
+This module sits above every package and imports none of them at load time (only by name, for
+the subcommand being run), so any layer may raise `CliError` without an import cycle.
+
 Each module named below exposes `add_arguments(parser)` and `main(args) -> int`, so a
 subcommand's heavy imports (torch, ray, fastapi) cost nothing to the others.
 """
@@ -13,8 +16,8 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("engine.generate_cli", "generate tokens from one prompt with the local engine"),
     "serve": ("router.serve_cli", "serve an OpenAI-compatible API from prefill/decode pools"),
-    "cost": ("engine.cost_cli", "the article's arithmetic: decode/prefill/chunk/capacity/link tables"),
-    "simulate": ("benchmarks.simulate", "discrete-event simulation of colocated vs disaggregated serving"),
+    "cost": ("costmodel.cost_cli", "the article's arithmetic: decode/prefill/chunk/capacity/link tables"),
+    "simulate": ("costmodel.simulate", "discrete-event simulation of colocated vs disaggregated serving"),
 }
 
 # `pdserve bench NAME`
@@ -24,7 +27,7 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("benchmarks.bench_compare", "colocated vs chunked vs disaggregated on the same workload"),
     "chunks": ("benchmarks.bench_chunks", "prefill throughput and decode ITL against prefill chunk size"),
     "article": ("benchmarks.bench_article", "measure the article's decode and prefill tables on this device"),
-    "gpu": ("benchmarks.bench_gpu", "GPU ceilings, decode/prefill vs roofline, transformers baseline"),
+    "gpu": ("benchmarks.gpu.bench_gpu", "GPU ceilings, decode/prefill vs roofline, transformers baseline"),
 }
 
 
@@ -72,5 +75,3 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from benchmarks.gpu_timing import cuda_time
+from benchmarks.gpu.timing import cuda_time
 
 
 def gemm_shapes(cfg) -> dict[str, tuple[int, int]]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.sim_engine import Sim
+from costmodel.sim_engine import Sim
 
 
 def _first_doc(sim: Sim, after: float) -> float | None:

@@ -1,15 +1,19 @@
-"""Typed messages between the router and the workers (the serving layer's contract).
+"""The contract between the router and the workers: wire types and the worker interfaces.
 
-Workers are plain classes (prefill_worker/worker.py, decode_worker/worker.py) that Ray wraps as
-actors; the router only ever sees these dataclasses and `KVHandle`s, never tensors or blocks.
+Both sides import this module and nothing of each other. Workers are plain classes
+(prefill_worker/worker.py, decode_worker/worker.py) that Ray wraps as actors; the router calls
+them through `router.worker_handle.WorkerHandle`, whose methods mirror `PrefillWorkerAPI` and
+`DecodeWorkerAPI` below, and only ever sees these dataclasses and `KVHandle`s, never tensors or
+blocks. Importing this module does not import torch (the router process never does).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 from engine.sequence import SamplingParams
-from transport.wire import KVHandle, TransferStats
+from transport.wire import KVHandle, PeerInfo, TransferStats
 
 
 @dataclass(frozen=True)
@@ -87,3 +91,42 @@ class WorkerConfig:
 
 class WorkerError(RuntimeError):
     """A worker failed a request (dead worker, transfer failure); the router answers 5xx/ends the stream."""
+
+
+class Worker(Protocol):
+    """What every worker answers, whatever its role. Methods block the calling thread (a Ray
+    actor thread, or an executor thread for an in-process worker), never the engine loop."""
+
+    name: str
+
+    def abort(self, request_id: str) -> bool:
+        """Forget the request wherever it is; True if the worker still held it."""
+
+    def stats(self) -> WorkerStats: ...
+
+    def ping(self) -> str:
+        """The worker's name; raises if its engine loop is gone (the router then replaces it)."""
+
+    def shutdown(self) -> None: ...
+
+
+class PrefillWorkerAPI(Worker, Protocol):
+    def prefill(self, req: GenerateRequest) -> PrefillResult:
+        """Run the prompt; return the first token and a KVHandle whose blocks stay leased until
+        the decode side pulls them, `release` is called, or the lease expires."""
+
+    def release(self, request_id: str) -> bool:
+        """Free a prefilled prompt's leased blocks now."""
+
+    def describe(self) -> PeerInfo: ...
+
+
+class DecodeWorkerAPI(Worker, Protocol):
+    def submit_prompt(self, req: GenerateRequest) -> None:
+        """Colocated: admit a raw prompt (prefilled here, whole or in chunks)."""
+
+    def submit_prefilled(self, req: GenerateRequest, result: PrefillResult) -> None:
+        """Disaggregated: admit a request whose KV waits on the prefill worker named in `result`."""
+
+    def poll_events(self, timeout_s: float = 0.05) -> list[StreamEvent]:
+        """Token (and admission/error) events since the last poll; waits up to `timeout_s` for one."""

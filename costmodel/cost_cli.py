@@ -9,8 +9,8 @@ import json
 import math
 from typing import Any
 
-from engine import cost_model as cm
-from engine.cli import CliError
+from costmodel import cost_model as cm
+from cli import CliError
 
 
 def _ints(s: str) -> list[int]:

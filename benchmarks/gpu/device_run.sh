@@ -4,7 +4,7 @@
 # From a session with the device tool, call `run` with exactly (COMMIT = `git rev-parse HEAD` here,
 # since .git does not travel to the device machine):
 #
-#   command:   bash benchmarks/gpu_device_run.sh --on-device COMMIT
+#   command:   bash benchmarks/gpu/device_run.sh --on-device COMMIT
 #   timeout_s: 540
 #   carry:     []        (nothing to carry: torch, triton and transformers are on the device image
 #                          (KINDS.md); pdserve runs from the copied tree with `python3 -m`)
@@ -22,8 +22,8 @@
 set -uo pipefail
 
 if [[ "${1:-}" != "--on-device" ]]; then
-    commit=$(git -C "$(dirname "$0")/.." rev-parse HEAD)
-    echo "bash benchmarks/gpu_device_run.sh --on-device ${commit}"
+    commit=$(git -C "$(dirname "$0")/../.." rev-parse HEAD)
+    echo "bash benchmarks/gpu/device_run.sh --on-device ${commit}"
     exit 0
 fi
 commit="${2:-unknown}"
@@ -37,5 +37,5 @@ export PYTHONUNBUFFERED=1
     # 1. correctness first (~1 min): interpreter test, native kernel, scaled_mm, graphs, green contexts
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py
     # 2. the measurements; each section writes $out/gpu_bench.json as it finishes
-    timeout 380 python3 -m benchmarks.bench_gpu --budget-s 340 --out-dir "$out" --git-commit "$commit"
+    timeout 380 python3 -m benchmarks.gpu.bench_gpu --budget-s 340 --out-dir "$out" --git-commit "$commit"
 } 2>&1 | tee "$out/run.log"

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
 
 def _git(*args: str) -> str | None:

@@ -1,0 +1,66 @@
+"""WorkerHost: the class Ray turns into a worker actor, loadable without the worker code.
+
+The router process must not import torch, and the worker classes (prefill_worker/, decode_worker/)
+import the engine, hence torch. So the router hands Ray this thin class instead; the worker class
+is named in `WORKER_CLASSES` (like a console-script entry point) and imported inside the actor
+process, where `__init__` builds it. Every other method forwards one call of the worker contract
+(`contracts.worker`), unchanged: exceptions reach the caller as the worker raised them.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from contracts.worker import GenerateRequest, PrefillResult, StreamEvent, WorkerStats
+from transport.wire import PeerInfo
+
+# role -> "module:Class" of the worker that plays it
+WORKER_CLASSES: dict[str, str] = {
+    "prefill": "prefill_worker.worker:PrefillWorker",
+    "decode": "decode_worker.worker:DecodeWorker",
+    "colocated": "decode_worker.worker:DecodeWorker",
+}
+
+
+def load_worker_class(role: str) -> type:
+    """Import the worker class for `role` (call it only where the worker will run)."""
+    module, _, name = WORKER_CLASSES[role].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class WorkerHost:
+    def __init__(self, role: str, *args: Any):
+        self.worker: Any = load_worker_class(role)(*args)
+
+    # PrefillWorkerAPI
+    def prefill(self, req: GenerateRequest) -> PrefillResult:
+        return self.worker.prefill(req)
+
+    def release(self, request_id: str) -> bool:
+        return self.worker.release(request_id)
+
+    def describe(self) -> PeerInfo:
+        return self.worker.describe()
+
+    # DecodeWorkerAPI
+    def submit_prompt(self, req: GenerateRequest) -> None:
+        self.worker.submit_prompt(req)
+
+    def submit_prefilled(self, req: GenerateRequest, result: PrefillResult) -> None:
+        self.worker.submit_prefilled(req, result)
+
+    def poll_events(self, timeout_s: float = 0.05) -> list[StreamEvent]:
+        return self.worker.poll_events(timeout_s)
+
+    # Worker
+    def abort(self, request_id: str) -> bool:
+        return self.worker.abort(request_id)
+
+    def stats(self) -> WorkerStats:
+        return self.worker.stats()
+
+    def ping(self) -> str:
+        return self.worker.ping()
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
