@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("engine.generate_cli", "generate tokens from one prompt with the local engine"),
     "serve": ("router.serve_cli", "serve an OpenAI-compatible API from prefill/decode pools"),
     "cost": ("costmodel.cost_cli", "the article's arithmetic: decode/prefill/chunk/capacity/link tables"),
+    "model": ("engine.model_cli", "real models: pull (fetch + verify + convert), path, list"),
     "simulate": ("costmodel.simulate", "discrete-event simulation of colocated vs disaggregated serving"),
 }
 

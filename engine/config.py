@@ -174,10 +174,14 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def resolve_model_config(model: str) -> ModelConfig:
-    """A preset name, a checkpoint directory, or a path to a config.json."""
+    """A preset name, a checkpoint directory, a path to a config.json, or a .gguf file."""
     if model in PRESETS:
         return PRESETS[model]
     path = Path(model)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from engine.gguf_file import GGUFFile  # noqa: PLC0415 - numpy + gguf, no torch
+
+        return ModelConfig.from_hf_config(GGUFFile(path).hf_config(), name=path.stem)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
@@ -211,13 +215,19 @@ def with_overrides(cfg: Any, **kw: Any) -> Any:
 
 
 def is_checkpoint_dir(model: str) -> bool:
-    """A Hugging Face checkpoint directory (has config.json), as opposed to a preset name."""
+    """Real weights, as opposed to a preset name: a Hugging Face checkpoint directory (has
+    config.json; `pdserve model pull` writes one) or a .gguf file."""
     p = Path(model)
-    return p.is_dir() and (p / "config.json").is_file()
+    return (p.is_dir() and (p / "config.json").is_file()) or (p.is_file() and p.suffix.lower() == ".gguf")
 
 
 def read_generation_eos(directory: str | Path) -> list[int]:
-    """All eos ids a checkpoint declares (config.json and generation_config.json)."""
+    """All eos ids a checkpoint declares (config.json and generation_config.json, or a GGUF's metadata)."""
+    if Path(directory).is_file():  # a .gguf file
+        from engine.gguf_file import GGUFFile  # noqa: PLC0415
+
+        eos = GGUFFile(directory).hf_config()["eos_token_id"]
+        return [] if eos is None else [int(eos)]
     ids: list[int] = []
     for name in ("config.json", "generation_config.json"):
         f = Path(directory) / name

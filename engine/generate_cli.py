@@ -7,7 +7,10 @@ import time
 
 from cli import CliError
 from engine.config import PRESETS, CacheConfig, resolve_model_config
+from engine.gguf_file import GGUFError
 from engine.llm_engine import LLMEngine
+from engine.model_registry import DEFAULT_MODEL, MODELS, PullError
+from engine.model_registry import resolve as resolve_model
 from engine.model_runner import ModelRunner
 from engine.sequence import SamplingParams, Sequence
 from engine.tokenizer import load_tokenizer
@@ -15,8 +18,10 @@ from engine.config import is_checkpoint_dir, read_generation_eos
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True,
-                   help=f"a preset ({', '.join(PRESETS)}; random weights) or a Hugging Face Llama checkpoint directory")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"a registry model ({', '.join(MODELS)}; pulled on first use), a preset ({', '.join(PRESETS)}; "
+                        f"random weights), a Hugging Face Llama checkpoint directory or a .gguf file "
+                        f"(default {DEFAULT_MODEL})")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
@@ -45,9 +50,13 @@ def _parse_ids(text: str, vocab: int) -> list[int]:
 
 
 def main(args: argparse.Namespace) -> int:
+    try:
+        args.model = resolve_model(args.model)
+    except PullError as e:
+        raise CliError(str(e)) from None
     if args.model not in PRESETS and not is_checkpoint_dir(args.model):
-        raise CliError(f"--model {args.model!r}: not a preset ({', '.join(PRESETS)}) "
-                       f"and not a directory containing config.json")
+        raise CliError(f"--model {args.model!r}: not a registry model ({', '.join(MODELS)}), a preset "
+                       f"({', '.join(PRESETS)}), a directory containing config.json or a .gguf file")
     if args.max_tokens < 1:
         raise CliError("--max-tokens must be >= 1")
     if args.chunk_size is not None and args.chunk_size < 1:
@@ -59,6 +68,8 @@ def main(args: argparse.Namespace) -> int:
             raise CliError("--device cuda: no CUDA device is available")
     try:
         cfg = resolve_model_config(args.model)
+    except GGUFError as e:
+        raise CliError(str(e)) from None
     except (OSError, ValueError, KeyError, TypeError) as e:  # unreadable or non-Llama config.json
         raise CliError(f"--model {args.model!r}: cannot read config.json: {e!r}") from None
     ckpt = args.model if args.model not in PRESETS else None

@@ -31,25 +31,60 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    def __init__(self, path: str | Path, bos_id: int | None, eos_id: int | None):
+    """A Hugging Face `tokenizers` tokenizer. `add_bos`: prepend bos to every encoded text, as the
+    checkpoint's tokenizer_config.json says (SmolLM2 does not; Llama 3 does)."""
+
+    def __init__(self, path: str | Path | None, bos_id: int | None, eos_id: int | None, add_bos: bool = True,
+                 json_str: str | None = None):
         from tokenizers import Tokenizer as _T  # noqa: PLC0415
 
-        self._tok = _T.from_file(str(path))
-        self.bos_id, self.eos_id = bos_id, eos_id
+        self._tok = _T.from_str(json_str) if json_str is not None else _T.from_file(str(path))
+        self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
 
     def encode(self, text: str) -> list[int]:
+        """Special-token text (e.g. a chat template's <|im_start|>) becomes its special id."""
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        return ([self.bos_id] if self.bos_id is not None else []) + ids
+        return ([self.bos_id] if self.add_bos and self.bos_id is not None else []) + ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def token_id(self, text: str) -> int | None:
+        """The id of one token given as text (e.g. "<|im_end|>"), or None."""
+        return self._tok.token_to_id(text)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+
+def read_tokenizer_config(model: str) -> dict:
+    """tokenizer_config.json of a checkpoint directory ({} if absent); for a .gguf file, the same
+    fields from its metadata."""
+    p = Path(model)
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        from engine.gguf_file import GGUFFile  # noqa: PLC0415
+
+        return GGUFFile(p).tokenizer_config()
+    f = p / "tokenizer_config.json"
+    if p.is_dir() and f.is_file():
+        import json  # noqa: PLC0415
+
+        return json.loads(f.read_text())
+    return {}
+
 
 def load_tokenizer(model: str, bos_id: int | None, eos_id: int | None) -> Tokenizer:
-    """tokenizer.json of a checkpoint directory if present, else bytes."""
-    f = Path(model) / "tokenizer.json"
-    if Path(model).is_dir() and f.is_file():
-        return HFTokenizer(f, bos_id, eos_id)
+    """tokenizer.json of a checkpoint directory, the tokenizer inside a .gguf file, else bytes."""
+    p = Path(model)
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        from engine.gguf_file import GGUFFile  # noqa: PLC0415
+
+        g = GGUFFile(p)
+        return HFTokenizer(None, bos_id, eos_id, add_bos=g.add_bos, json_str=g.tokenizer_json())
+    f = p / "tokenizer.json"
+    if p.is_dir() and f.is_file():
+        add_bos = read_tokenizer_config(model).get("add_bos_token", True)
+        return HFTokenizer(f, bos_id, eos_id, add_bos=bool(add_bos))
     return ByteTokenizer()
 
 

@@ -1,5 +1,5 @@
 """Weights: seeded random initialisation for presets, or a Hugging Face Llama checkpoint
-(config.json + *.safetensors) quantized to FP8 at load time.
+(config.json + *.safetensors, or a GGUF file) quantized to FP8 at load time.
 
 Random weights are scaled so every layer keeps activations O(1) and the logits spread with a
 standard deviation of ~4: greedy choices then have clear margins, so the equality oracles
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -45,33 +46,59 @@ def init_random(model: LlamaModel, seed: int = 0) -> None:
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight$")
 
 
-@torch.inference_mode()
-def load_hf_checkpoint(model: LlamaModel, directory: str | Path) -> None:
-    """Load `*.safetensors` of a Hugging Face LlamaForCausalLM into `model`, fusing q/k/v and
-    gate/up and quantizing every projection as the model's linears require."""
+def _safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open  # noqa: PLC0415
 
-    directory = Path(directory)
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {directory}")
-    pending: dict[int, dict[str, torch.Tensor]] = {}
-    seen: set[str] = set()
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
-                t = st.get_tensor(name)
-                seen.add(name)
-                if name == "model.embed_tokens.weight":
-                    model.embed_tokens.copy_(t.to(model.embed_tokens.dtype))
-                elif name == "model.norm.weight":
-                    model.norm.weight.copy_(t.float())
-                elif name == "lm_head.weight":
-                    if model.lm_head is not None:
-                        model.lm_head.copy_(t.to(model.lm_head.dtype))
-                elif (m := _LAYER_RE.match(name)):
-                    pending.setdefault(int(m.group(1)), {})[m.group(2)] = t
-                    _flush_layer(model, int(m.group(1)), pending)
+                yield name, st.get_tensor(name)
+
+
+def _gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from engine.gguf_file import GGUFFile  # noqa: PLC0415
+
+    for name, w in GGUFFile(path).tensors():
+        yield name, torch.from_numpy(w.copy() if not w.flags.writeable else w)
+
+
+def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) from a checkpoint: a directory of `*.safetensors`, a directory
+    holding one `*.gguf` (what `pdserve model pull` writes), or a `.gguf` file."""
+    path = Path(path)
+    if path.is_file():
+        return _gguf(path)
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return _safetensors(files)
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return _gguf(ggufs[0])
+    if ggufs:
+        raise ValueError(f"{path}: several *.gguf files ({', '.join(g.name for g in ggufs)}); pass one as --model")
+    raise FileNotFoundError(f"no *.safetensors or *.gguf files in {path}")
+
+
+@torch.inference_mode()
+def load_hf_checkpoint(model: LlamaModel, directory: str | Path) -> None:
+    """Load a Hugging Face LlamaForCausalLM checkpoint (safetensors, or GGUF dequantized) into
+    `model`, fusing q/k/v and gate/up and quantizing every projection as the model's linears
+    require."""
+    directory = Path(directory)
+    pending: dict[int, dict[str, torch.Tensor]] = {}
+    seen: set[str] = set()
+    for name, t in checkpoint_tensors(directory):
+        seen.add(name)
+        if name == "model.embed_tokens.weight":
+            model.embed_tokens.copy_(t.to(model.embed_tokens.dtype))
+        elif name == "model.norm.weight":
+            model.norm.weight.copy_(t.float())
+        elif name == "lm_head.weight":
+            if model.lm_head is not None:
+                model.lm_head.copy_(t.to(model.lm_head.dtype))
+        elif (m := _LAYER_RE.match(name)):
+            pending.setdefault(int(m.group(1)), {})[m.group(2)] = t
+            _flush_layer(model, int(m.group(1)), pending)
     if "model.embed_tokens.weight" not in seen:
         raise ValueError(f"{directory}: checkpoint has no model.embed_tokens.weight (not a Llama checkpoint?)")
     if model.lm_head is not None and "lm_head.weight" not in seen:

