@@ -6,7 +6,7 @@ import json
 import time
 
 from cli import CliError
-from engine.config import PRESETS, CacheConfig, resolve_model_config
+from engine.config import PRESETS, CacheConfig, is_checkpoint_dir, read_generation_eos, resolve_model_config
 from engine.gguf_file import GGUFError
 from engine.llm_engine import LLMEngine
 from engine.model_registry import DEFAULT_MODEL, MODELS, PullError
@@ -14,7 +14,6 @@ from engine.model_registry import resolve as resolve_model
 from engine.model_runner import ModelRunner
 from engine.sequence import SamplingParams, Sequence
 from engine.tokenizer import load_tokenizer
-from engine.config import is_checkpoint_dir, read_generation_eos
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,8 +54,8 @@ def main(args: argparse.Namespace) -> int:
     except PullError as e:
         raise CliError(str(e)) from None
     if args.model not in PRESETS and not is_checkpoint_dir(args.model):
-        raise CliError(f"--model {args.model!r}: not a registry model ({', '.join(MODELS)}), a preset "
-                       f"({', '.join(PRESETS)}), a directory containing config.json or a .gguf file")
+        raise CliError(f"--model {args.model!r}: not a preset ({', '.join(PRESETS)}), a registry model "
+                       f"({', '.join(MODELS)}), a directory containing config.json or a .gguf file")
     if args.max_tokens < 1:
         raise CliError("--max-tokens must be >= 1")
     if args.chunk_size is not None and args.chunk_size < 1:

@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from engine.config import KV_DTYPE_BYTES, PRESETS
+from engine.config import KV_DTYPE_BYTES, PRESETS, is_checkpoint_dir
+from engine.model_registry import MODELS
 from contracts.worker import WorkerConfig
 
 MODES = ("disagg", "colocated")
@@ -26,7 +27,7 @@ class ConfigError(ValueError):
 @dataclass
 class ServeConfig:
     mode: str = "disagg"  # "disagg": separate prefill/decode pools | "colocated": decode workers prefill too
-    model: str = "tiny"  # preset or Hugging Face checkpoint directory
+    model: str = "tiny"  # preset, registry model (pulled on first use), checkpoint directory or .gguf file
     dtype: str = "fp8"  # weights
     kv_dtype: str = "fp8"
     device: str = "cpu"
@@ -77,8 +78,9 @@ class ServeConfig:
         _check_types(self)
         if self.mode not in MODES:
             raise bad("--mode", f"must be one of {', '.join(MODES)}")
-        if self.model not in PRESETS and not (Path(self.model) / "config.json").is_file():
-            raise bad("--model", f"not a preset ({', '.join(PRESETS)}) and not a directory containing config.json")
+        if self.model not in PRESETS and self.model not in MODELS and not is_checkpoint_dir(self.model):
+            raise bad("--model", f"not a preset ({', '.join(PRESETS)}), a registry model ({', '.join(MODELS)}), "
+                                 "a directory containing config.json or a .gguf file")
         if self.dtype not in WEIGHT_DTYPES:
             raise bad("--dtype", f"must be one of {', '.join(WEIGHT_DTYPES)}")
         if self.kv_dtype not in KV_DTYPE_BYTES:
@@ -122,7 +124,10 @@ class ServeConfig:
         """The name clients send as `model` (and /v1/models lists)."""
         if self.served_model_name:
             return self.served_model_name
-        return self.model if self.model in PRESETS else Path(self.model).resolve().name
+        if self.model in PRESETS or self.model in MODELS:
+            return self.model
+        p = Path(self.model).resolve()
+        return p.stem if p.suffix.lower() == ".gguf" else p.name
 
     def accepted_model_names(self) -> set[str]:
         return {self.model_name, self.model}

@@ -19,6 +19,8 @@ from typing import Any, AsyncIterator, Callable
 
 from cli import CliError
 from engine.config import PRESETS, resolve_model_config
+from engine.model_registry import MODELS, PullError
+from engine.model_registry import resolve as registry_resolve
 from engine.tokenizer import load_tokenizer
 from router.config import MODES, POLICIES, TRANSPORTS, WEIGHT_DTYPES, ConfigError, ServeConfig
 
@@ -38,8 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"disagg: separate prefill and decode pools; colocated: decode workers also prefill "
                         f"(default {D.mode})")
     g.add_argument("--model", default=None,
-                   help=f"a preset ({', '.join(PRESETS)}; random weights) or a Hugging Face Llama checkpoint "
-                        f"directory (default {D.model})")
+                   help=f"a registry model ({', '.join(MODELS)}; pulled on first use), a preset "
+                        f"({', '.join(PRESETS)}; random weights), a Hugging Face Llama checkpoint directory or a "
+                        f".gguf file (default {D.model})")
     g.add_argument("--dtype", choices=WEIGHT_DTYPES, default=None, help=f"weight dtype (default {D.dtype})")
     g.add_argument("--kv-dtype", choices=["fp8", "bf16", "fp32"], default=None,
                    help=f"KV cache dtype (default {D.kv_dtype})")
@@ -91,6 +94,18 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         return ServeConfig.build(flags, args.config)
     except ConfigError as e:
         raise CliError(str(e)) from None
+
+
+def resolve_model(cfg: ServeConfig) -> ServeConfig:
+    """A registry model name becomes its cache directory (pulled on first use, with progress on
+    stderr); clients keep sending the registry name."""
+    if cfg.model not in MODELS:
+        return cfg
+    try:
+        path = registry_resolve(cfg.model)
+    except PullError as e:
+        raise CliError(str(e)) from None
+    return replace(cfg, model=path, served_model_name=cfg.served_model_name or cfg.model)
 
 
 def make_app(cfg: ServeConfig, startup_error: list[BaseException] | None = None) -> Any:
@@ -158,6 +173,7 @@ def _uvicorn_server(cfg: ServeConfig, app: Any, log_level: str) -> Any:
 async def serve(cfg: ServeConfig, sock: socket.socket, log_level: str = "info",
                 on_ready: Callable[[str], None] | None = None, server_box: list | None = None) -> None:
     """Run until the server is told to exit; `on_ready(url)` once it accepts requests."""
+    cfg = resolve_model(cfg)
     errors: list[BaseException] = []
     server = _uvicorn_server(cfg, make_app(cfg, errors), log_level)
     if server_box is not None:
