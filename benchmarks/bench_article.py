@@ -9,6 +9,7 @@ The prediction uses the device's datasheet on a known GPU (`--hardware` to choos
 result says which. On a CPU the engine multiplies in fp32 from a dequantized copy of the weights,
 so the prediction reads 4-byte weights and uses the fp32 GEMM rate as the peak.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,27 +24,34 @@ import torch
 from tqdm import tqdm
 
 from benchmarks import timing as eb
-from costmodel.provenance import RESULTS_DIR, write_result
-from costmodel import cost_model as cm
 from cli import CliError
+from costmodel import cost_model as cm
+from costmodel.provenance import RESULTS_DIR, write_result
 from engine.model_runner import StepItem
 
-CPU_DEFAULTS = dict(model="tiny", batches="1,8,32,64,256", ctx=256, contexts="256,512,1024,2048",
-                    decode_repeats=10, prefill_repeats=3)
-GPU_DEFAULTS = dict(model=None, batches="1,8,32,64,256", ctx=4096, contexts="1024,4096,16384,32768",
-                    decode_repeats=10, prefill_repeats=2)
+CPU_DEFAULTS = dict(
+    model="tiny", batches="1,8,32,64,256", ctx=256, contexts="256,512,1024,2048", decode_repeats=10, prefill_repeats=3
+)
+GPU_DEFAULTS = dict(
+    model=None,
+    batches="1,8,32,64,256",
+    ctx=4096,
+    contexts="1024,4096,16384,32768",
+    decode_repeats=10,
+    prefill_repeats=2,
+)
 
 
 @dataclass(frozen=True)
 class Row:
-    kind: str                    # "decode" | "prefill"
+    kind: str  # "decode" | "prefill"
     batch: int
     ctx: int
-    measured_ms: float | None    # None: skipped (see note)
+    measured_ms: float | None  # None: skipped (see note)
     predicted_ms: float
-    error_pct: float | None      # (predicted - measured) / measured
-    achieved: float | None       # decode: GB/s of the model's read bytes; prefill: TFLOP/s
-    bound: str                   # decode: memory | compute (predicted); prefill: attention share
+    error_pct: float | None  # (predicted - measured) / measured
+    achieved: float | None  # decode: GB/s of the model's read bytes; prefill: TFLOP/s
+    bound: str  # decode: memory | compute (predicted); prefill: attention share
     note: str = ""
 
 
@@ -51,8 +59,9 @@ def _err(pred: float, meas: float | None) -> float | None:
     return None if meas is None else 100 * (pred - meas) / meas
 
 
-def run(args: argparse.Namespace, h: eb.Harness, batches: list[int], contexts: list[int],
-        max_batch: int) -> dict[str, Any]:
+def run(
+    args: argparse.Namespace, h: eb.Harness, batches: list[int], contexts: list[int], max_batch: int
+) -> dict[str, Any]:
     m = cm.ModelSpec.from_config(h.cfg)
     spec, mfu, cdt, kvd = h.spec, args.mfu, h.compute_dtype, h.kv_dtype
     if args.calibration:
@@ -62,21 +71,43 @@ def run(args: argparse.Namespace, h: eb.Harness, batches: list[int], contexts: l
             raise CliError(str(e)) from None
         spec = cal.apply(spec)
         mfu = cal.effective_mfu(spec, mfu)
-    bar = tqdm(total=len(batches) + len(contexts), desc="bench article", unit="row", file=sys.stderr,
-               disable=args.no_progress)
+    bar = tqdm(
+        total=len(batches) + len(contexts), desc="bench article", unit="row", file=sys.stderr, disable=args.no_progress
+    )
     rows: list[Row] = []
     decode = h.decode_batch(max_batch, args.ctx, args.kv_fill, seed=args.seed) if max_batch else []
     for b in batches:
         p = cm.decode_step(m, spec, b, args.ctx, mfu, cdt, kvd)
         bound = "memory" if p.memory_s >= p.flop_s else "compute"
         if b > max_batch:
-            rows.append(Row("decode", b, args.ctx, None, p.time_s * 1e3, None, None, bound,
-                            "skipped: KV pool does not fit in device memory"))
+            rows.append(
+                Row(
+                    "decode",
+                    b,
+                    args.ctx,
+                    None,
+                    p.time_s * 1e3,
+                    None,
+                    None,
+                    bound,
+                    "skipped: KV pool does not fit in device memory",
+                )
+            )
         else:
             meas = _timed(lambda: h.runner.forward(decode[:b]), h, args.decode_repeats)
-            rows.append(Row("decode", b, args.ctx, meas and meas * 1e3, p.time_s * 1e3,
-                            _err(p.time_s * 1e3, meas and meas * 1e3),
-                            meas and p.read_bytes / meas / 1e9, bound, "" if meas else "skipped: out of memory"))
+            rows.append(
+                Row(
+                    "decode",
+                    b,
+                    args.ctx,
+                    meas and meas * 1e3,
+                    p.time_s * 1e3,
+                    _err(p.time_s * 1e3, meas and meas * 1e3),
+                    meas and p.read_bytes / meas / 1e9,
+                    bound,
+                    "" if meas else "skipped: out of memory",
+                )
+            )
         bar.update(1)
     gen = torch.Generator().manual_seed(args.seed + 1)
     table = h.bm.allocate(h.bm.blocks_for(max(contexts)))
@@ -84,18 +115,41 @@ def run(args: argparse.Namespace, h: eb.Harness, batches: list[int], contexts: l
         p = cm.prefill(m, spec, t, mfu, cdt)
         ids = torch.randint(0, h.cfg.vocab_size, (t,), generator=gen).tolist()
         meas = _timed(lambda: h.runner.forward([StepItem(ids, 0, table)]), h, args.prefill_repeats)
-        rows.append(Row("prefill", 1, t, meas and meas * 1e3, p.time_s * 1e3, _err(p.time_s * 1e3, meas and meas * 1e3),
-                        meas and (p.linear_flops + p.attention_flops) / meas / 1e12,
-                        f"attention {100 * p.attention_share:.0f}%", "" if meas else "skipped: out of memory"))
+        rows.append(
+            Row(
+                "prefill",
+                1,
+                t,
+                meas and meas * 1e3,
+                p.time_s * 1e3,
+                _err(p.time_s * 1e3, meas and meas * 1e3),
+                meas and (p.linear_flops + p.attention_flops) / meas / 1e12,
+                f"attention {100 * p.attention_share:.0f}%",
+                "" if meas else "skipped: out of memory",
+            )
+        )
         bar.update(1)
     bar.close()
-    return {"model": h.cfg.name, "device": h.device_name, "compute_dtype": cdt, "kv_dtype": kvd,
-            "ctx": args.ctx, "mfu": mfu, "peak_tflops": spec.peak(cdt) / 1e12,
-            "rows": [asdict(r) for r in rows], **h.spec_record(),
-            "prediction_spec": {"name": spec.name, "mem_bw_gbps": spec.mem_bw / 1e9,
-                                "peak_tflops": spec.peak(cdt) / 1e12, "step_overhead_ms": spec.step_overhead_s * 1e3,
-                                "prefill_overhead_ms": spec.prefill_overhead_s * 1e3, "source": spec.source},
-            "calibration_file": args.calibration}
+    return {
+        "model": h.cfg.name,
+        "device": h.device_name,
+        "compute_dtype": cdt,
+        "kv_dtype": kvd,
+        "ctx": args.ctx,
+        "mfu": mfu,
+        "peak_tflops": spec.peak(cdt) / 1e12,
+        "rows": [asdict(r) for r in rows],
+        **h.spec_record(),
+        "prediction_spec": {
+            "name": spec.name,
+            "mem_bw_gbps": spec.mem_bw / 1e9,
+            "peak_tflops": spec.peak(cdt) / 1e12,
+            "step_overhead_ms": spec.step_overhead_s * 1e3,
+            "prefill_overhead_ms": spec.prefill_overhead_s * 1e3,
+            "source": spec.source,
+        },
+        "calibration_file": args.calibration,
+    }
 
 
 def _timed(fn: Any, h: eb.Harness, repeats: int) -> float | None:
@@ -115,21 +169,51 @@ def render(r: dict[str, Any]) -> str:
     pre = [x for x in r["rows"] if x["kind"] == "prefill"]
     ps = r["prediction_spec"]
     kind = f"calibrated ({r['calibration_file']})" if r["calibration_file"] else r["spec"]["source_kind"]
-    out = [f"bench article: {r['model']} on {r['device']} ({r['compute_dtype']} compute, {r['kv_dtype']} KV)",
-           f"predictions: cost model at MFU {r['mfu']:.2f}, {kind} spec: {ps['mem_bw_gbps']:.1f} GB/s, "
-           f"{ps['peak_tflops'] * 1e3:,.1f} GFLOP/s peak, overheads {ps['step_overhead_ms']:.2f} ms/step "
-           f"{ps['prefill_overhead_ms']:.2f} ms/prefill",
-           f"spec source: {ps['source']}",
-           "", f"decode step @ {r['ctx']} ctx"]
-    out.append(eb.table(["batch", "measured ms", "predicted ms", "error %", "achieved GB/s", "bound", "note"],
-                        [[str(x["batch"]), f(x["measured_ms"], ".2f"), f(x["predicted_ms"], ".2f"),
-                          f(x["error_pct"], "+.0f"), f(x["achieved"], ".2f"), x["bound"], x["note"]] for x in dec]))
+    out = [
+        f"bench article: {r['model']} on {r['device']} ({r['compute_dtype']} compute, {r['kv_dtype']} KV)",
+        f"predictions: cost model at MFU {r['mfu']:.2f}, {kind} spec: {ps['mem_bw_gbps']:.1f} GB/s, "
+        f"{ps['peak_tflops'] * 1e3:,.1f} GFLOP/s peak, overheads {ps['step_overhead_ms']:.2f} ms/step "
+        f"{ps['prefill_overhead_ms']:.2f} ms/prefill",
+        f"spec source: {ps['source']}",
+        "",
+        f"decode step @ {r['ctx']} ctx",
+    ]
+    out.append(
+        eb.table(
+            ["batch", "measured ms", "predicted ms", "error %", "achieved GB/s", "bound", "note"],
+            [
+                [
+                    str(x["batch"]),
+                    f(x["measured_ms"], ".2f"),
+                    f(x["predicted_ms"], ".2f"),
+                    f(x["error_pct"], "+.0f"),
+                    f(x["achieved"], ".2f"),
+                    x["bound"],
+                    x["note"],
+                ]
+                for x in dec
+            ],
+        )
+    )
     out += ["", "prefill (one prompt, one forward)"]
-    out.append(eb.table(["context", "measured ms", "predicted ms", "error %", "TFLOP/s", "MFU %", "share", "note"],
-                        [[str(x["ctx"]), f(x["measured_ms"], ".2f"), f(x["predicted_ms"], ".2f"),
-                          f(x["error_pct"], "+.0f"), f(x["achieved"], ".4f"),
-                          f(x["achieved"] and 100 * x["achieved"] / r["peak_tflops"], ".1f"), x["bound"], x["note"]]
-                         for x in pre]))
+    out.append(
+        eb.table(
+            ["context", "measured ms", "predicted ms", "error %", "TFLOP/s", "MFU %", "share", "note"],
+            [
+                [
+                    str(x["ctx"]),
+                    f(x["measured_ms"], ".2f"),
+                    f(x["predicted_ms"], ".2f"),
+                    f(x["error_pct"], "+.0f"),
+                    f(x["achieved"], ".4f"),
+                    f(x["achieved"] and 100 * x["achieved"] / r["peak_tflops"], ".1f"),
+                    x["bound"],
+                    x["note"],
+                ]
+                for x in pre
+            ],
+        )
+    )
     return "\n".join(out)
 
 
@@ -141,21 +225,27 @@ def plot(r: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, kind, key, xlabel in ((axes[0], "decode", "batch", f"decode batch (@ {r['ctx']} ctx)"),
-                                  (axes[1], "prefill", "ctx", "prompt length (tokens)")):
+    for ax, kind, key, xlabel in (
+        (axes[0], "decode", "batch", f"decode batch (@ {r['ctx']} ctx)"),
+        (axes[1], "prefill", "ctx", "prompt length (tokens)"),
+    ):
         rows = [x for x in r["rows"] if x["kind"] == kind]
         meas = [x for x in rows if x["measured_ms"] is not None]
         ax.plot([x[key] for x in meas], [x["measured_ms"] for x in meas], "o-", label="measured")
         ax.plot([x[key] for x in rows], [x["predicted_ms"] for x in rows], "s--", label="cost model")
-        ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel="ms",
-               title=f"{kind} {'step' if kind == 'decode' else 'time'}")
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel=xlabel,
+            ylabel="ms",
+            title=f"{kind} {'step' if kind == 'decode' else 'time'}",
+        )
         ax.set_xticks([x[key] for x in rows], [str(x[key]) for x in rows])
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # only the swept values
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     kind = "calibrated" if r["calibration_file"] else r["spec"]["source_kind"]
-    fig.suptitle(f"{r['model']} on {r['device']}; prediction: {kind} spec, MFU {r['mfu']:.2f}",
-                 fontsize=9)
+    fig.suptitle(f"{r['model']} on {r['device']}; prediction: {kind} spec, MFU {r['mfu']:.2f}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -169,8 +259,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--contexts", default=None, help="prefill prompt lengths (256..2048 / 1024,4096,16384,32768)")
     g.add_argument("--decode-repeats", type=int, default=None, help="timed steps per batch (10)")
     g.add_argument("--prefill-repeats", type=int, default=None, help="timed prefills per context (3 / 2)")
-    p.add_argument("--calibration", default=None, help="calibration JSON applied to the prediction's spec "
-                   "(e.g. from `bench chunks` or `bench gpu`)")
+    p.add_argument(
+        "--calibration",
+        default=None,
+        help="calibration JSON applied to the prediction's spec (e.g. from `bench chunks` or `bench gpu`)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -192,8 +285,13 @@ def main(args: argparse.Namespace) -> int:
         kvd = args.kv_dtype or ("fp32" if args.dtype == "fp32" else "fp8")
         budget = eb.cuda_kv_budget(cfg, args.dtype, device) - eb.kv_pool_bytes(cfg, kvd, max(contexts))
         max_batch = max(0, min(max_batch, int(budget // eb.kv_pool_bytes(cfg, kvd, seq_tokens))))
-    h = eb.Harness.build(args, device, kv_tokens=max_batch * seq_tokens + max(contexts),
-                         max_pos=max(args.ctx + 1, max(contexts)), pool_blocks=1)
+    h = eb.Harness.build(
+        args,
+        device,
+        kv_tokens=max_batch * seq_tokens + max(contexts),
+        max_pos=max(args.ctx + 1, max(contexts)),
+        pool_blocks=1,
+    )
     load0 = eb.load_average()
     r = run(args, h, batches, contexts, max_batch)
     r["load_average"] = {"start": load0, "end": eb.load_average(), "cores": os.cpu_count()}

@@ -12,12 +12,13 @@ for each chunk size c the prompt (`--prompt-len` tokens) is prefilled in chunks 
       whose time alone equals one decode step; the chunk where the mixed step reaches 2x).
 The engine harness here (device, model, KV setup) is shared with `bench article`.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import math
+import os
 import statistics
 import sys
 from dataclasses import asdict, dataclass
@@ -28,32 +29,34 @@ import torch
 from tqdm import tqdm
 
 from benchmarks import timing as eb
-from costmodel.provenance import RESULTS_DIR, write_result
 from benchmarks.timing import measure, time_call
-from costmodel import cost_model as cm
 from cli import CliError
+from costmodel import cost_model as cm
+from costmodel.provenance import RESULTS_DIR, write_result
 from engine.model_runner import StepItem
 
-CPU_DEFAULTS = dict(model="tiny", decode_batch=8, context=512, prompt_len=2048,
-                    chunks="16,32,64,128,256,512,1024,2048", repeats=3)
-GPU_DEFAULTS = dict(model=None, decode_batch=32, context=4096, prompt_len=4096,
-                    chunks="64,128,256,512,1024,2048,4096", repeats=2)
+CPU_DEFAULTS = dict(
+    model="tiny", decode_batch=8, context=512, prompt_len=2048, chunks="16,32,64,128,256,512,1024,2048", repeats=3
+)
+GPU_DEFAULTS = dict(
+    model=None, decode_batch=32, context=4096, prompt_len=4096, chunks="64,128,256,512,1024,2048,4096", repeats=2
+)
 
 
 @dataclass(frozen=True)
 class ChunkPoint:
     chunk: int
     num_chunks: int
-    prefill_s: float          # whole prompt in chunks of `chunk`, nothing else running (sum of step medians)
+    prefill_s: float  # whole prompt in chunks of `chunk`, nothing else running (sum of step medians)
     prefill_tok_s: float
-    chunk_ms: float           # mean time of one chunk alone (prefill_s / num_chunks)
-    achieved_tflops: float    # article's FLOP count of the prompt / prefill_s
-    mfu: float                # achieved / peak of the device spec
-    mixed_mean_ms: float      # decode batch + one chunk per step: mean step = ITL while chunks run
+    chunk_ms: float  # mean time of one chunk alone (prefill_s / num_chunks)
+    achieved_tflops: float  # article's FLOP count of the prompt / prefill_s
+    mfu: float  # achieved / peak of the device spec
+    mixed_mean_ms: float  # decode batch + one chunk per step: mean step = ITL while chunks run
     mixed_p50_ms: float
     mixed_max_ms: float
-    mixed_prefill_s: float    # the prompt's prefill time with the decode batch riding along
-    itl_ratio: float          # mixed_mean / decode-only step
+    mixed_prefill_s: float  # the prompt's prefill time with the decode batch riding along
+    itl_ratio: float  # mixed_mean / decode-only step
 
 
 def _crossing(xs: list[int], ys: list[float], target: float) -> float | None:
@@ -98,7 +101,7 @@ def run_sweep(args: argparse.Namespace, h: eb.Harness, chunks: list[int]) -> dic
 
     def chunk_item(start: int, c: int) -> StepItem:
         n = min(c, P - start)
-        return StepItem(prompt[start:start + n], start, table, want_logits=start + n == P)
+        return StepItem(prompt[start : start + n], start, table, want_logits=start + n == P)
 
     def decode_step() -> None:
         h.runner.forward(decode)
@@ -130,11 +133,22 @@ def run_sweep(args: argparse.Namespace, h: eb.Harness, chunks: list[int]) -> dic
         alone = sum(alone_steps)
         ms = sorted(mixed)
         tf = (lin + att) / alone / 1e12
-        points.append(ChunkPoint(
-            chunk=c, num_chunks=len(starts), prefill_s=alone, prefill_tok_s=P / alone,
-            chunk_ms=alone / len(starts) * 1e3, achieved_tflops=tf, mfu=tf * 1e12 / h.peak_flops,
-            mixed_mean_ms=sum(mixed) / len(mixed) * 1e3, mixed_p50_ms=ms[len(ms) // 2] * 1e3,
-            mixed_max_ms=ms[-1] * 1e3, mixed_prefill_s=sum(mixed), itl_ratio=sum(mixed) / len(mixed) / d.median_s))
+        points.append(
+            ChunkPoint(
+                chunk=c,
+                num_chunks=len(starts),
+                prefill_s=alone,
+                prefill_tok_s=P / alone,
+                chunk_ms=alone / len(starts) * 1e3,
+                achieved_tflops=tf,
+                mfu=tf * 1e12 / h.peak_flops,
+                mixed_mean_ms=sum(mixed) / len(mixed) * 1e3,
+                mixed_p50_ms=ms[len(ms) // 2] * 1e3,
+                mixed_max_ms=ms[-1] * 1e3,
+                mixed_prefill_s=sum(mixed),
+                itl_ratio=sum(mixed) / len(mixed) / d.median_s,
+            )
+        )
         flops_chunk.append((lin + att) / len(starts))
     bar.close()
 
@@ -144,11 +158,15 @@ def run_sweep(args: argparse.Namespace, h: eb.Harness, chunks: list[int]) -> dic
     # The decode step the device spec predicts, before any calibrated overhead.
     raw = cm.decode_step(m, spec, B, C, args.mfu, h.compute_dtype, h.kv_dtype).time_s
     cal = cm.Calibration(
-        device=h.device_name, dtype=h.compute_dtype,
+        device=h.device_name,
+        dtype=h.compute_dtype,
         mem_bandwidth_gbps=h.probe.copy_gbps if h.spec_is_measured else None,
-        peak_tflops=h.peak_flops / 1e12, achieved_tflops=rate / 1e12,
-        decode_step_overhead_ms=max(0.0, d.median_s - raw) * 1e3, prefill_overhead_ms=overhead_s * 1e3,
-        source=f"pdserve bench chunks ({h.cfg.name}, batch {B} @ {C} ctx, prompt {P})")
+        peak_tflops=h.peak_flops / 1e12,
+        achieved_tflops=rate / 1e12,
+        decode_step_overhead_ms=max(0.0, d.median_s - raw) * 1e3,
+        prefill_overhead_ms=overhead_s * 1e3,
+        source=f"pdserve bench chunks ({h.cfg.name}, batch {B} @ {C} ctx, prompt {P})",
+    )
     hw_cal = cal.apply(spec)
     mfu_cal = cal.effective_mfu(hw_cal, args.mfu)
     xs = [p.chunk for p in points]
@@ -161,15 +179,20 @@ def run_sweep(args: argparse.Namespace, h: eb.Harness, chunks: list[int]) -> dic
         "definitions": {
             "predicted_spec": "cost model on the device spec at the given MFU: chunk time = one decode step",
             "predicted_calibrated": "cost model calibrated with this run's decode step, prefill rate and "
-                                    "per-chunk overhead (fit over the sweep): chunk time = one decode step",
+            "per-chunk overhead (fit over the sweep): chunk time = one decode step",
             "measured_alone": "chunk whose mean time alone equals the measured decode-only step "
-                              "(log-interpolated; null if the sweep does not cross it)",
+            "(log-interpolated; null if the sweep does not cross it)",
             "measured_mixed_2x": "chunk where the mixed step (decode batch + chunk) reaches 2x the "
-                                 "decode-only step (log-interpolated; null if not crossed)"},
+            "decode-only step (log-interpolated; null if not crossed)",
+        },
     }
     return {
-        "model": h.cfg.name, "device": h.device_name, "compute_dtype": h.compute_dtype,
-        "decode_batch": B, "context": C, "prompt_len": P,
+        "model": h.cfg.name,
+        "device": h.device_name,
+        "compute_dtype": h.compute_dtype,
+        "decode_batch": B,
+        "context": C,
+        "prompt_len": P,
         "decode_only_ms": {"median": step_ms, "min": d.min_s * 1e3, "max": d.max_s * 1e3, "repeats": d.repeats},
         "predicted_decode_ms": raw * 1e3,
         "points": [asdict(p) for p in points],
@@ -183,25 +206,37 @@ def run_sweep(args: argparse.Namespace, h: eb.Harness, chunks: list[int]) -> dic
 def render(r: dict[str, Any]) -> str:
     be = r["break_even_chunk"]
     head = ["chunk", "chunks", "prefill tok/s", "MFU %", "chunk ms", "mixed ITL ms", "max ITL ms", "ITL/decode"]
-    rows = [[str(p["chunk"]), str(p["num_chunks"]), f"{p['prefill_tok_s']:,.0f}", f"{100 * p['mfu']:.1f}",
-             f"{p['chunk_ms']:.2f}", f"{p['mixed_mean_ms']:.2f}", f"{p['mixed_max_ms']:.2f}",
-             f"{p['itl_ratio']:.2f}x"] for p in r["points"]]
+    rows = [
+        [
+            str(p["chunk"]),
+            str(p["num_chunks"]),
+            f"{p['prefill_tok_s']:,.0f}",
+            f"{100 * p['mfu']:.1f}",
+            f"{p['chunk_ms']:.2f}",
+            f"{p['mixed_mean_ms']:.2f}",
+            f"{p['mixed_max_ms']:.2f}",
+            f"{p['itl_ratio']:.2f}x",
+        ]
+        for p in r["points"]
+    ]
 
     def f(x: float | None) -> str:
         if x is None:
             return "not crossed in the sweep"
         return "none (the per-chunk overhead alone exceeds a decode step)" if x == 0 else f"{x:.0f} tokens"
 
-    lines = [f"bench chunks: {r['model']} on {r['device']} ({r['compute_dtype']} compute), decode batch "
-             f"{r['decode_batch']} @ {r['context']} ctx, prompt {r['prompt_len']} tokens",
-             f"decode-only step: {r['decode_only_ms']['median']:.2f} ms measured, "
-             f"{r['predicted_decode_ms']:.2f} ms predicted ({r['spec']['source_kind']} spec)",
-             eb.table(head, rows),
-             f"break-even chunk: predicted {f(be['predicted_spec'])} (spec, MFU {be['predicted_spec_mfu']}), "
-             f"{f(be['predicted_calibrated'])} (calibrated); measured {f(be['measured_alone'])} (chunk alone = "
-             f"one decode step), {f(be['measured_mixed_2x'])} (mixed step = 2x decode)",
-             f"prefill fit: {r['prefill_fit']['overhead_ms']:.2f} ms per chunk + FLOPs at "
-             f"{r['prefill_fit']['tflops'] * 1e3:.1f} GFLOP/s; spec: {r['spec']['source']}"]
+    lines = [
+        f"bench chunks: {r['model']} on {r['device']} ({r['compute_dtype']} compute), decode batch "
+        f"{r['decode_batch']} @ {r['context']} ctx, prompt {r['prompt_len']} tokens",
+        f"decode-only step: {r['decode_only_ms']['median']:.2f} ms measured, "
+        f"{r['predicted_decode_ms']:.2f} ms predicted ({r['spec']['source_kind']} spec)",
+        eb.table(head, rows),
+        f"break-even chunk: predicted {f(be['predicted_spec'])} (spec, MFU {be['predicted_spec_mfu']}), "
+        f"{f(be['predicted_calibrated'])} (calibrated); measured {f(be['measured_alone'])} (chunk alone = "
+        f"one decode step), {f(be['measured_mixed_2x'])} (mixed step = 2x decode)",
+        f"prefill fit: {r['prefill_fit']['overhead_ms']:.2f} ms per chunk + FLOPs at "
+        f"{r['prefill_fit']['tflops'] * 1e3:.1f} GFLOP/s; spec: {r['spec']['source']}",
+    ]
     return "\n".join(lines)
 
 
@@ -215,8 +250,12 @@ def plot(r: dict[str, Any], path: Path) -> None:
     xs = [p["chunk"] for p in r["points"]]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     a.plot(xs, [p["prefill_tok_s"] for p in r["points"]], "o-")
-    a.set(xscale="log", xlabel="prefill chunk (tokens)", ylabel="prefill tokens/s (no decode running)",
-          title="prefill throughput vs chunk size")
+    a.set(
+        xscale="log",
+        xlabel="prefill chunk (tokens)",
+        ylabel="prefill tokens/s (no decode running)",
+        title="prefill throughput vs chunk size",
+    )
     step = r["decode_only_ms"]["median"]
     b.plot(xs, [p["mixed_mean_ms"] for p in r["points"]], "o-", label="mixed step (mean ITL)")
     b.plot(xs, [p["mixed_max_ms"] for p in r["points"]], "x--", label="mixed step (max ITL)")
@@ -226,8 +265,13 @@ def plot(r: dict[str, Any], path: Path) -> None:
         x = r["break_even_chunk"][key]
         if x:
             b.axvline(x, color=style[0], ls=":", lw=1, label=f"{key.replace('_', ' ')}: {x:.0f}")
-    b.set(xscale="log", yscale="log", xlabel="prefill chunk (tokens)", ylabel="decode ITL (ms)",
-          title=f"ITL of {r['decode_batch']} decode streams while chunks run")
+    b.set(
+        xscale="log",
+        yscale="log",
+        xlabel="prefill chunk (tokens)",
+        ylabel="decode ITL (ms)",
+        title=f"ITL of {r['decode_batch']} decode streams while chunks run",
+    )
     b.legend(fontsize=7)
     for ax in (a, b):
         ax.set_xticks(xs, [str(x) for x in xs])
@@ -246,11 +290,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--context", type=int, default=None, help="context of each decode stream (512 / 4096)")
     g.add_argument("--prompt-len", type=int, default=None, help="the prompt being prefilled (2048 / 4096)")
     g.add_argument("--chunks", default=None, help="chunk sizes (16..2048 / 64,128,...,4096)")
-    g.add_argument("--repeats", type=int, default=None, help="passes over the prompt, alone and mixed; "
-                   "each step's time is its median (3 / 2)")
+    g.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="passes over the prompt, alone and mixed; each step's time is its median (3 / 2)",
+    )
     g.add_argument("--decode-repeats", type=int, default=20, help="timed decode-only steps (default 20)")
-    p.add_argument("--calibration-out", default=None,
-                   help="calibration JSON (cost model schema); default: <out-dir>/<out>.calibration.json")
+    p.add_argument(
+        "--calibration-out",
+        default=None,
+        help="calibration JSON (cost model schema); default: <out-dir>/<out>.calibration.json",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -267,8 +318,13 @@ def main(args: argparse.Namespace) -> int:
         raise CliError(f"--chunks: {max(chunks)} is longer than --prompt-len {args.prompt_len}")
     kv_tokens = args.decode_batch * (args.context + 1) + args.prompt_len
     args.model = eb.default_model(args, device, kv_tokens)
-    h = eb.Harness.build(args, device, kv_tokens=kv_tokens, max_pos=max(args.context + 1, args.prompt_len),
-                         pool_blocks=args.decode_batch + 1)
+    h = eb.Harness.build(
+        args,
+        device,
+        kv_tokens=kv_tokens,
+        max_pos=max(args.context + 1, args.prompt_len),
+        pool_blocks=args.decode_batch + 1,
+    )
     load0 = eb.load_average()
     r = run_sweep(args, h, chunks)
     r["load_average"] = {"start": load0, "end": eb.load_average(), "cores": os.cpu_count()}

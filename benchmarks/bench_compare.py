@@ -12,6 +12,7 @@ Beside each measured figure: the simulator's prediction on a calibrated device m
 (`costmodel/compare_predict.py`), labelled "simulated". Results: one JSON with provenance, a
 Markdown report and PNG plots (`benchmarks/compare_report.py`), and one table on stdout.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,25 +27,41 @@ from typing import Any
 
 from benchmarks.bench_serve import BenchConfig, run_benchmark
 from benchmarks.compare_report import pack
-from benchmarks.serve_client import ClientConfig, ClientError
+from benchmarks.serve_client import ClientConfig
 from costmodel.workloads import RequestSpec, WorkloadConfig, build_workload
 
 # The CPU-sized default: 8 chats decoding 400 tokens while three 2048-token documents arrive.
 # On the 2-core dev machine with the tiny model a 2048-token prefill takes ~0.6 s and a decode
 # step of 8 streams ~10-20 ms, so the colocated freeze stands out, and the chats (~4-6 s) are
 # still decoding when the last document arrives in every mode. About a minute for all modes.
-DEFAULT_WORKLOAD = dict(chat_streams=8, chat_prompt_len=64, chat_output_len=400, doc_prompt_len=2048,
-                        doc_output_len=8, doc_count=3, doc_start_s=1.0, doc_interval_s=1.2)
-QUICK_WORKLOAD = dict(chat_streams=3, chat_prompt_len=32, chat_output_len=40, doc_prompt_len=512,
-                      doc_output_len=4, doc_count=1, doc_start_s=0.4, doc_interval_s=1.0)
+DEFAULT_WORKLOAD = dict(
+    chat_streams=8,
+    chat_prompt_len=64,
+    chat_output_len=400,
+    doc_prompt_len=2048,
+    doc_output_len=8,
+    doc_count=3,
+    doc_start_s=1.0,
+    doc_interval_s=1.2,
+)
+QUICK_WORKLOAD = dict(
+    chat_streams=3,
+    chat_prompt_len=32,
+    chat_output_len=40,
+    doc_prompt_len=512,
+    doc_output_len=4,
+    doc_count=1,
+    doc_start_s=0.4,
+    doc_interval_s=1.0,
+)
 
 
 @dataclass(frozen=True)
 class ModeSpec:
     """One server configuration to measure."""
 
-    label: str                  # "colocated", "chunked-128", "disagg-1P1D"
-    mode: str                   # ServeConfig.mode
+    label: str  # "colocated", "chunked-128", "disagg-1P1D"
+    mode: str  # ServeConfig.mode
     chunk_size: int | None = None
     prefill: int = 1
     decode: int = 1
@@ -55,14 +72,15 @@ class ModeRun:
     spec: ModeSpec
     serve_config: dict[str, Any]
     startup_s: float
-    token_ids: dict[str, list[int]]       # equality pass, by request id
-    transfers: list[dict[str, Any]]       # disagg: the KV transfer of each request (equality pass)
-    bench: Any                            # BenchResult of the timed run
+    token_ids: dict[str, list[int]]  # equality pass, by request id
+    transfers: list[dict[str, Any]]  # disagg: the KV transfer of each request (equality pass)
+    bench: Any  # BenchResult of the timed run
     error: str | None = None
     load_average: list[float] | None = None  # 1/5/15-min load after the run: a busy machine shows here
 
 
 # ----------------------------------------------------------------------------- arguments
+
 
 def _ints(text: str, flag: str) -> list[int]:
     from cli import CliError  # noqa: PLC0415
@@ -90,8 +108,10 @@ def build_modes(modes: str, chunk_sizes: str, prefill: int, decode: int) -> list
         if m == "colocated":
             out.append(ModeSpec("colocated", "colocated", decode=decode))
         elif m == "chunked":
-            out += [ModeSpec(f"chunked-{c}", "colocated", c, decode=decode)
-                    for c in dict.fromkeys(_ints(chunk_sizes, "--chunk-sizes"))]
+            out += [
+                ModeSpec(f"chunked-{c}", "colocated", c, decode=decode)
+                for c in dict.fromkeys(_ints(chunk_sizes, "--chunk-sizes"))
+            ]
         else:
             out.append(ModeSpec(f"disagg-{prefill}P{decode}D", "disagg", None, prefill, decode))
     return out
@@ -99,11 +119,13 @@ def build_modes(modes: str, chunk_sizes: str, prefill: int, decode: int) -> list
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.epilog = ("examples:\n"
-                "  pdserve bench compare                          # CPU-sized default, a few minutes\n"
-                "  pdserve bench compare --quick                  # CI-sized\n"
-                "  pdserve bench compare --modes colocated,disagg --prefill 2 --decode 2\n"
-                "  pdserve bench compare --from-json benchmarks/results/compare-tiny-cpu.json  # redraw\n")
+    p.epilog = (
+        "examples:\n"
+        "  pdserve bench compare                          # CPU-sized default, a few minutes\n"
+        "  pdserve bench compare --quick                  # CI-sized\n"
+        "  pdserve bench compare --modes colocated,disagg --prefill 2 --decode 2\n"
+        "  pdserve bench compare --from-json benchmarks/results/compare-tiny-cpu.json  # redraw\n"
+    )
     g = p.add_argument_group("servers")
     g.add_argument("--modes", default="colocated,chunked,disagg", help="comma-separated: colocated,chunked,disagg")
     g.add_argument("--chunk-sizes", default="32,128", help="one chunked run per size (tokens)")
@@ -115,10 +137,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--startup-timeout-s", type=float, default=300.0)
     w = p.add_argument_group("workload (the article mix; defaults are CPU-sized)")
-    for flag, key in (("--chat-streams", "chat_streams"), ("--chat-prompt-len", "chat_prompt_len"),
-                      ("--chat-output-len", "chat_output_len"), ("--doc-prompt-len", "doc_prompt_len"),
-                      ("--doc-output-len", "doc_output_len"), ("--doc-count", "doc_count")):
-        w.add_argument(flag, type=int, default=None, help=f"default {DEFAULT_WORKLOAD[key]} ({QUICK_WORKLOAD[key]} with --quick)")
+    for flag, key in (
+        ("--chat-streams", "chat_streams"),
+        ("--chat-prompt-len", "chat_prompt_len"),
+        ("--chat-output-len", "chat_output_len"),
+        ("--doc-prompt-len", "doc_prompt_len"),
+        ("--doc-output-len", "doc_output_len"),
+        ("--doc-count", "doc_count"),
+    ):
+        w.add_argument(
+            flag, type=int, default=None, help=f"default {DEFAULT_WORKLOAD[key]} ({QUICK_WORKLOAD[key]} with --quick)"
+        )
     w.add_argument("--doc-rate", type=float, default=None, help="documents/s, Poisson (default: fixed spacing)")
     w.add_argument("--doc-start-s", type=float, default=None, help=f"default {DEFAULT_WORKLOAD['doc_start_s']}")
     w.add_argument("--doc-interval-s", type=float, default=None, help=f"default {DEFAULT_WORKLOAD['doc_interval_s']}")
@@ -127,28 +156,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("SLO, predictions and output")
     o.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     o.add_argument("--slo-tpot-ms", type=float, default=50.0)
-    o.add_argument("--calibration", default=None,
-                   help="cost-model calibration JSON for the predictions (default: "
-                        "<out-dir>/chunks-<model>-<device>.calibration.json from `pdserve bench chunks`)")
+    o.add_argument(
+        "--calibration",
+        default=None,
+        help="cost-model calibration JSON for the predictions (default: "
+        "<out-dir>/chunks-<model>-<device>.calibration.json from `pdserve bench chunks`)",
+    )
     o.add_argument("--duration-limit-s", type=float, default=300.0, help="per timed run")
     o.add_argument("--out", default=None, help="result name (default compare-<model>-<device>)")
     o.add_argument("--out-dir", default=None, help="default benchmarks/results")
     o.add_argument("--json", action="store_true", help="print the result summary as JSON instead of the table")
     o.add_argument("--no-progress", action="store_true")
-    o.add_argument("--from-json", default=None, metavar="RESULT",
-                   help="redraw the report and plots from an earlier result JSON (no servers)")
+    o.add_argument(
+        "--from-json",
+        default=None,
+        metavar="RESULT",
+        help="redraw the report and plots from an earlier result JSON (no servers)",
+    )
 
 
 def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
     base = dict(QUICK_WORKLOAD if args.quick else DEFAULT_WORKLOAD)
-    for key in ("chat_streams", "chat_prompt_len", "chat_output_len", "doc_prompt_len", "doc_output_len",
-                "doc_count", "doc_start_s", "doc_interval_s"):
+    for key in (
+        "chat_streams",
+        "chat_prompt_len",
+        "chat_output_len",
+        "doc_prompt_len",
+        "doc_output_len",
+        "doc_count",
+        "doc_start_s",
+        "doc_interval_s",
+    ):
         if getattr(args, key) is not None:
             base[key] = getattr(args, key)
     return WorkloadConfig(workload="article", seed=args.seed, doc_rate=args.doc_rate, **base)
 
 
 # ----------------------------------------------------------------------------- one mode
+
 
 def ensure_ray() -> bool:
     """Start one local Ray for every server of this run (servers reuse it). True if started here."""
@@ -158,9 +203,14 @@ def ensure_ray() -> bool:
     if ray.is_initialized():
         return False
     temp = tempfile.mkdtemp(prefix="pdcmp", dir="/tmp")  # short: Ray's socket paths are length-limited
-    ray.init(num_cpus=8, object_store_memory=128 * 1024 ** 2, include_dashboard=False, _temp_dir=temp,
-             _node_ip_address="127.0.0.1",  # loopback only
-             log_to_driver=False)
+    ray.init(
+        num_cpus=8,
+        object_store_memory=128 * 1024**2,
+        include_dashboard=False,
+        _temp_dir=temp,
+        _node_ip_address="127.0.0.1",  # loopback only
+        log_to_driver=False,
+    )
     return True
 
 
@@ -172,8 +222,9 @@ async def equality_pass(base_url: str, model: str, specs: list[RequestSpec]) -> 
 
     async def one(s: RequestSpec) -> tuple[str, list[int], dict | None]:
         prompt = list(s.prompt) if isinstance(s.prompt, tuple) else s.prompt
-        resp = await client.completions.create(model=model, prompt=prompt, max_tokens=s.max_tokens,
-                                               temperature=0, extra_body={"ignore_eos": True})
+        resp = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=s.max_tokens, temperature=0, extra_body={"ignore_eos": True}
+        )
         tl = (resp.model_extra or {}).get("pdserve", {}).get("timeline", {})
         return s.request_id, list(tl.get("token_ids", [])), tl.get("transfer")
 
@@ -185,13 +236,13 @@ async def equality_pass(base_url: str, model: str, specs: list[RequestSpec]) -> 
     return {rid: ids for rid, ids, _ in out}, transfers
 
 
-def run_mode(spec: ModeSpec, cfg_kw: dict[str, Any], bench: BenchConfig, specs: list[RequestSpec],
-             timeout_s: float) -> ModeRun:
+def run_mode(
+    spec: ModeSpec, cfg_kw: dict[str, Any], bench: BenchConfig, specs: list[RequestSpec], timeout_s: float
+) -> ModeRun:
     from router.config import ServeConfig  # noqa: PLC0415
     from router.serve_cli import ServerThread  # noqa: PLC0415
 
-    cfg = ServeConfig(mode=spec.mode, chunk_size=spec.chunk_size, prefill=spec.prefill, decode=spec.decode,
-                      **cfg_kw)
+    cfg = ServeConfig(mode=spec.mode, chunk_size=spec.chunk_size, prefill=spec.prefill, decode=spec.decode, **cfg_kw)
     cfg.validate()
     t0 = time.perf_counter()
     with ServerThread(cfg, startup_timeout_s=timeout_s) as srv:
@@ -217,12 +268,18 @@ def _log(msg: str) -> None:
 
 # ----------------------------------------------------------------------------- equality
 
+
 def check_equality(runs: list[ModeRun]) -> dict[str, Any]:
     """Token ids of every request in every mode against the first mode that ran."""
     ok = [r for r in runs if r.error is None]
     if len(ok) < 2:
-        return {"reference": ok[0].spec.label if ok else None, "identical": None, "compared": 0,
-                "mismatches": [], "note": "fewer than two modes ran: nothing to compare"}
+        return {
+            "reference": ok[0].spec.label if ok else None,
+            "identical": None,
+            "compared": 0,
+            "mismatches": [],
+            "note": "fewer than two modes ran: nothing to compare",
+        }
     ref = ok[0]
     mismatches, compared = [], 0
     for run in ok[1:]:
@@ -230,26 +287,42 @@ def check_equality(runs: list[ModeRun]) -> dict[str, Any]:
             got = run.token_ids.get(rid)
             compared += 1
             if got != want:
-                first = next((i for i, (a, b) in enumerate(zip(want, got or [])) if a != b),
-                             min(len(want), len(got or [])))
-                mismatches.append({"mode": run.spec.label, "request_id": rid, "first_difference": first,
-                                   "reference_len": len(want), "got_len": len(got or [])})
+                first = next(
+                    (i for i, (a, b) in enumerate(zip(want, got or [])) if a != b), min(len(want), len(got or []))
+                )
+                mismatches.append(
+                    {
+                        "mode": run.spec.label,
+                        "request_id": rid,
+                        "first_difference": first,
+                        "reference_len": len(want),
+                        "got_len": len(got or []),
+                    }
+                )
     # The timed runs' streamed text is a second, weaker witness (lossy for invalid UTF-8 bytes).
     texts = {r.spec.label: {x.request_id: x.text for x in r.bench.records} for r in ok}
-    text_diff = [(label, rid) for label, t in texts.items() for rid, s in t.items()
-                 if s != texts[ref.spec.label].get(rid)]
-    return {"reference": ref.spec.label, "identical": not mismatches, "compared": compared,
-            "requests": len(ref.token_ids), "modes": [r.spec.label for r in ok], "mismatches": mismatches,
-            "timed_text_identical": not text_diff, "timed_text_differences": len(text_diff),
-            "how": "greedy token ids from pdserve.timeline.token_ids of the equality pass (every request of "
-                   "the workload at once), compared request by request with the reference mode"}
+    text_diff = [
+        (label, rid) for label, t in texts.items() for rid, s in t.items() if s != texts[ref.spec.label].get(rid)
+    ]
+    return {
+        "reference": ref.spec.label,
+        "identical": not mismatches,
+        "compared": compared,
+        "requests": len(ref.token_ids),
+        "modes": [r.spec.label for r in ok],
+        "mismatches": mismatches,
+        "timed_text_identical": not text_diff,
+        "timed_text_differences": len(text_diff),
+        "how": "greedy token ids from pdserve.timeline.token_ids of the equality pass (every request of "
+        "the workload at once), compared request by request with the reference mode",
+    }
 
 
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Run every mode, predict, check equality; the JSON payload (without provenance)."""
+    from cli import CliError  # noqa: PLC0415
     from costmodel import compare_predict as cp  # noqa: PLC0415
     from costmodel.provenance import RESULTS_DIR  # noqa: PLC0415
-    from cli import CliError  # noqa: PLC0415
 
     modes = build_modes(args.modes, args.chunk_sizes, args.prefill, args.decode)
     device = args.device or _default_device()
@@ -271,8 +344,12 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
             setup_error = str(e)
     else:
         setup_error = f"no calibration at {cal} (run `pdserve bench chunks --model {args.model}` first)"
-    bench = BenchConfig(wl, ClientConfig(duration_limit_s=args.duration_limit_s, seed=args.seed,
-                                         show_progress=not args.no_progress), args.slo_ttft_ms, args.slo_tpot_ms)
+    bench = BenchConfig(
+        wl,
+        ClientConfig(duration_limit_s=args.duration_limit_s, seed=args.seed, show_progress=not args.no_progress),
+        args.slo_ttft_ms,
+        args.slo_tpot_ms,
+    )
     gpus = 0.0 if device == "cpu" else None
     cfg_kw = dict(model=args.model, device=device, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs)
     started_ray = ensure_ray()
@@ -295,8 +372,9 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     predictions = {}
     if setup is not None:
         for r in runs:
-            sc = cp.sim_config(r.spec.mode, r.spec.chunk_size, r.spec.prefill, r.spec.decode, args.max_num_seqs,
-                               setup.link)
+            sc = cp.sim_config(
+                r.spec.mode, r.spec.chunk_size, r.spec.prefill, r.spec.decode, args.max_num_seqs, setup.link
+            )
             predictions[r.spec.label] = cp.predict(r.spec.label, sc, setup, specs, args.slo_ttft_ms, args.slo_tpot_ms)
     return _payload(args, device, wl, specs, runs, predictions, setup, setup_error, cal, check_equality(runs))
 
@@ -327,47 +405,72 @@ def _gpu_count() -> int:
     return max(1, torch.cuda.device_count())
 
 
-def _payload(args, device, wl, specs, runs, predictions, setup, setup_error, calibration,
-             equality) -> dict[str, Any]:
-    from costmodel import compare_predict as cp  # noqa: PLC0415
+def _payload(args, device, wl, specs, runs, predictions, setup, setup_error, calibration, equality) -> dict[str, Any]:
     from benchmarks.bench_serve import _finite  # noqa: PLC0415
+    from costmodel import compare_predict as cp  # noqa: PLC0415
 
     modes = []
     for r in runs:
-        entry: dict[str, Any] = {"label": r.spec.label, "spec": asdict(r.spec), "error": r.error,
-                                 "serve_config": r.serve_config, "startup_s": r.startup_s,
-                                 "load_average": r.load_average}
+        entry: dict[str, Any] = {
+            "label": r.spec.label,
+            "spec": asdict(r.spec),
+            "error": r.error,
+            "serve_config": r.serve_config,
+            "startup_s": r.startup_s,
+            "load_average": r.load_average,
+        }
         if r.bench is not None:
             entry["metrics"] = asdict(r.bench.metrics)
             entry["wall_s"] = r.bench.wall_s
-            entry["records"] = [{k: (pack(v) if k == "chunk_times_s" else v) for k, v in asdict(x).items()
-                                 if k != "text"} for x in r.bench.records]
+            entry["records"] = [
+                {k: (pack(v) if k == "chunk_times_s" else v) for k, v in asdict(x).items() if k != "text"}
+                for x in r.bench.records
+            ]
             entry["transfers"] = r.transfers
             entry["token_ids"] = {rid: " ".join(map(str, ids)) for rid, ids in r.token_ids.items()}
             p = predictions.get(r.spec.label)
             if p is not None:
-                entry["predicted"] = {"metrics": asdict(p.metrics),
-                                      "compared": cp.compare_figures(r.bench.metrics, p.metrics)}
+                entry["predicted"] = {
+                    "metrics": asdict(p.metrics),
+                    "compared": cp.compare_figures(r.bench.metrics, p.metrics),
+                }
         modes.append(entry)
-    return _finite({
-        "model": args.model, "device": device, "workload": asdict(wl),
-        "requests": [{"request_id": s.request_id, "kind": s.kind, "prompt_len": s.prompt_len,
-                      "max_tokens": s.max_tokens, "arrival_s": s.arrival_s} for s in specs],
-        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
-        "prediction_setup": setup.describe() if setup else None, "prediction_error": setup_error,
-        "prediction_reference": cp.reference_points(setup, calibration, wl.doc_prompt_len, wl.chat_streams,
-                                                    wl.chat_prompt_len + wl.chat_output_len // 2) if setup else None,
-        "equality": equality, "modes": modes,
-        "encoding": "records[].chunk_times_s and token_ids[] are space-separated numbers (one line per request)",
-    })
+    return _finite(
+        {
+            "model": args.model,
+            "device": device,
+            "workload": asdict(wl),
+            "requests": [
+                {
+                    "request_id": s.request_id,
+                    "kind": s.kind,
+                    "prompt_len": s.prompt_len,
+                    "max_tokens": s.max_tokens,
+                    "arrival_s": s.arrival_s,
+                }
+                for s in specs
+            ],
+            "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
+            "prediction_setup": setup.describe() if setup else None,
+            "prediction_error": setup_error,
+            "prediction_reference": cp.reference_points(
+                setup, calibration, wl.doc_prompt_len, wl.chat_streams, wl.chat_prompt_len + wl.chat_output_len // 2
+            )
+            if setup
+            else None,
+            "equality": equality,
+            "modes": modes,
+            "encoding": "records[].chunk_times_s and token_ids[] are space-separated numbers (one line per request)",
+        }
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     import json  # noqa: PLC0415
 
     from benchmarks import compare_report as rep  # noqa: PLC0415
-    from costmodel.provenance import RESULTS_DIR, write_result  # noqa: PLC0415
     from cli import CliError  # noqa: PLC0415
+    from costmodel.provenance import RESULTS_DIR, write_result  # noqa: PLC0415
 
     out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
     if args.from_json:
@@ -386,9 +489,18 @@ def main(args: argparse.Namespace) -> int:
     files = rep.write_report(result, out_dir, name, result_path=path)
     table = rep.format_table(result)
     if args.json:
-        print(json.dumps({"result_file": str(path), "report": str(files.markdown),
-                          "plots": [str(p) for p in files.plots], "equality": result["equality"],
-                          "summary": rep.summary_rows(result)}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "result_file": str(path),
+                    "report": str(files.markdown),
+                    "plots": [str(p) for p in files.plots],
+                    "equality": result["equality"],
+                    "summary": rep.summary_rows(result),
+                },
+                indent=2,
+            )
+        )
     else:
         print(table)
         print(f"result: {path}\nreport: {files.markdown}\nplots:  " + ", ".join(str(p) for p in files.plots))
@@ -397,7 +509,10 @@ def main(args: argparse.Namespace) -> int:
         print(rep.mismatch_banner(eq), file=sys.stderr)
         return 1
     if any(m.get("error") for m in result["modes"]):
-        print("pdserve bench compare: some modes failed: " + "; ".join(
-            f"{m['label']}: {m['error']}" for m in result["modes"] if m.get("error")), file=sys.stderr)
+        print(
+            "pdserve bench compare: some modes failed: "
+            + "; ".join(f"{m['label']}: {m['error']}" for m in result["modes"] if m.get("error")),
+            file=sys.stderr,
+        )
         return 1
     return 0

@@ -5,6 +5,7 @@ In-process use (`bench compare`): `result = await run_benchmark(BenchConfig(...)
 `result.metrics` (a ServeMetrics) and `result.records` (one RequestRecord per request).
 Metric formulas: see costmodel/serve_metrics.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from costmodel.provenance import write_result
 from benchmarks.serve_client import ClientConfig, ClientError, run_requests
+from costmodel.provenance import write_result
 from costmodel.serve_metrics import Dist, RequestRecord, ServeMetrics, compute_metrics
 from costmodel.workloads import RequestSpec, WorkloadConfig, build_workload
 
@@ -38,11 +39,15 @@ class BenchResult:
     model: str
     records: list[RequestRecord]
     metrics: ServeMetrics
-    wall_s: float        # client wall time including model discovery
+    wall_s: float  # client wall time including model discovery
 
     def to_dict(self, include_records: bool = True) -> dict[str, Any]:
-        out: dict[str, Any] = {"model": self.model, "wall_s": self.wall_s,
-                               "config": asdict(self.config), "metrics": asdict(self.metrics)}
+        out: dict[str, Any] = {
+            "model": self.model,
+            "wall_s": self.wall_s,
+            "config": asdict(self.config),
+            "metrics": asdict(self.metrics),
+        }
         if include_records:
             out["records"] = [asdict(r) for r in self.records]
         return _finite(out)
@@ -71,6 +76,7 @@ async def run_benchmark(config: BenchConfig, specs: list[RequestSpec] | None = N
 
 # ----------------------------------------------------------------------------- summary table
 
+
 def _fmt(v: float | None, digits: int = 2) -> str:
     return "-" if v is None else f"{v:,.{digits}f}"
 
@@ -89,8 +95,12 @@ def format_table(result: BenchResult) -> str:
     if m.goodput is not None:
         slo = f"TTFT<={_fmt(m.slo_ttft_ms, 0)}ms TPOT<={_fmt(m.slo_tpot_ms, 0)}ms"
         scalars.append((f"Goodput (req/s) [{slo}]", f"{_fmt(m.goodput, 3)} ({m.slo_met}/{m.completed} met)"))
-    dists: list[tuple[str, Dist]] = [("TTFT (ms)", m.ttft_ms), ("TPOT (ms)", m.tpot_ms),
-                                     ("ITL (ms)", m.itl_ms), ("E2E latency (ms)", m.e2e_ms)]
+    dists: list[tuple[str, Dist]] = [
+        ("TTFT (ms)", m.ttft_ms),
+        ("TPOT (ms)", m.tpot_ms),
+        ("ITL (ms)", m.itl_ms),
+        ("E2E latency (ms)", m.e2e_ms),
+    ]
     if len(m.ttft_ms_by_kind) > 1:
         dists += [(f"TTFT {k} (ms)", d) for k, d in m.ttft_ms_by_kind.items()]
     if m.documents:
@@ -98,20 +108,27 @@ def format_table(result: BenchResult) -> str:
     w = max(len(n) for n, _ in scalars + [(n, "") for n, _ in dists]) + 2
     cols = ["count", "mean", "p50", "p90", "p99", "max"]
     width = w + 10 * len(cols)
-    lines = [title.center(width, "="), *(f"{n:<{w}}{v}" for n, v in scalars), "-" * width,
-             f"{'':<{w}}" + "".join(f"{h:>10}" for h in cols)]
+    lines = [
+        title.center(width, "="),
+        *(f"{n:<{w}}{v}" for n, v in scalars),
+        "-" * width,
+        f"{'':<{w}}" + "".join(f"{h:>10}" for h in cols),
+    ]
     for name, d in dists:
         vals = [str(d.count), *(_fmt(getattr(d, k)) for k in cols[1:])]
         lines.append(f"{name:<{w}}" + "".join(f"{v:>10}" for v in vals))
     if m.documents:
-        lines.append(f"(stall: longest inter-token gap of the streams in flight while a document was "
-                     f"prefilled; {sum(d.stall_s is not None for d in m.documents)}/{len(m.documents)} "
-                     f"documents had streams in flight)")
+        lines.append(
+            f"(stall: longest inter-token gap of the streams in flight while a document was "
+            f"prefilled; {sum(d.stall_s is not None for d in m.documents)}/{len(m.documents)} "
+            f"documents had streams in flight)"
+        )
     lines.append("=" * width)
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- CLI
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d_w, d_c = WorkloadConfig(), ClientConfig()
@@ -124,14 +141,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sharegpt-file", default=None, help="ShareGPT-format JSON (for --workload sharegpt)")
     g.add_argument("--sharegpt-max-output-len", type=int, default=d_w.sharegpt_max_output_len)
     g.add_argument("--num-requests", type=int, default=d_w.num_requests, help="random/sharegpt requests")
-    g.add_argument("--request-rate", type=float, default=math.inf,
-                   help="Poisson arrival rate in req/s (random/sharegpt); inf = all at once")
+    g.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrival rate in req/s (random/sharegpt); inf = all at once",
+    )
     g.add_argument("--random-input-len", type=int, default=d_w.random_input_len)
     g.add_argument("--random-output-len", type=int, default=d_w.random_output_len)
-    g.add_argument("--random-range-ratio", type=float, default=d_w.random_range_ratio,
-                   help="lengths uniform in len*[1-r, 1+r]")
-    g.add_argument("--prompt-token-ids", action="store_true",
-                   help="send prompts as lists of token ids (exact lengths on any tokenizer)")
+    g.add_argument(
+        "--random-range-ratio", type=float, default=d_w.random_range_ratio, help="lengths uniform in len*[1-r, 1+r]"
+    )
+    g.add_argument(
+        "--prompt-token-ids",
+        action="store_true",
+        help="send prompts as lists of token ids (exact lengths on any tokenizer)",
+    )
     g.add_argument("--seed", type=int, default=0)
     a = p.add_argument_group("article mix (--workload article)")
     a.add_argument("--chat-streams", type=int, default=d_w.chat_streams)
@@ -147,8 +172,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("client")
     c.add_argument("--max-concurrency", type=int, default=None)
     c.add_argument("--temperature", type=float, default=0.0)
-    c.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="ask the server to ignore EOS so outputs have exactly max_tokens (vLLM/SGLang/pdserve)")
+    c.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask the server to ignore EOS so outputs have exactly max_tokens (vLLM/SGLang/pdserve)",
+    )
     c.add_argument("--duration-limit-s", type=float, default=d_c.duration_limit_s)
     c.add_argument("--request-timeout-s", type=float, default=None)
     c.add_argument("--no-progress", action="store_true")
@@ -162,19 +191,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     workload = WorkloadConfig(
-        workload=args.workload, seed=args.seed, prompt_token_ids=args.prompt_token_ids,
-        num_requests=args.num_requests, request_rate=args.request_rate,
-        random_input_len=args.random_input_len, random_output_len=args.random_output_len,
-        random_range_ratio=args.random_range_ratio, sharegpt_file=args.sharegpt_file,
-        sharegpt_max_output_len=args.sharegpt_max_output_len, chat_streams=args.chat_streams,
-        chat_prompt_len=args.chat_prompt_len, chat_output_len=args.chat_output_len,
-        chat_stagger_s=args.chat_stagger_s, doc_prompt_len=args.doc_prompt_len,
-        doc_output_len=args.doc_output_len, doc_count=args.doc_count, doc_rate=args.doc_rate,
-        doc_start_s=args.doc_start_s, doc_interval_s=args.doc_interval_s)
+        workload=args.workload,
+        seed=args.seed,
+        prompt_token_ids=args.prompt_token_ids,
+        num_requests=args.num_requests,
+        request_rate=args.request_rate,
+        random_input_len=args.random_input_len,
+        random_output_len=args.random_output_len,
+        random_range_ratio=args.random_range_ratio,
+        sharegpt_file=args.sharegpt_file,
+        sharegpt_max_output_len=args.sharegpt_max_output_len,
+        chat_streams=args.chat_streams,
+        chat_prompt_len=args.chat_prompt_len,
+        chat_output_len=args.chat_output_len,
+        chat_stagger_s=args.chat_stagger_s,
+        doc_prompt_len=args.doc_prompt_len,
+        doc_output_len=args.doc_output_len,
+        doc_count=args.doc_count,
+        doc_rate=args.doc_rate,
+        doc_start_s=args.doc_start_s,
+        doc_interval_s=args.doc_interval_s,
+    )
     client = ClientConfig(
-        base_url=args.base_url, api_key=args.api_key, model=args.model, temperature=args.temperature,
-        seed=args.seed, max_concurrency=args.max_concurrency, duration_limit_s=args.duration_limit_s,
-        request_timeout_s=args.request_timeout_s, ignore_eos=args.ignore_eos, show_progress=not args.no_progress)
+        base_url=args.base_url,
+        api_key=args.api_key,
+        model=args.model,
+        temperature=args.temperature,
+        seed=args.seed,
+        max_concurrency=args.max_concurrency,
+        duration_limit_s=args.duration_limit_s,
+        request_timeout_s=args.request_timeout_s,
+        ignore_eos=args.ignore_eos,
+        show_progress=not args.no_progress,
+    )
     return BenchConfig(workload, client, args.slo_ttft_ms, args.slo_tpot_ms)
 
 
@@ -191,11 +240,14 @@ def main(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     name = args.out or f"serve_{config.workload.workload}_{_dt.datetime.now():%Y%m%d_%H%M%S}"
     payload = result.to_dict()
-    path = write_result(name, {k: v for k, v in payload.items() if k != "config"}, payload["config"],
-                        Path(args.results_dir) if args.results_dir else None)
+    path = write_result(
+        name,
+        {k: v for k, v in payload.items() if k != "config"},
+        payload["config"],
+        Path(args.results_dir) if args.results_dir else None,
+    )
     if args.json:
-        print(json.dumps({"result_file": str(path), "model": result.model,
-                          "metrics": payload["metrics"]}, indent=2))
+        print(json.dumps({"result_file": str(path), "model": result.model, "metrics": payload["metrics"]}, indent=2))
     else:
         print(format_table(result))
         print(f"results: {path}")

@@ -15,6 +15,7 @@ block, which is what a per-block transport does; with 80 layers blocks are 10x l
 
 The "local" backend copies inside one process (colocated mode), so both its pools live here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from costmodel.provenance import RESULTS_DIR, write_result
 from cli import CliError
+from costmodel.provenance import RESULTS_DIR, write_result
 from transport import LINKS_GBPS, make_transport
 from transport.wire import KVHandle, KVLayout
 
@@ -56,8 +57,15 @@ class Row:
 
 
 def _layout(block_tokens: int, num_blocks: int) -> KVLayout:
-    return KVLayout(num_layers=LAYERS, num_kv_heads=8, head_dim=128, block_size=block_tokens, dtype="fp8",
-                    scale_layout="none", num_blocks=num_blocks)
+    return KVLayout(
+        num_layers=LAYERS,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=block_tokens,
+        dtype="fp8",
+        scale_layout="none",
+        num_blocks=num_blocks,
+    )
 
 
 def _pattern(nbytes: int, device: str = "cpu") -> torch.Tensor:
@@ -99,14 +107,24 @@ def _parse_list(text: str, name: str, cast=int) -> list:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["nixl", "local", "all"], default="all")
-    p.add_argument("--size-mb", default=SIZES_MB, help=f"transfer sizes in MiB (default {SIZES_MB}; 640 = 671,088,640 B)")
+    p.add_argument(
+        "--size-mb", default=SIZES_MB, help=f"transfer sizes in MiB (default {SIZES_MB}; 640 = 671,088,640 B)"
+    )
     p.add_argument("--block-tokens", default="16,64,256", help="block sizes in tokens (default 16,64,256)")
     p.add_argument("--coalesce", choices=["both", "on", "off"], default="both")
-    p.add_argument("--repeats", type=int, default=5, help="timed transfers per row (at least; rows under 256 MiB repeat up to 20x); "
-                   "the median is reported")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="timed transfers per row (at least; rows under 256 MiB repeat up to 20x); the median is reported",
+    )
     p.add_argument("--streams", type=int, default=None, help="NIXL parallel copy streams (default min(2, cores))")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                   help="where both pools live (default: cuda if available; GPU path not yet measured)")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="where both pools live (default: cuda if available; GPU path not yet measured)",
+    )
     p.add_argument("--json", action="store_true", help="print the result object as JSON instead of the table")
     p.add_argument("--name", default="transfer", help="result file name under benchmarks/results/")
     p.add_argument("--out-dir", default=None, help="directory for the JSON and PNG (default benchmarks/results)")
@@ -123,12 +141,15 @@ def main(args: argparse.Namespace) -> int:
     token_bytes = BYTES_PER_TOKEN_LAYER * LAYERS
     pool_bytes = max(sizes)
     pool_bytes += -pool_bytes % (max(blocks) * token_bytes)  # whole blocks for every block size
-    cases = [(b, s, bt, c) for b in backends for s in sizes for bt in blocks for c in modes
-             if s % (bt * token_bytes) == 0]
+    cases = [
+        (b, s, bt, c) for b in backends for s in sizes for bt in blocks for c in modes if s % (bt * token_bytes) == 0
+    ]
     skipped = sorted({(s, bt) for s in sizes for bt in blocks if s % (bt * token_bytes)})
     if not cases:
-        raise CliError("no (size, block) pair holds whole blocks; sizes must be multiples of a block "
-                       f"({token_bytes} B/token x block tokens)")
+        raise CliError(
+            "no (size, block) pair holds whole blocks; sizes must be multiples of a block "
+            f"({token_bytes} B/token x block tokens)"
+        )
 
     print(f"preparing {pool_bytes / 2**20:.0f} MiB pools ...", file=sys.stderr)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -140,8 +161,7 @@ def main(args: argparse.Namespace) -> int:
     holder = conn = None
     if "nixl" in backends:
         conn, child = ctx.Pipe()
-        holder = ctx.Process(target=_holder_main, args=(child, pool_bytes, blocks, device),
-                             daemon=True)
+        holder = ctx.Process(target=_holder_main, args=(child, pool_bytes, blocks, device), daemon=True)
         holder.start()
     rows: list[Row] = []
     transports = {}
@@ -168,8 +188,7 @@ def main(args: argparse.Namespace) -> int:
             t, peer = transports[(backend, bt)]
             n = size // (bt * token_bytes)
             ids = list(range(n))
-            handle = KVHandle(f"bench-{size}-{bt}", peer, tuple(ids), n * bt, t.layout.compat_hash,
-                              time.time() + 3600)
+            handle = KVHandle(f"bench-{size}-{bt}", peer, tuple(ids), n * bt, t.layout.compat_hash, time.time() + 3600)
             t.read(handle, ids, timeout_s=120, coalesced=coalesced)  # warm-up (connection, pages)
             stats, copies = [], []
             verified = True
@@ -189,8 +208,21 @@ def main(args: argparse.Namespace) -> int:
             secs = statistics.median(s.seconds for s in stats)
             gbps, memcpy_gbps = size / secs / 1e9, size / statistics.median(copies) / 1e9
             memcpy.setdefault(size, []).append(memcpy_gbps)
-            rows.append(Row(backend, size, bt, coalesced, stats[0].descriptors, secs * 1e3, gbps, verified,
-                            memcpy_gbps, gbps / memcpy_gbps, stats[0].link_ms))
+            rows.append(
+                Row(
+                    backend,
+                    size,
+                    bt,
+                    coalesced,
+                    stats[0].descriptors,
+                    secs * 1e3,
+                    gbps,
+                    verified,
+                    memcpy_gbps,
+                    gbps / memcpy_gbps,
+                    stats[0].link_ms,
+                )
+            )
     finally:
         for t, _ in transports.values():
             t.close()
@@ -200,11 +232,22 @@ def main(args: argparse.Namespace) -> int:
 
     memcpy_med = {s: statistics.median(g) for s, g in sorted(memcpy.items())}
     memcpy_ref = memcpy_med[max(memcpy_med)]
-    result = {"rows": [asdict(r) for r in rows], "memcpy_gbytes_per_s": memcpy_ref,
-              "memcpy_by_size": {str(s): g for s, g in memcpy_med.items()},
-              "pool_device": device, "links_gbytes_per_s": LINKS_GBPS, "skipped_size_block": skipped,
-              "mapping": {"bytes_per_token": token_bytes, "layers": LAYERS, "kv_heads": 8, "head_dim": 128,
-                          "dtype": "fp8", "scales": "none"}}
+    result = {
+        "rows": [asdict(r) for r in rows],
+        "memcpy_gbytes_per_s": memcpy_ref,
+        "memcpy_by_size": {str(s): g for s, g in memcpy_med.items()},
+        "pool_device": device,
+        "links_gbytes_per_s": LINKS_GBPS,
+        "skipped_size_block": skipped,
+        "mapping": {
+            "bytes_per_token": token_bytes,
+            "layers": LAYERS,
+            "kv_heads": 8,
+            "head_dim": 128,
+            "dtype": "fp8",
+            "scales": "none",
+        },
+    }
     config = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
     path = write_result(args.name, result, config=config, out_dir=out_dir)
@@ -218,22 +261,30 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _print_table(rows: list[Row], memcpy_ref: float, skipped: list) -> None:
-    print(f"{'backend':<7} {'bytes':>13} {'blk':>4} {'coal':>4} {'descs':>6} {'ms':>9} {'GB/s':>7} "
-          f"{'/memcpy':>7} {'ok':>3} {'NVLink ms':>9} {'IB400 ms':>8} {'IB100 ms':>8}")
+    print(
+        f"{'backend':<7} {'bytes':>13} {'blk':>4} {'coal':>4} {'descs':>6} {'ms':>9} {'GB/s':>7} "
+        f"{'/memcpy':>7} {'ok':>3} {'NVLink ms':>9} {'IB400 ms':>8} {'IB100 ms':>8}"
+    )
     for r in rows:
-        print(f"{r.backend:<7} {r.bytes:>13,} {r.block_tokens:>4} {'on' if r.coalesced else 'off':>4} "
-              f"{r.descriptors:>6} {r.ms:>9.2f} {r.gbytes_per_s:>7.2f} {r.ratio_to_memcpy:>7.2f} "
-              f"{'yes' if r.verified else 'NO':>3} {r.link_ms['nvlink']:>9.2f} {r.link_ms['ib-400g']:>8.2f} "
-              f"{r.link_ms['ib-100g']:>8.2f}")
+        print(
+            f"{r.backend:<7} {r.bytes:>13,} {r.block_tokens:>4} {'on' if r.coalesced else 'off':>4} "
+            f"{r.descriptors:>6} {r.ms:>9.2f} {r.gbytes_per_s:>7.2f} {r.ratio_to_memcpy:>7.2f} "
+            f"{'yes' if r.verified else 'NO':>3} {r.link_ms['nvlink']:>9.2f} {r.link_ms['ib-400g']:>8.2f} "
+            f"{r.link_ms['ib-100g']:>8.2f}"
+        )
     print(f"memcpy (same run, interleaved with the transfers, largest size): {memcpy_ref:.2f} GB/s")
     for backend in sorted({r.backend for r in rows}):
         at = [r.ratio_to_memcpy for r in rows if r.backend == backend and r.bytes == 256 << 20]
         if at:
-            print(f"{backend}: 256 MiB rows reach {statistics.median(at):.2f}x of the same-run memcpy "
-                  f"(median of {len(at)} rows; CPU target >= 0.5)")
+            print(
+                f"{backend}: 256 MiB rows reach {statistics.median(at):.2f}x of the same-run memcpy "
+                f"(median of {len(at)} rows; CPU target >= 0.5)"
+            )
     if skipped:
-        print("skipped (size smaller than or not a multiple of one block): "
-              + ", ".join(f"{s:,} B @ {bt} tok" for s, bt in skipped))
+        print(
+            "skipped (size smaller than or not a multiple of one block): "
+            + ", ".join(f"{s:,} B @ {bt} tok" for s, bt in skipped)
+        )
 
 
 def _plot(rows: list[Row], memcpy: dict, path: Path) -> Path:
@@ -248,17 +299,27 @@ def _plot(rows: list[Row], memcpy: dict, path: Path) -> Path:
     markers = {16: "o", 64: "s", 256: "^"}
     series = sorted({(r.backend, r.block_tokens, r.coalesced) for r in rows})
     for backend, bt, coalesced in series:
-        pts = sorted((r.bytes, r.gbytes_per_s) for r in rows
-                     if (r.backend, r.block_tokens, r.coalesced) == (backend, bt, coalesced))
-        ax.plot([p[0] / 1e6 for p in pts], [p[1] for p in pts], color=colours.get(backend, "tab:purple"),
-                marker=markers.get(bt, "D"), linestyle="-" if coalesced else ":", alpha=0.85,
-                label=f"{backend}, {bt}-token blocks, coalescing {'on' if coalesced else 'off'}")
+        pts = sorted(
+            (r.bytes, r.gbytes_per_s)
+            for r in rows
+            if (r.backend, r.block_tokens, r.coalesced) == (backend, bt, coalesced)
+        )
+        ax.plot(
+            [p[0] / 1e6 for p in pts],
+            [p[1] for p in pts],
+            color=colours.get(backend, "tab:purple"),
+            marker=markers.get(bt, "D"),
+            linestyle="-" if coalesced else ":",
+            alpha=0.85,
+            label=f"{backend}, {bt}-token blocks, coalescing {'on' if coalesced else 'off'}",
+        )
     ms = sorted(memcpy.items())
     ax.plot([s / 1e6 for s, _ in ms], [g for _, g in ms], "k--", label="memcpy (same run)")
     for name, gbps in LINKS_GBPS.items():
         ax.axhline(gbps, color="gray", linewidth=0.8)
-        ax.text(min(r.bytes for r in rows) / 1e6, gbps * 1.08,
-                f"{name} {gbps:g} GB/s (article)", fontsize=7, color="gray")
+        ax.text(
+            min(r.bytes for r in rows) / 1e6, gbps * 1.08, f"{name} {gbps:g} GB/s (article)", fontsize=7, color="gray"
+        )
     ax.axvline(671.08864, color="red", linewidth=0.6, linestyle=":")
     ax.set_xscale("log")
     ax.set_yscale("log")

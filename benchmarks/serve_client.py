@@ -9,13 +9,15 @@ Bounded: a run stops by itself after `duration_limit_s` (requests still open are
 recorded as failed, requests not yet sent as not sent), and each request has its own timeout.
 The openai client's automatic retries are off: a retried request would report a fake latency.
 """
+
 from __future__ import annotations
 
 import asyncio
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import httpx
 import openai
@@ -34,13 +36,13 @@ class ClientError(Exception):
 class ClientConfig:
     base_url: str = "http://127.0.0.1:8000/v1"
     api_key: str = "EMPTY"
-    model: str | None = None                 # None: the first model listed by /v1/models
+    model: str | None = None  # None: the first model listed by /v1/models
     temperature: float = 0.0
-    seed: int = 0                            # request i is sent with seed + i
-    max_concurrency: int | None = None       # None: no client-side limit
+    seed: int = 0  # request i is sent with seed + i
+    max_concurrency: int | None = None  # None: no client-side limit
     duration_limit_s: float = 300.0
-    request_timeout_s: float | None = None   # None: the duration limit
-    ignore_eos: bool = True                  # vLLM/SGLang/pdserve extension: keep output lengths exact
+    request_timeout_s: float | None = None  # None: the duration limit
+    ignore_eos: bool = True  # vLLM/SGLang/pdserve extension: keep output lengths exact
     show_progress: bool = True
 
     def validate(self) -> None:
@@ -64,8 +66,12 @@ def normalize_base_url(url: str) -> str:
 
 def make_client(cfg: ClientConfig) -> AsyncOpenAI:
     timeout = cfg.request_timeout_s or cfg.duration_limit_s
-    return AsyncOpenAI(base_url=normalize_base_url(cfg.base_url), api_key=cfg.api_key, max_retries=0,
-                       timeout=httpx.Timeout(timeout, connect=min(10.0, timeout)))
+    return AsyncOpenAI(
+        base_url=normalize_base_url(cfg.base_url),
+        api_key=cfg.api_key,
+        max_retries=0,
+        timeout=httpx.Timeout(timeout, connect=min(10.0, timeout)),
+    )
 
 
 async def discover_model(client: AsyncOpenAI) -> str:
@@ -86,8 +92,9 @@ def _prompt(spec: RequestSpec) -> str | list[int]:
     return list(spec.prompt) if isinstance(spec.prompt, tuple) else spec.prompt
 
 
-async def send_one(client: AsyncOpenAI, model: str, spec: RequestSpec, index: int, cfg: ClientConfig,
-                   rec: RequestRecord, t0: float) -> None:
+async def send_one(
+    client: AsyncOpenAI, model: str, spec: RequestSpec, index: int, cfg: ClientConfig, rec: RequestRecord, t0: float
+) -> None:
     """Send `spec`, stream the answer, fill `rec` in place (errors go to rec.error, not raised)."""
     now = lambda: time.perf_counter() - t0  # noqa: E731
     extra: dict[str, Any] = {"ignore_eos": True} if cfg.ignore_eos else {}
@@ -95,9 +102,15 @@ async def send_one(client: AsyncOpenAI, model: str, spec: RequestSpec, index: in
     rec.send_s = now()
     try:
         stream = await client.completions.create(
-            model=model, prompt=_prompt(spec), max_tokens=spec.max_tokens, temperature=cfg.temperature,
-            seed=cfg.seed + index, stream=True, stream_options={"include_usage": True},
-            extra_body=extra or None)
+            model=model,
+            prompt=_prompt(spec),
+            max_tokens=spec.max_tokens,
+            temperature=cfg.temperature,
+            seed=cfg.seed + index,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra or None,
+        )
         async for chunk in stream:
             t = now()
             if chunk.choices:
@@ -133,8 +146,14 @@ async def run_requests(specs: Sequence[RequestSpec], cfg: ClientConfig) -> tuple
     cfg.validate()
     client = make_client(cfg)
     records = [RequestRecord(s.request_id, s.kind, s.prompt_len, s.max_tokens, s.arrival_s) for s in specs]
-    bar = tqdm(total=len(specs), file=sys.stderr, disable=not cfg.show_progress, unit="req",
-               desc="bench serve", dynamic_ncols=True)
+    bar = tqdm(
+        total=len(specs),
+        file=sys.stderr,
+        disable=not cfg.show_progress,
+        unit="req",
+        desc="bench serve",
+        dynamic_ncols=True,
+    )
     try:
         model = cfg.model or await discover_model(client)
         sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None

@@ -10,6 +10,7 @@
 - `Harness` (and CLI helpers): one ModelRunner, KV pool and block manager, a decode batch with
   pre-filled KV, and the device spec the cost model predicts with.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,9 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -51,7 +53,7 @@ class Timing:
     repeats: int
 
     @classmethod
-    def of(cls, samples: list[float]) -> "Timing":
+    def of(cls, samples: list[float]) -> Timing:
         return cls(statistics.median(samples), min(samples), max(samples), len(samples))
 
 
@@ -67,16 +69,18 @@ class DeviceProbe:
     """What this run measured about the device itself."""
 
     device: str
-    copy_gbps: float          # (bytes read + bytes written) / s of a large tensor copy, GB/s (1e9)
-    copy_bytes: int           # size of the copied tensor
-    gemm_tflops: float        # dense GEMM, TFLOP/s (1e12)
-    gemm_dtype: str           # dtype of that GEMM ("fp32" on CPU, "bf16"/"fp8" on CUDA)
-    gemm_shape: int           # n of the n x n x n GEMM
+    copy_gbps: float  # (bytes read + bytes written) / s of a large tensor copy, GB/s (1e9)
+    copy_bytes: int  # size of the copied tensor
+    gemm_tflops: float  # dense GEMM, TFLOP/s (1e12)
+    gemm_dtype: str  # dtype of that GEMM ("fp32" on CPU, "bf16"/"fp8" on CUDA)
+    gemm_shape: int  # n of the n x n x n GEMM
 
     def describe(self) -> str:
-        return (f"measured in this run on {self.device}: {self.copy_gbps:.1f} GB/s tensor copy "
-                f"({self.copy_bytes / 2**20:.0f} MiB, read+write), {self.gemm_tflops * 1e3:.1f} GFLOP/s "
-                f"{self.gemm_dtype} GEMM (n={self.gemm_shape})")
+        return (
+            f"measured in this run on {self.device}: {self.copy_gbps:.1f} GB/s tensor copy "
+            f"({self.copy_bytes / 2**20:.0f} MiB, read+write), {self.gemm_tflops * 1e3:.1f} GFLOP/s "
+            f"{self.gemm_dtype} GEMM (n={self.gemm_shape})"
+        )
 
 
 def _gemm_fn(n: int, dtype: str, device: torch.device) -> Callable[[], Any]:
@@ -91,8 +95,13 @@ def _gemm_fn(n: int, dtype: str, device: torch.device) -> Callable[[], Any]:
     return lambda: a @ b
 
 
-def probe_device(device: torch.device, gemm_dtype: str | None = None, copy_mib: int | None = None,
-                 gemm_n: int | None = None, repeats: int = 5) -> DeviceProbe:
+def probe_device(
+    device: torch.device,
+    gemm_dtype: str | None = None,
+    copy_mib: int | None = None,
+    gemm_n: int | None = None,
+    repeats: int = 5,
+) -> DeviceProbe:
     """Measure copy bandwidth and GEMM FLOP/s. Sizes default to what saturates the device
     without taking long: 256 MiB / n=2048 on a CPU, 4 GiB / n=8192 on a GPU."""
     cuda = device.type == "cuda"
@@ -112,13 +121,19 @@ def probe_device(device: torch.device, gemm_dtype: str | None = None, copy_mib: 
         t_gemm = measure(_gemm_fn(gemm_n, "bf16", device), device, repeats, warmup=2).median_s
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     return DeviceProbe(
-        device=name, copy_gbps=2 * n_elem * 4 / t_copy / 1e9, copy_bytes=n_elem * 4,
-        gemm_tflops=2 * gemm_n**3 / t_gemm / 1e12, gemm_dtype=gemm_dtype, gemm_shape=gemm_n)
+        device=name,
+        copy_gbps=2 * n_elem * 4 / t_copy / 1e9,
+        copy_bytes=n_elem * 4,
+        gemm_tflops=2 * gemm_n**3 / t_gemm / 1e12,
+        gemm_dtype=gemm_dtype,
+        gemm_shape=gemm_n,
+    )
 
 
 # --- Engine harness shared by `bench chunks` and `bench article` ------------------------------
 # (Kept here because the benchmark files of this issue were fixed in advance; it would read
 # better as its own module, benchmarks/engine_bench.py.)
+
 
 def resolve_device(name: str | None) -> torch.device:
     if name is None:
@@ -152,24 +167,44 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     from engine.config import PRESETS  # noqa: PLC0415
 
     g = p.add_argument_group("model and device")
-    g.add_argument("--model", default=None, help=f"preset ({', '.join(PRESETS)}) or checkpoint directory "
-                   "(default: tiny on CPU; llama-3.1-70b on CUDA if it fits, else llama-3.1-8b)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help=f"preset ({', '.join(PRESETS)}) or checkpoint directory "
+        "(default: tiny on CPU; llama-3.1-70b on CUDA if it fits, else llama-3.1-8b)",
+    )
     g.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
     g.add_argument("--dtype", choices=["fp8", "bf16", "fp32"], default="fp8", help="weight dtype (default fp8)")
-    g.add_argument("--kv-dtype", choices=["fp8", "bf16", "fp32"], default=None,
-                   help="KV cache dtype (default fp8, fp32 with --dtype fp32)")
-    g.add_argument("--kv-fill", choices=["prefill", "random"], default=None,
-                   help="how the decode batch's KV is filled: a prefill of random tokens (CPU default) or "
-                        "random values written into the pool (CUDA default, fast at long contexts)")
+    g.add_argument(
+        "--kv-dtype",
+        choices=["fp8", "bf16", "fp32"],
+        default=None,
+        help="KV cache dtype (default fp8, fp32 with --dtype fp32)",
+    )
+    g.add_argument(
+        "--kv-fill",
+        choices=["prefill", "random"],
+        default=None,
+        help="how the decode batch's KV is filled: a prefill of random tokens (CPU default) or "
+        "random values written into the pool (CUDA default, fast at long contexts)",
+    )
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default on CPU: 1, because on a shared machine an oversubscribed "
-                        "thread pool turns into 10-50x outliers; the device probe runs with the same threads, "
-                        "so predictions stay comparable. Raise it on a quiet machine)")
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default on CPU: 1, because on a shared machine an oversubscribed "
+        "thread pool turns into 10-50x outliers; the device probe runs with the same threads, "
+        "so predictions stay comparable. Raise it on a quiet machine)",
+    )
     c = p.add_argument_group("cost model")
     c.add_argument("--mfu", type=float, default=0.4, help="MFU of the predictions (default 0.4, the article's)")
-    c.add_argument("--hardware", default=None, help="datasheet preset for the predictions (default: the "
-                   "GPU's datasheet if known, else this run's measured copy bandwidth and GEMM rate)")
+    c.add_argument(
+        "--hardware",
+        default=None,
+        help="datasheet preset for the predictions (default: the "
+        "GPU's datasheet if known, else this run's measured copy bandwidth and GEMM rate)",
+    )
     c.add_argument("--peak-tflops", type=float, default=None, help="override the peak used for predictions and MFU")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, help="result name under --out-dir (default: <bench>-<model>-<device>)")
@@ -228,25 +263,36 @@ class Harness:
 
     device: torch.device
     device_name: str
-    cfg: Any                  # ModelConfig
-    runner: Any               # ModelRunner
-    bm: Any                   # BlockManager
-    compute_dtype: str        # what the FLOPs run in and the weights are read as (fp32 on CPU)
+    cfg: Any  # ModelConfig
+    runner: Any  # ModelRunner
+    bm: Any  # BlockManager
+    compute_dtype: str  # what the FLOPs run in and the weights are read as (fp32 on CPU)
     kv_dtype: str
     probe: DeviceProbe
-    spec: Any                 # cost_model.HardwareSpec
+    spec: Any  # cost_model.HardwareSpec
     spec_is_measured: bool
     peak_flops: float
 
     @classmethod
-    def build(cls, args: argparse.Namespace, device: torch.device, kv_tokens: int, max_pos: int,
-              pool_blocks: int = 1, model: str | None = None) -> "Harness":
+    def build(
+        cls,
+        args: argparse.Namespace,
+        device: torch.device,
+        kv_tokens: int,
+        max_pos: int,
+        pool_blocks: int = 1,
+        model: str | None = None,
+    ) -> Harness:
+        from cli import CliError  # noqa: PLC0415
         from costmodel import cost_model as cm  # noqa: PLC0415
         from engine.block_manager import BlockManager  # noqa: PLC0415
-        from cli import CliError  # noqa: PLC0415
-        from engine.config import PRESETS, CacheConfig, resolve_model_config  # noqa: PLC0415
+        from engine.config import (  # noqa: PLC0415
+            PRESETS,
+            CacheConfig,
+            is_checkpoint_dir,  # noqa: PLC0415
+            resolve_model_config,
+        )
         from engine.model_runner import ModelRunner  # noqa: PLC0415
-        from engine.config import is_checkpoint_dir  # noqa: PLC0415
 
         model = model or args.model
         if device.type == "cpu" and getattr(args, "threads", None) is None:
@@ -268,8 +314,10 @@ class Harness:
             need = KVLayout.build(cfg, cache).pool_bytes
             budget = cuda_kv_budget(cfg, args.dtype, device)
             if need > budget:
-                raise CliError(f"{cfg.name}: the KV pool needs {need / 1e9:.1f} GB but ~{budget / 1e9:.1f} GB are "
-                               f"left after the weights; use a smaller batch/context or model")
+                raise CliError(
+                    f"{cfg.name}: the KV pool needs {need / 1e9:.1f} GB but ~{budget / 1e9:.1f} GB are "
+                    f"left after the weights; use a smaller batch/context or model"
+                )
         probe_dtype = "fp32" if device.type == "cpu" else ("bf16" if args.dtype == "fp32" else args.dtype)
         compute = "fp32" if device.type == "cpu" else args.dtype
         probe = probe_device(device, gemm_dtype=probe_dtype)
@@ -283,9 +331,13 @@ class Harness:
             except ValueError as e:
                 raise CliError(str(e)) from None
         else:
-            spec = cm.HardwareSpec(f"{name} (measured)", probe.copy_gbps * 1e9,
-                                   {probe.gemm_dtype: probe.gemm_tflops * 1e12}, _mem_bytes(device),
-                                   probe.describe())
+            spec = cm.HardwareSpec(
+                f"{name} (measured)",
+                probe.copy_gbps * 1e9,
+                {probe.gemm_dtype: probe.gemm_tflops * 1e12},
+                _mem_bytes(device),
+                probe.describe(),
+            )
         if args.peak_tflops is not None:
             if args.peak_tflops <= 0:
                 raise CliError("--peak-tflops must be positive")
@@ -294,15 +346,21 @@ class Harness:
             raise CliError(f"{spec.name} has no {compute} peak; give --peak-tflops")
         runner = ModelRunner(cfg, cache, args.dtype, device, None if model in PRESETS else model, seed=args.seed)
         bm = BlockManager(cache.num_blocks, cache.block_size)
-        return cls(device, name, cfg, runner, bm, compute, kv_dtype, probe, spec, not hw_name,
-                   spec.peak(compute))
+        return cls(device, name, cfg, runner, bm, compute, kv_dtype, probe, spec, not hw_name, spec.peak(compute))
 
     def spec_record(self) -> dict[str, Any]:
         s = self.spec
-        return {"spec": {"name": s.name, "mem_bw_gbps": s.mem_bw / 1e9,
-                         "peak_tflops": {k: v / 1e12 for k, v in s.peak_flops.items()},
-                         "source": s.source, "source_kind": "measured" if self.spec_is_measured else "datasheet"},
-                "probe": asdict(self.probe), "torch_threads": torch.get_num_threads()}
+        return {
+            "spec": {
+                "name": s.name,
+                "mem_bw_gbps": s.mem_bw / 1e9,
+                "peak_tflops": {k: v / 1e12 for k, v in s.peak_flops.items()},
+                "source": s.source,
+                "source_kind": "measured" if self.spec_is_measured else "datasheet",
+            },
+            "probe": asdict(self.probe),
+            "torch_threads": torch.get_num_threads(),
+        }
 
     def decode_batch(self, batch: int, ctx: int, fill: str | None, seed: int = 0) -> list[Any]:
         """`batch` sequences with `ctx` tokens of KV each, as decode StepItems (one new token at
@@ -317,8 +375,17 @@ class Harness:
         else:  # a real prefill of random tokens, a few sequences per forward
             per = max(1, 4096 // ctx)
             for i in range(0, batch, per):
-                self.runner.forward([StepItem(torch.randint(0, self.cfg.vocab_size, (ctx,), generator=gen).tolist(),
-                                              0, t, want_logits=False) for t in tables[i:i + per]])
+                self.runner.forward(
+                    [
+                        StepItem(
+                            torch.randint(0, self.cfg.vocab_size, (ctx,), generator=gen).tolist(),
+                            0,
+                            t,
+                            want_logits=False,
+                        )
+                        for t in tables[i : i + per]
+                    ]
+                )
         toks = torch.randint(0, self.cfg.vocab_size, (batch,), generator=gen).tolist()
         return [StepItem([tok], ctx, t) for tok, t in zip(toks, tables)]
 
@@ -331,7 +398,7 @@ def fill_kv_random(cache: Any, blocks: list[int], seed: int = 0) -> None:
     per_block = math.prod(cache.data.shape[1:])
     step = max(1, 2**26 // per_block)  # <= 256 MiB of fp32 scratch at a time
     for i in range(0, len(blocks), step):
-        idx = torch.tensor(blocks[i:i + step], dtype=torch.long, device=cache.device)
+        idx = torch.tensor(blocks[i : i + step], dtype=torch.long, device=cache.device)
         vals = torch.randn((len(idx), *cache.data.shape[1:]), generator=gen, device=cache.device) * 0.5
         if cache.data.element_size() == 1:  # fp8: write the bytes (index_put on uint8 works on every device)
             cache.data.view(torch.uint8)[idx] = vals.to(cache.data.dtype).view(torch.uint8)

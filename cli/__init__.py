@@ -6,6 +6,7 @@ the subcommand being run), so any layer may raise `CliError` without an import c
 Each module named below exposes `add_arguments(parser)` and `main(args) -> int`, so a
 subcommand's heavy imports (torch, ray, fastapi) cost nothing to the others.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,5 +75,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-
-

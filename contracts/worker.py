@@ -6,6 +6,7 @@ them through `router.worker_handle.WorkerHandle`, whose methods mirror `PrefillW
 `DecodeWorkerAPI` below, and only ever sees these dataclasses and `KVHandle`s, never tensors or
 blocks. Importing this module does not import torch (the router process never does).
 """
+
 from __future__ import annotations
 
 import time

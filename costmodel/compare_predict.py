@@ -11,16 +11,17 @@ What the simulator does not model (so the prediction error includes it): HTTP/SS
 latency per token, the router's event pump, Python scheduling, and on a CPU the prefill and
 decode processes of a disaggregated run sharing the same cores.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from costmodel import cost_model as cm
 from costmodel.serve_metrics import RequestRecord, ServeMetrics, compute_metrics
 from costmodel.sim_engine import Request, Sim, SimConfig, StepModel, Workload
 from costmodel.workloads import RequestSpec
-from costmodel import cost_model as cm
 
 
 @dataclass(frozen=True)
@@ -29,16 +30,22 @@ class PredictionSetup:
 
     steps: StepModel
     link: cm.Link
-    source: str          # where the numbers come from (calibration file, or datasheet)
+    source: str  # where the numbers come from (calibration file, or datasheet)
 
     def describe(self) -> dict[str, Any]:
         hw = self.steps.hw
-        return {"source": self.source, "hardware": hw.name, "mem_bw_gbps": hw.mem_bw / cm.GB,
-                "peak_tflops": {k: v / cm.TFLOP for k, v in hw.peak_flops.items()}, "mfu": self.steps.mfu,
-                "weight_dtype": self.steps.weight_dtype, "kv_dtype": self.steps.kv_dtype,
-                "decode_step_overhead_ms": hw.step_overhead_s * 1e3,
-                "prefill_overhead_ms": hw.prefill_overhead_s * 1e3,
-                "link": {"name": self.link.name, "label": self.link.label, "gbytes_per_s": self.link.bw / cm.GB}}
+        return {
+            "source": self.source,
+            "hardware": hw.name,
+            "mem_bw_gbps": hw.mem_bw / cm.GB,
+            "peak_tflops": {k: v / cm.TFLOP for k, v in hw.peak_flops.items()},
+            "mfu": self.steps.mfu,
+            "weight_dtype": self.steps.weight_dtype,
+            "kv_dtype": self.steps.kv_dtype,
+            "decode_step_overhead_ms": hw.step_overhead_s * 1e3,
+            "prefill_overhead_ms": hw.prefill_overhead_s * 1e3,
+            "link": {"name": self.link.name, "label": self.link.label, "gbytes_per_s": self.link.bw / cm.GB},
+        }
 
 
 def default_calibration_path(results_dir: Path, model: str, device_kind: str) -> Path:
@@ -80,14 +87,18 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
-def reference_points(setup: PredictionSetup, calibration: Path, doc_prompt_len: int, chat_streams: int,
-                     chat_ctx: int) -> dict[str, Any]:
+def reference_points(
+    setup: PredictionSetup, calibration: Path, doc_prompt_len: int, chat_streams: int, chat_ctx: int
+) -> dict[str, Any]:
     """The two step times that decide the comparison, as the cost model prices them, beside what
     `bench chunks` measured for the same prompt (its JSON next to the calibration), if it did."""
     r = Request(0, "chat", 0.0, chat_ctx, 1)
-    out: dict[str, Any] = {"doc_prefill_ms_predicted": setup.steps.prefill(doc_prompt_len) * 1e3,
-                           "decode_step_ms_predicted": setup.steps.decode([r] * chat_streams) * 1e3,
-                           "decode_step_context": chat_ctx, "decode_step_batch": chat_streams}
+    out: dict[str, Any] = {
+        "doc_prefill_ms_predicted": setup.steps.prefill(doc_prompt_len) * 1e3,
+        "decode_step_ms_predicted": setup.steps.decode([r] * chat_streams) * 1e3,
+        "decode_step_context": chat_ctx,
+        "decode_step_batch": chat_streams,
+    }
     sweep = Path(str(calibration).replace(".calibration.json", ".json"))
     try:
         import json  # noqa: PLC0415
@@ -102,8 +113,9 @@ def reference_points(setup: PredictionSetup, calibration: Path, doc_prompt_len: 
     return out
 
 
-def sim_config(mode: str, chunk_size: int | None, prefill: int, decode: int, max_num_seqs: int,
-               link: cm.Link) -> SimConfig:
+def sim_config(
+    mode: str, chunk_size: int | None, prefill: int, decode: int, max_num_seqs: int, link: cm.Link
+) -> SimConfig:
     """The simulator's view of one pdserve mode ("colocated" whole or chunked, or "disagg")."""
     if mode == "disagg":
         return SimConfig("disagg", prefill_workers=prefill, decode_workers=decode, max_batch=max_num_seqs, link=link)
@@ -125,11 +137,22 @@ def simulate_specs(cfg: SimConfig, steps: StepModel, specs: list[RequestSpec]) -
     records = []
     for s, r in reqs:
         t = r.token_times
-        records.append(RequestRecord(
-            s.request_id, s.kind, s.prompt_len, s.max_tokens, s.arrival_s, send_s=s.arrival_s,
-            chunk_times_s=list(t), end_s=t[-1] if t else None, prompt_tokens=s.prompt_len,
-            completion_tokens=len(t), finish_reason="length" if r.done else None,
-            error=None if t else "not finished in the simulation"))
+        records.append(
+            RequestRecord(
+                s.request_id,
+                s.kind,
+                s.prompt_len,
+                s.max_tokens,
+                s.arrival_s,
+                send_s=s.arrival_s,
+                chunk_times_s=list(t),
+                end_s=t[-1] if t else None,
+                prompt_tokens=s.prompt_len,
+                completion_tokens=len(t),
+                finish_reason="length" if r.done else None,
+                error=None if t else "not finished in the simulation",
+            )
+        )
     return records
 
 
@@ -140,8 +163,14 @@ class Prediction:
     metrics: ServeMetrics
 
 
-def predict(label: str, cfg: SimConfig, setup: PredictionSetup, specs: list[RequestSpec],
-            slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> Prediction:
+def predict(
+    label: str,
+    cfg: SimConfig,
+    setup: PredictionSetup,
+    specs: list[RequestSpec],
+    slo_ttft_ms: float | None,
+    slo_tpot_ms: float | None,
+) -> Prediction:
     records = simulate_specs(cfg, setup.steps, specs)
     return Prediction(label, records, compute_metrics(records, slo_ttft_ms, slo_tpot_ms))
 

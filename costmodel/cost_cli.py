@@ -2,6 +2,7 @@
 
 With no arguments it prints the article's tables (Llama-3.1-70B FP8 on one H100 SXM, 40% MFU).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -9,8 +10,8 @@ import json
 import math
 from typing import Any
 
-from costmodel import cost_model as cm
 from cli import CliError
+from costmodel import cost_model as cm
 
 
 def _ints(s: str) -> list[int]:
@@ -34,23 +35,28 @@ def _floats(s: str) -> list[float]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="llama-3.1-70b",
-                   help="model preset, checkpoint directory or config.json (default: llama-3.1-70b)")
+    p.add_argument(
+        "--config",
+        default="llama-3.1-70b",
+        help="model preset, checkpoint directory or config.json (default: llama-3.1-70b)",
+    )
     p.add_argument("--hw", default="h100-sxm", help=f"GPU preset: {', '.join(sorted(cm.HARDWARE))}")
     p.add_argument("--mfu", type=float, default=None, help="model FLOP utilisation (default 0.4)")
-    p.add_argument("--ctx", type=int, default=4096,
-                   help="decode context and the document prompt length (default 4096)")
+    p.add_argument("--ctx", type=int, default=4096, help="decode context and the document prompt length (default 4096)")
     p.add_argument("--batch", type=int, default=32, help="decode batch for the token conversion and capacity")
     p.add_argument("--batches", type=_ints, default=[1, 8, 32, 64, 256, 512])
     p.add_argument("--contexts", type=_ints, default=[1024, 4096, 16384, 32768])
     p.add_argument("--chunks", type=_ints, default=[128, 512, 1024])
     p.add_argument("--rates", type=_floats, default=[0.25, 0.5, 1.0, 2.0], help="prefills/s, capacity table")
-    p.add_argument("--links", default="nvlink,ib-400g,ib-100g",
-                   help=f"comma-separated: {', '.join(cm.LINKS)} or NAME=GBPS")
+    p.add_argument(
+        "--links", default="nvlink,ib-400g,ib-100g", help=f"comma-separated: {', '.join(cm.LINKS)} or NAME=GBPS"
+    )
     p.add_argument("--crossover-ctx", type=int, default=512, help="context of the crossover batch (default 512)")
     p.add_argument("--weight-dtype", default="fp8", choices=["fp8", "bf16", "fp16", "fp32"])
     p.add_argument("--kv-dtype", default="fp8", choices=["fp8", "bf16", "fp32"])
-    p.add_argument("--calibration", default=None, help="calibration JSON: measured bandwidth and MFU replace the datasheet")
+    p.add_argument(
+        "--calibration", default=None, help="calibration JSON: measured bandwidth and MFU replace the datasheet"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -87,34 +93,71 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
     step_b = cm.decode_step(model, hw, args.batch, args.ctx, mfu, **kdt)
     cross = cm.crossover_batch(model, hw, args.crossover_ctx, mfu, **kdt)
     return {
-        "model": model.name, "hardware": hw.name, "hardware_source": hw.source, "mfu": mfu,
-        "weight_dtype": args.weight_dtype, "kv_dtype": args.kv_dtype, "ctx": args.ctx, "batch": args.batch,
+        "model": model.name,
+        "hardware": hw.name,
+        "hardware_source": hw.source,
+        "mfu": mfu,
+        "weight_dtype": args.weight_dtype,
+        "kv_dtype": args.kv_dtype,
+        "ctx": args.ctx,
+        "batch": args.batch,
         "calibration": cal.to_dict() if cal else None,
         "kv_bytes_per_token": kvb,
         "params": model.params,
         "weight_bytes": cm.weight_bytes(model, args.weight_dtype),
         "prompt_kv_bytes": doc_bytes,
-        "decode_table": [{"batch": d.batch, "step_ms": d.time_s * 1e3, "read_gb": d.read_bytes / cm.GB,
-                          "per_seq_tok_s": d.per_seq_tok_s, "tok_s": d.tok_s,
-                          "memory_ms": d.memory_s * 1e3, "flop_ms": d.flop_s * 1e3} for d in decode],
+        "decode_table": [
+            {
+                "batch": d.batch,
+                "step_ms": d.time_s * 1e3,
+                "read_gb": d.read_bytes / cm.GB,
+                "per_seq_tok_s": d.per_seq_tok_s,
+                "tok_s": d.tok_s,
+                "memory_ms": d.memory_s * 1e3,
+                "flop_ms": d.flop_s * 1e3,
+            }
+            for d in decode
+        ],
         "per_seq_kv_read_ms": args.ctx * kvb / hw.mem_bw * 1e3,
         "per_seq_flop_ms": 2 * model.params / (mfu * hw.peak(args.weight_dtype)) * 1e3,
         "crossover_ctx": args.crossover_ctx,
         "crossover_batch": None if math.isinf(cross) else cross,
-        "prefill_table": [{"context": p.tokens, "linear_tflop": p.linear_flops / 1e12,
-                           "attention_tflop": p.attention_flops / 1e12, "attention_share": p.attention_share,
-                           "time_ms": p.time_s * 1e3} for p in pre],
+        "prefill_table": [
+            {
+                "context": p.tokens,
+                "linear_tflop": p.linear_flops / 1e12,
+                "attention_tflop": p.attention_flops / 1e12,
+                "attention_share": p.attention_share,
+                "time_ms": p.time_s * 1e3,
+            }
+            for p in pre
+        ],
         "batch_token_ms": step_b.time_s / args.batch * 1e3,
         "prefill_ms": doc_prefill.time_s * 1e3,
-        "prefill_equivalent_tokens": cm.prefill_equivalent_tokens(model, hw, args.ctx, args.batch, args.ctx, mfu, **kdt),
+        "prefill_equivalent_tokens": cm.prefill_equivalent_tokens(
+            model, hw, args.ctx, args.batch, args.ctx, mfu, **kdt
+        ),
         "break_even_chunk_tokens": cm.break_even_chunk(model, hw, 1, args.ctx, mfu, **kdt),
         "chunk_table": [{"chunk": c.chunk, "time_ms": c.time_s * 1e3, "decode_steps": c.decode_steps} for c in chunks],
-        "capacity_table": [{"prefills_per_s": r.prefills_per_s, "gpu_share": r.gpu_share,
-                            "decode_sequences": r.decode_sequences,
-                            "per_seq_tok_s": r.per_seq_tok_s if r.decode_sequences > 0 else None} for r in cap],
-        "link_table": [{"link": l.name, "label": l.label, "gbytes_per_s": l.bw / cm.GB,
-                        "ms": cm.transfer_seconds(doc_bytes, l) * 1e3,
-                        "share_of_prefill": cm.transfer_seconds(doc_bytes, l) / doc_prefill.time_s} for l in links],
+        "capacity_table": [
+            {
+                "prefills_per_s": r.prefills_per_s,
+                "gpu_share": r.gpu_share,
+                "decode_sequences": r.decode_sequences,
+                "per_seq_tok_s": r.per_seq_tok_s if r.decode_sequences > 0 else None,
+            }
+            for r in cap
+        ],
+        "link_table": [
+            {
+                "link": l.name,
+                "label": l.label,
+                "gbytes_per_s": l.bw / cm.GB,
+                "ms": cm.transfer_seconds(doc_bytes, l) * 1e3,
+                "share_of_prefill": cm.transfer_seconds(doc_bytes, l) / doc_prefill.time_s,
+            }
+            for l in links
+        ],
     }
 
 
@@ -132,31 +175,75 @@ def render(r: dict[str, Any]) -> str:
         f"{r['model']} on {r['hardware']}, {r['mfu']:.0%} MFU, {r['weight_dtype']} weights, {r['kv_dtype']} KV",
         f"  params {r['params'] / 1e9:.2f} B, weights {r['weight_bytes'] / 1e9:.1f} GB, "
         f"KV {r['kv_bytes_per_token'] / 1024:g} KiB/token, a {ctx:,}-token prompt's KV {r['prompt_kv_bytes'] / 1e6:.0f} MB",
-        "", f"Decode step (memory floor vs FLOPs) @ {ctx:,} ctx",
-        _table(["batch", "step ms", "reads GB", "per-seq tok/s", "node tok/s"],
-               [[str(d["batch"]), f"{d['step_ms']:.1f}", f"{d['read_gb']:.0f}", f"{d['per_seq_tok_s']:.1f}",
-                 f"{d['tok_s']:,.0f}"] for d in r["decode_table"]]),
+        "",
+        f"Decode step (memory floor vs FLOPs) @ {ctx:,} ctx",
+        _table(
+            ["batch", "step ms", "reads GB", "per-seq tok/s", "node tok/s"],
+            [
+                [
+                    str(d["batch"]),
+                    f"{d['step_ms']:.1f}",
+                    f"{d['read_gb']:.0f}",
+                    f"{d['per_seq_tok_s']:.1f}",
+                    f"{d['tok_s']:,.0f}",
+                ]
+                for d in r["decode_table"]
+            ],
+        ),
         f"  each sequence adds {r['per_seq_kv_read_ms']:.2f} ms of KV read vs {r['per_seq_flop_ms']:.2f} ms of FLOPs; "
-        + (f"compute-bound past batch {cross:.0f} at {r['crossover_ctx']}-token context"
-           if cross is not None else f"never compute-bound at {r['crossover_ctx']}-token context"),
-        "", "Prefill",
-        _table(["context", "linear TFLOP", "attention TFLOP", "attn share", "time ms"],
-               [[f"{p['context']:,}", f"{p['linear_tflop']:,.0f}", f"{p['attention_tflop']:,.0f}",
-                 f"{p['attention_share']:.0%}", f"{p['time_ms']:,.0f}"] for p in r["prefill_table"]]),
-        "", f"One {ctx:,}-token prompt = {r['prefill_ms']:.0f} ms / ({r['batch_token_ms']:.2f} ms per token at batch {b})"
-            f" = {r['prefill_equivalent_tokens']:.0f} generated tokens",
+        + (
+            f"compute-bound past batch {cross:.0f} at {r['crossover_ctx']}-token context"
+            if cross is not None
+            else f"never compute-bound at {r['crossover_ctx']}-token context"
+        ),
+        "",
+        "Prefill",
+        _table(
+            ["context", "linear TFLOP", "attention TFLOP", "attn share", "time ms"],
+            [
+                [
+                    f"{p['context']:,}",
+                    f"{p['linear_tflop']:,.0f}",
+                    f"{p['attention_tflop']:,.0f}",
+                    f"{p['attention_share']:.0%}",
+                    f"{p['time_ms']:,.0f}",
+                ]
+                for p in r["prefill_table"]
+            ],
+        ),
+        "",
+        f"One {ctx:,}-token prompt = {r['prefill_ms']:.0f} ms / ({r['batch_token_ms']:.2f} ms per token at batch {b})"
+        f" = {r['prefill_equivalent_tokens']:.0f} generated tokens",
         f"Break-even chunk (prefill chunk = one batch-1 decode step): {r['break_even_chunk_tokens']:.0f} tokens",
-        "", "Chunked prefill",
-        _table(["chunk", "time ms", "decode steps"],
-               [[f"{c['chunk']:,}", f"{c['time_ms']:.0f}", f"{c['decode_steps']:.2f}"] for c in r["chunk_table"]]),
-        "", f"Capacity: {ctx:,}-token prefills mixed with batch-{b} decode",
-        _table(["prefills/s", "GPU on prefill", "decode seqs that fit", "per-seq tok/s"],
-               [[f"{c['prefills_per_s']:g}", f"{c['gpu_share']:.0%}", f"{c['decode_sequences']:.1f}",
-                 "-" if c["per_seq_tok_s"] is None else f"{c['per_seq_tok_s']:.1f}"] for c in r["capacity_table"]]),
-        "", f"KV transfer of a {ctx:,}-token prompt ({r['prompt_kv_bytes'] / 1e6:.0f} MB)",
-        _table(["link", "GB/s", "ms", "% of prefill"],
-               [[l["label"], f"{l['gbytes_per_s']:g}", f"{l['ms']:.1f}", f"{l['share_of_prefill']:.1%}"]
-                for l in r["link_table"]]),
+        "",
+        "Chunked prefill",
+        _table(
+            ["chunk", "time ms", "decode steps"],
+            [[f"{c['chunk']:,}", f"{c['time_ms']:.0f}", f"{c['decode_steps']:.2f}"] for c in r["chunk_table"]],
+        ),
+        "",
+        f"Capacity: {ctx:,}-token prefills mixed with batch-{b} decode",
+        _table(
+            ["prefills/s", "GPU on prefill", "decode seqs that fit", "per-seq tok/s"],
+            [
+                [
+                    f"{c['prefills_per_s']:g}",
+                    f"{c['gpu_share']:.0%}",
+                    f"{c['decode_sequences']:.1f}",
+                    "-" if c["per_seq_tok_s"] is None else f"{c['per_seq_tok_s']:.1f}",
+                ]
+                for c in r["capacity_table"]
+            ],
+        ),
+        "",
+        f"KV transfer of a {ctx:,}-token prompt ({r['prompt_kv_bytes'] / 1e6:.0f} MB)",
+        _table(
+            ["link", "GB/s", "ms", "% of prefill"],
+            [
+                [l["label"], f"{l['gbytes_per_s']:g}", f"{l['ms']:.1f}", f"{l['share_of_prefill']:.1%}"]
+                for l in r["link_table"]
+            ],
+        ),
     ]
     return "\n".join(out)
 

@@ -33,13 +33,15 @@ optional, a missing field keeps the datasheet value)::
 datasheet's, measured peak replaces the datasheet's, overheads attached) and
 `Calibration.effective_mfu(hw, default)` the MFU to use.
 """
+
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from engine.config import KV_DTYPE_BYTES, PRESETS, ModelConfig, resolve_model_config
 
@@ -51,12 +53,12 @@ DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4, **KV_DTYPE_BYTES}
 @dataclass(frozen=True)
 class HardwareSpec:
     name: str
-    mem_bw: float                      # bytes/s
-    peak_flops: dict[str, float]       # dense FLOP/s per compute dtype
-    mem_bytes: float                   # HBM capacity
+    mem_bw: float  # bytes/s
+    peak_flops: dict[str, float]  # dense FLOP/s per compute dtype
+    mem_bytes: float  # HBM capacity
     source: str
-    step_overhead_s: float = 0.0       # per decode step (from a calibration)
-    prefill_overhead_s: float = 0.0    # per prefill or chunk (from a calibration)
+    step_overhead_s: float = 0.0  # per decode step (from a calibration)
+    prefill_overhead_s: float = 0.0  # per prefill or chunk (from a calibration)
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -66,17 +68,33 @@ class HardwareSpec:
 
 HARDWARE: dict[str, HardwareSpec] = {
     "h100-sxm": HardwareSpec(
-        "h100-sxm", 3.35e12, {"fp8": 1979e12, "bf16": 989e12}, 80e9,
-        "NVIDIA H100 SXM datasheet: 3.35 TB/s HBM3, 1,979 TFLOP/s dense FP8 (3,958 with sparsity)"),
+        "h100-sxm",
+        3.35e12,
+        {"fp8": 1979e12, "bf16": 989e12},
+        80e9,
+        "NVIDIA H100 SXM datasheet: 3.35 TB/s HBM3, 1,979 TFLOP/s dense FP8 (3,958 with sparsity)",
+    ),
     "h200": HardwareSpec(
-        "h200", 4.8e12, {"fp8": 1979e12, "bf16": 989e12}, 141e9,
-        "NVIDIA H200 SXM datasheet: 4.8 TB/s HBM3e, 141 GB, same Hopper tensor cores as H100 SXM"),
+        "h200",
+        4.8e12,
+        {"fp8": 1979e12, "bf16": 989e12},
+        141e9,
+        "NVIDIA H200 SXM datasheet: 4.8 TB/s HBM3e, 141 GB, same Hopper tensor cores as H100 SXM",
+    ),
     "b200": HardwareSpec(
-        "b200", 8.0e12, {"fp8": 4500e12, "bf16": 2250e12}, 180e9,
-        "NVIDIA DGX B200 datasheet per GPU: 8 TB/s HBM3e, 4.5 PFLOP/s dense FP8, 2.25 dense BF16"),
+        "b200",
+        8.0e12,
+        {"fp8": 4500e12, "bf16": 2250e12},
+        180e9,
+        "NVIDIA DGX B200 datasheet per GPU: 8 TB/s HBM3e, 4.5 PFLOP/s dense FP8, 2.25 dense BF16",
+    ),
     "a100-80g": HardwareSpec(
-        "a100-80g", 2.039e12, {"bf16": 312e12}, 80e9,
-        "NVIDIA A100 80GB SXM datasheet: 2,039 GB/s HBM2e, 312 TFLOP/s dense BF16, no FP8"),
+        "a100-80g",
+        2.039e12,
+        {"bf16": 312e12},
+        80e9,
+        "NVIDIA A100 80GB SXM datasheet: 2,039 GB/s HBM2e, 312 TFLOP/s dense BF16, no FP8",
+    ),
 }
 HARDWARE["h100"] = HARDWARE["h100-sxm"]
 HARDWARE["a100"] = HARDWARE["a100-80g"]
@@ -86,7 +104,7 @@ HARDWARE["a100"] = HARDWARE["a100-80g"]
 class Link:
     name: str
     label: str
-    bw: float   # bytes/s
+    bw: float  # bytes/s
 
 
 LINKS: dict[str, Link] = {
@@ -130,7 +148,7 @@ class Calibration:
     SCHEMA = "pdserve.calibration/1"
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Calibration":
+    def from_dict(cls, d: dict[str, Any]) -> Calibration:
         schema = d.get("schema", cls.SCHEMA)
         if schema != cls.SCHEMA:
             raise ValueError(f"calibration schema {schema!r} is not {cls.SCHEMA!r}")
@@ -148,7 +166,7 @@ class Calibration:
         return cal
 
     @classmethod
-    def load(cls, path: str | Path) -> "Calibration":
+    def load(cls, path: str | Path) -> Calibration:
         try:
             return cls.from_dict(json.loads(Path(path).read_text()))
         except (OSError, json.JSONDecodeError) as e:
@@ -162,11 +180,14 @@ class Calibration:
         if self.peak_tflops is not None:
             peaks[self.dtype] = self.peak_tflops * TFLOP
         return replace(
-            hw, name=f"{hw.name} (calibrated: {self.device})",
+            hw,
+            name=f"{hw.name} (calibrated: {self.device})",
             mem_bw=self.mem_bandwidth_gbps * GB if self.mem_bandwidth_gbps else hw.mem_bw,
-            peak_flops=peaks, step_overhead_s=self.decode_step_overhead_ms / 1e3,
+            peak_flops=peaks,
+            step_overhead_s=self.decode_step_overhead_ms / 1e3,
             prefill_overhead_s=self.prefill_overhead_ms / 1e3,
-            source=f"calibration {self.source or self.device}; datasheet: {hw.source}")
+            source=f"calibration {self.source or self.device}; datasheet: {hw.source}",
+        )
 
     def effective_mfu(self, hw: HardwareSpec, default: float) -> float:
         """MFU against the (calibrated) peak of `hw`; achieved TFLOP/s wins over a bare mfu."""
@@ -191,16 +212,15 @@ class ModelSpec:
     params: float
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig) -> "ModelSpec":
-        return cls(cfg.name, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                   float(cfg.num_params()))
+    def from_config(cls, cfg: ModelConfig) -> ModelSpec:
+        return cls(cfg.name, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, float(cfg.num_params()))
 
     @classmethod
-    def from_hf_config(cls, hf: dict[str, Any], name: str = "hf") -> "ModelSpec":
+    def from_hf_config(cls, hf: dict[str, Any], name: str = "hf") -> ModelSpec:
         return cls.from_config(ModelConfig.from_hf_config(hf, name=name))
 
     @classmethod
-    def resolve(cls, model: str) -> "ModelSpec":
+    def resolve(cls, model: str) -> ModelSpec:
         """A preset name, a checkpoint directory or a config.json path."""
         try:
             return cls.from_config(resolve_model_config(model))
@@ -242,15 +262,28 @@ class DecodeStep:
     tok_s: float
 
 
-def decode_step(m: ModelSpec, hw: HardwareSpec, batch: int, ctx: float, mfu: float = ARTICLE_MFU,
-                weight_dtype: str = "fp8", kv_dtype: str = "fp8") -> DecodeStep:
+def decode_step(
+    m: ModelSpec,
+    hw: HardwareSpec,
+    batch: int,
+    ctx: float,
+    mfu: float = ARTICLE_MFU,
+    weight_dtype: str = "fp8",
+    kv_dtype: str = "fp8",
+) -> DecodeStep:
     """One decode step of `batch` sequences at mean context `ctx`."""
     return decode_step_tokens(m, hw, batch, batch * ctx, mfu, weight_dtype, kv_dtype)
 
 
-def decode_step_tokens(m: ModelSpec, hw: HardwareSpec, batch: int, kv_tokens: float,
-                       mfu: float = ARTICLE_MFU, weight_dtype: str = "fp8",
-                       kv_dtype: str = "fp8") -> DecodeStep:
+def decode_step_tokens(
+    m: ModelSpec,
+    hw: HardwareSpec,
+    batch: int,
+    kv_tokens: float,
+    mfu: float = ARTICLE_MFU,
+    weight_dtype: str = "fp8",
+    kv_dtype: str = "fp8",
+) -> DecodeStep:
     """One decode step whose sequences hold `kv_tokens` cached tokens in total (the simulator's form)."""
     if batch < 1:
         raise ValueError("batch must be >= 1")
@@ -277,22 +310,30 @@ class Prefill:
     time_s: float
 
 
-def prefill(m: ModelSpec, hw: HardwareSpec, tokens: int, mfu: float = ARTICLE_MFU,
-            weight_dtype: str = "fp8") -> Prefill:
+def prefill(
+    m: ModelSpec, hw: HardwareSpec, tokens: int, mfu: float = ARTICLE_MFU, weight_dtype: str = "fp8"
+) -> Prefill:
     lin, att = prefill_flops(m, tokens)
     t = (lin + att) / (mfu * hw.peak(weight_dtype)) + hw.prefill_overhead_s
     return Prefill(tokens, lin, att, att / (lin + att), t)
 
 
-def prefill_chunk_seconds(m: ModelSpec, hw: HardwareSpec, start: int, chunk: int,
-                          mfu: float = ARTICLE_MFU, weight_dtype: str = "fp8") -> float:
+def prefill_chunk_seconds(
+    m: ModelSpec, hw: HardwareSpec, start: int, chunk: int, mfu: float = ARTICLE_MFU, weight_dtype: str = "fp8"
+) -> float:
     """Prompt tokens [start, start + chunk) after `start` are cached: prefill(end) - prefill(start)."""
     a, b = sum(prefill_flops(m, start)), sum(prefill_flops(m, start + chunk))
     return (b - a) / (mfu * hw.peak(weight_dtype)) + hw.prefill_overhead_s
 
 
-def crossover_batch(m: ModelSpec, hw: HardwareSpec, ctx: float, mfu: float = ARTICLE_MFU,
-                    weight_dtype: str = "fp8", kv_dtype: str = "fp8") -> float:
+def crossover_batch(
+    m: ModelSpec,
+    hw: HardwareSpec,
+    ctx: float,
+    mfu: float = ARTICLE_MFU,
+    weight_dtype: str = "fp8",
+    kv_dtype: str = "fp8",
+) -> float:
     """Batch where the decode step turns compute-bound at context `ctx`; inf if it never does."""
     w_s = weight_bytes(m, weight_dtype) / hw.mem_bw
     per_seq_mem = ctx * kv_bytes_per_token(m, kv_dtype) / hw.mem_bw
@@ -300,8 +341,15 @@ def crossover_batch(m: ModelSpec, hw: HardwareSpec, ctx: float, mfu: float = ART
     return math.inf if per_seq_flop <= per_seq_mem else w_s / (per_seq_flop - per_seq_mem)
 
 
-def break_even_chunk(m: ModelSpec, hw: HardwareSpec, batch: int = 1, ctx: float = 4096,
-                     mfu: float = ARTICLE_MFU, weight_dtype: str = "fp8", kv_dtype: str = "fp8") -> float:
+def break_even_chunk(
+    m: ModelSpec,
+    hw: HardwareSpec,
+    batch: int = 1,
+    ctx: float = 4096,
+    mfu: float = ARTICLE_MFU,
+    weight_dtype: str = "fp8",
+    kv_dtype: str = "fp8",
+) -> float:
     """Chunk length whose prefill takes exactly one decode step (batch 1 by default, as the article).
 
     Solves 2 N c + 4 L H d c^2 = step * MFU * peak; the article drops the (0.2%) quadratic term.
@@ -313,9 +361,16 @@ def break_even_chunk(m: ModelSpec, hw: HardwareSpec, batch: int = 1, ctx: float 
     return (-b + math.sqrt(b * b + 4 * a * budget)) / (2 * a)
 
 
-def prefill_equivalent_tokens(m: ModelSpec, hw: HardwareSpec, tokens: int, batch: int = 32,
-                              ctx: float = 4096, mfu: float = ARTICLE_MFU, weight_dtype: str = "fp8",
-                              kv_dtype: str = "fp8") -> float:
+def prefill_equivalent_tokens(
+    m: ModelSpec,
+    hw: HardwareSpec,
+    tokens: int,
+    batch: int = 32,
+    ctx: float = 4096,
+    mfu: float = ARTICLE_MFU,
+    weight_dtype: str = "fp8",
+    kv_dtype: str = "fp8",
+) -> float:
     """A `tokens` prompt's prefill time, in generated tokens of a batch-`batch` decode."""
     step = decode_step(m, hw, batch, ctx, mfu, weight_dtype, kv_dtype).time_s
     return prefill(m, hw, tokens, mfu, weight_dtype).time_s / step * batch
@@ -328,8 +383,16 @@ class ChunkRow:
     decode_steps: float
 
 
-def chunk_row(m: ModelSpec, hw: HardwareSpec, chunk: int, batch: int = 1, ctx: float = 4096,
-              mfu: float = ARTICLE_MFU, weight_dtype: str = "fp8", kv_dtype: str = "fp8") -> ChunkRow:
+def chunk_row(
+    m: ModelSpec,
+    hw: HardwareSpec,
+    chunk: int,
+    batch: int = 1,
+    ctx: float = 4096,
+    mfu: float = ARTICLE_MFU,
+    weight_dtype: str = "fp8",
+    kv_dtype: str = "fp8",
+) -> ChunkRow:
     """A first chunk of `chunk` tokens, in decode steps at `batch` (1 in the article's table)."""
     t = prefill(m, hw, chunk, mfu, weight_dtype).time_s
     return ChunkRow(chunk, t, t / decode_step(m, hw, batch, ctx, mfu, weight_dtype, kv_dtype).time_s)
@@ -343,9 +406,17 @@ class CapacityRow:
     per_seq_tok_s: float
 
 
-def capacity_table(m: ModelSpec, hw: HardwareSpec, rates: Iterable[float], prompt: int = 4096,
-                   batch: int = 32, ctx: float = 4096, mfu: float = ARTICLE_MFU,
-                   weight_dtype: str = "fp8", kv_dtype: str = "fp8") -> list[CapacityRow]:
+def capacity_table(
+    m: ModelSpec,
+    hw: HardwareSpec,
+    rates: Iterable[float],
+    prompt: int = 4096,
+    batch: int = 32,
+    ctx: float = 4096,
+    mfu: float = ARTICLE_MFU,
+    weight_dtype: str = "fp8",
+    kv_dtype: str = "fp8",
+) -> list[CapacityRow]:
     """One GPU-second per second: prefills take their share, decode at `batch` gets the rest.
 
     The sequences that still fit are the decode tokens/s left, divided by the per-sequence speed
@@ -369,9 +440,35 @@ def kv_transfer_seconds(m: ModelSpec, tokens: int, link: Link, kv_dtype: str = "
     return transfer_seconds(tokens * kv_bytes_per_token(m, kv_dtype), link)
 
 
-__all__ = ["GB", "HardwareSpec", "HARDWARE", "Link", "LINKS", "Calibration", "ModelSpec",
-           "ARTICLE_MODEL", "ARTICLE_HW", "ARTICLE_MFU", "resolve_hardware", "resolve_link",
-           "kv_bytes_per_token", "weight_bytes", "DecodeStep", "decode_step", "decode_step_tokens",
-           "prefill_flops", "Prefill", "prefill", "prefill_chunk_seconds", "crossover_batch",
-           "break_even_chunk", "prefill_equivalent_tokens", "ChunkRow", "chunk_row", "CapacityRow",
-           "capacity_table", "transfer_seconds", "kv_transfer_seconds"]
+__all__ = [
+    "GB",
+    "HardwareSpec",
+    "HARDWARE",
+    "Link",
+    "LINKS",
+    "Calibration",
+    "ModelSpec",
+    "ARTICLE_MODEL",
+    "ARTICLE_HW",
+    "ARTICLE_MFU",
+    "resolve_hardware",
+    "resolve_link",
+    "kv_bytes_per_token",
+    "weight_bytes",
+    "DecodeStep",
+    "decode_step",
+    "decode_step_tokens",
+    "prefill_flops",
+    "Prefill",
+    "prefill",
+    "prefill_chunk_seconds",
+    "crossover_batch",
+    "break_even_chunk",
+    "prefill_equivalent_tokens",
+    "ChunkRow",
+    "chunk_row",
+    "CapacityRow",
+    "capacity_table",
+    "transfer_seconds",
+    "kv_transfer_seconds",
+]

@@ -1,4 +1,5 @@
 """Provenance for every result file: what produced a number, where and when."""
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -15,8 +16,9 @@ RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
 def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True,
-                             text=True, timeout=5)
+        out = subprocess.run(
+            ["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=5
+        )
         return out.stdout.strip() or None if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -39,8 +41,12 @@ def device_description() -> dict[str, Any]:
         import torch  # local import: provenance must not force torch on pure-Python tools
 
         if torch.cuda.is_available():
-            info = {"kind": "cuda", "name": torch.cuda.get_device_name(0),
-                    "count": torch.cuda.device_count(), "cuda": torch.version.cuda}
+            info = {
+                "kind": "cuda",
+                "name": torch.cuda.get_device_name(0),
+                "count": torch.cuda.device_count(),
+                "cuda": torch.version.cuda,
+            }
         info["torch"] = torch.__version__
     except ImportError:
         pass
@@ -54,15 +60,21 @@ def provenance(config: dict[str, Any] | None = None) -> dict[str, Any]:
         "git_commit": _git("rev-parse", "HEAD"),
         "git_dirty": bool(dirty),
         "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"hostname": platform.node(), "platform": platform.platform(),
-                    "python": platform.python_version(), "cpu": _cpu_model(), "cores": os.cpu_count()},
+        "machine": {
+            "hostname": platform.node(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpu": _cpu_model(),
+            "cores": os.cpu_count(),
+        },
         "device": device_description(),
         "config": config or {},
     }
 
 
-def write_result(name: str, payload: dict[str, Any], config: dict[str, Any] | None = None,
-                 out_dir: Path | None = None) -> Path:
+def write_result(
+    name: str, payload: dict[str, Any], config: dict[str, Any] | None = None, out_dir: Path | None = None
+) -> Path:
     """Write `payload` plus provenance to results/<name>.json and return the path."""
     out_dir = Path(out_dir) if out_dir else RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)

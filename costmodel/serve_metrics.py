@@ -35,12 +35,13 @@ The article's metric, the stall. For each completed document d with first token 
   tokens_lost(d) sum over in-flight r of lost_r   (aggregate progress lost, as the article's
                  "32 streams x 29 tokens = 915 tokens")
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from statistics import median
-from typing import Sequence
 
 
 @dataclass
@@ -49,13 +50,13 @@ class RequestRecord:
 
     request_id: str
     kind: str
-    prompt_len: int                       # intended prompt tokens (workload)
+    prompt_len: int  # intended prompt tokens (workload)
     max_tokens: int
-    scheduled_s: float                    # arrival offset from the workload
-    send_s: float | None = None           # None: never sent (duration limit hit first)
+    scheduled_s: float  # arrival offset from the workload
+    send_s: float | None = None  # None: never sent (duration limit hit first)
     chunk_times_s: list[float] = field(default_factory=list)
     end_s: float | None = None
-    prompt_tokens: int | None = None      # usage, when the server reports it
+    prompt_tokens: int | None = None  # usage, when the server reports it
     completion_tokens: int | None = None  # usage, when the server reports it
     finish_reason: str | None = None
     error: str | None = None
@@ -117,7 +118,7 @@ class DocumentStall:
     arrival_s: float
     first_token_s: float
     ttft_s: float
-    stall_s: float | None         # None when no stream was in flight
+    stall_s: float | None  # None when no stream was in flight
     tokens_lost: float
     streams: list[StreamStall]
 
@@ -131,9 +132,9 @@ class ServeMetrics:
     duration_s: float
     total_input_tokens: int
     total_output_tokens: int
-    request_throughput: float       # requests/s
-    output_throughput: float        # tokens/s
-    total_token_throughput: float   # tokens/s
+    request_throughput: float  # requests/s
+    output_throughput: float  # tokens/s
+    total_token_throughput: float  # tokens/s
     ttft_ms: Dist
     tpot_ms: Dist
     itl_ms: Dist
@@ -142,9 +143,9 @@ class ServeMetrics:
     slo_ttft_ms: float | None
     slo_tpot_ms: float | None
     slo_met: int | None
-    goodput: float | None           # requests/s meeting the SLO
-    stall_ms: Dist                  # one value per document with streams in flight
-    tokens_lost: Dist               # one value (sum over streams) per such document
+    goodput: float | None  # requests/s meeting the SLO
+    stall_ms: Dist  # one value per document with streams in flight
+    tokens_lost: Dist  # one value (sum over streams) per such document
     documents: list[DocumentStall]
 
 
@@ -171,8 +172,7 @@ def benchmark_duration(records: Sequence[RequestRecord]) -> float:
     sent = [r for r in records if r.send_s is not None]
     if not sent:
         return 0.0
-    ends = [r.end_s if r.end_s is not None else (r.chunk_times_s[-1] if r.chunk_times_s else r.send_s)
-            for r in sent]
+    ends = [r.end_s if r.end_s is not None else (r.chunk_times_s[-1] if r.chunk_times_s else r.send_s) for r in sent]
     return max(ends) - min(r.send_s for r in sent)  # type: ignore[type-var, misc]
 
 
@@ -204,8 +204,9 @@ def document_stall(doc: RequestRecord, records: Sequence[RequestRecord]) -> Docu
     return DocumentStall(doc.request_id, a, f, f - a, stall, sum(s.tokens_lost for s in streams), streams)
 
 
-def compute_metrics(records: Sequence[RequestRecord], slo_ttft_ms: float | None = None,
-                    slo_tpot_ms: float | None = None) -> ServeMetrics:
+def compute_metrics(
+    records: Sequence[RequestRecord], slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None
+) -> ServeMetrics:
     done = [r for r in records if r.ok]
     not_sent = sum(1 for r in records if r.send_s is None)
     duration = benchmark_duration(records)
@@ -222,15 +223,24 @@ def compute_metrics(records: Sequence[RequestRecord], slo_ttft_ms: float | None 
     docs = [document_stall(r, done) for r in done if r.kind == "document"]
     stalled = [d for d in docs if d.stall_s is not None]
     return ServeMetrics(
-        num_requests=len(records), completed=len(done), failed=len(records) - len(done) - not_sent,
-        not_sent=not_sent, duration_s=duration, total_input_tokens=n_in, total_output_tokens=n_out,
-        request_throughput=per_s(len(done)), output_throughput=per_s(n_out),
+        num_requests=len(records),
+        completed=len(done),
+        failed=len(records) - len(done) - not_sent,
+        not_sent=not_sent,
+        duration_s=duration,
+        total_input_tokens=n_in,
+        total_output_tokens=n_out,
+        request_throughput=per_s(len(done)),
+        output_throughput=per_s(n_out),
         total_token_throughput=per_s(n_in + n_out),
         ttft_ms=summarize([r.ttft_s for r in done], 1000.0),
         tpot_ms=summarize([t for r in done if (t := r.tpot_s) is not None], 1000.0),
         itl_ms=summarize([g for r in done for g in r.itls_s], 1000.0),
         e2e_ms=summarize([r.e2e_s for r in done], 1000.0),
-        ttft_ms_by_kind=by_kind, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, slo_met=met,
+        ttft_ms_by_kind=by_kind,
+        slo_ttft_ms=slo_ttft_ms,
+        slo_tpot_ms=slo_tpot_ms,
+        slo_met=met,
         goodput=per_s(met) if met is not None else None,
         stall_ms=summarize([d.stall_s for d in stalled], 1000.0),  # type: ignore[misc]
         tokens_lost=summarize([d.tokens_lost for d in stalled]),

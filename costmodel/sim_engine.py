@@ -13,14 +13,15 @@ it gets its token. Modes:
   prefill; the KV cache then crosses the link (one FIFO link into each decode worker) and the
   request joins a decode worker's batch at its next step.
 """
+
 from __future__ import annotations
 
 import heapq
 import itertools
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from costmodel import cost_model as cm
 
@@ -30,10 +31,10 @@ MODES = ("colocated", "chunked", "disagg")
 @dataclass
 class Request:
     rid: int
-    kind: str          # "chat" | "doc"
+    kind: str  # "chat" | "doc"
     arrival: float
     prompt: int
-    output: int        # tokens to generate, the first (from prefill) included
+    output: int  # tokens to generate, the first (from prefill) included
     prefilled: int = 0
     token_times: list[float] = field(default_factory=list)
 
@@ -60,8 +61,9 @@ class StepModel:
 
     def decode(self, batch: list[Request]) -> float:
         kv = self.fixed_ctx * len(batch) if self.fixed_ctx is not None else sum(r.ctx for r in batch)
-        return cm.decode_step_tokens(self.model, self.hw, len(batch), kv, self.mfu,
-                                     self.weight_dtype, self.kv_dtype).time_s
+        return cm.decode_step_tokens(
+            self.model, self.hw, len(batch), kv, self.mfu, self.weight_dtype, self.kv_dtype
+        ).time_s
 
     def prefill(self, tokens: int) -> float:
         return cm.prefill(self.model, self.hw, tokens, self.mfu, self.weight_dtype).time_s
@@ -76,10 +78,10 @@ class StepModel:
 @dataclass(frozen=True)
 class SimConfig:
     mode: str = "colocated"
-    workers: int = 1               # colocated workers (GPUs or nodes)
+    workers: int = 1  # colocated workers (GPUs or nodes)
     prefill_workers: int = 1
     decode_workers: int = 1
-    chunk: int = 512               # prompt tokens per step in chunked mode
+    chunk: int = 512  # prompt tokens per step in chunked mode
     max_batch: int = 256
     link: cm.Link = cm.LINKS["nvlink"]
 
@@ -112,7 +114,7 @@ class Workload:
     doc_prompt: tuple[int, int] = (4096, 4096)
     doc_output: tuple[int, int] = (128, 128)
     duration: float = 60.0
-    arrivals: str = "poisson"      # "poisson" | "uniform" (evenly spaced documents)
+    arrivals: str = "poisson"  # "poisson" | "uniform" (evenly spaced documents)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -160,7 +162,9 @@ class Sim:
         heapq.heappush(self._heap, (t, next(self._seq), fn, args))
 
     def new_request(self, kind: str, arrival: float, rng: random.Random) -> Request:
-        p, o = (self.wl.chat_prompt, self.wl.chat_output) if kind == "chat" else (self.wl.doc_prompt, self.wl.doc_output)
+        p, o = (
+            (self.wl.chat_prompt, self.wl.chat_output) if kind == "chat" else (self.wl.doc_prompt, self.wl.doc_output)
+        )
         r = Request(next(self._rid), kind, arrival, rng.randint(*p), rng.randint(*o))
         self.requests.append(r)
         self.at(arrival, self.dispatch, r)
@@ -174,7 +178,7 @@ class Sim:
     def finish(self, r: Request) -> None:
         self.finished.append(r)
         if r.kind == "chat" and self.wl.streams and self.now < self.wl.duration:
-            self.new_request("chat", self.now, self.chat_rng)   # closed loop: the user asks again
+            self.new_request("chat", self.now, self.chat_rng)  # closed loop: the user asks again
 
     def send_kv(self, r: Request) -> None:
         dw = min(self.decode, key=lambda w: w.load)
@@ -183,11 +187,11 @@ class Sim:
         dw.inflight += 1
         self.at(dw.link_free, dw.receive, r)
 
-    def run(self, horizon: float | None = None) -> "Sim":
+    def run(self, horizon: float | None = None) -> Sim:
         """Run until every request is done, or until simulated time `horizon` (endless streams)."""
         wl = self.wl
-        doc_rng = random.Random(f"{wl.seed}-docs")   # documents identical across modes
-        for i in range(wl.streams):                      # streams start staggered over the first second
+        doc_rng = random.Random(f"{wl.seed}-docs")  # documents identical across modes
+        for i in range(wl.streams):  # streams start staggered over the first second
             self.new_request("chat", self.chat_rng.random(), self.chat_rng)
         for t in _times(wl.chat_rate, wl.duration, self.chat_rng, "poisson"):
             self.new_request("chat", t, self.chat_rng)
@@ -202,7 +206,7 @@ class Sim:
         return self
 
     @property
-    def workers(self) -> list["Worker"]:
+    def workers(self) -> list[Worker]:
         return [*self.prefill, *self.decode]
 
 
@@ -241,7 +245,7 @@ class Worker:
         self.sim.at(self.sim.now + dur, self._done, fin)
 
     def _done(self, fin: Callable[[], None]) -> None:
-        fin()              # still busy: a request dispatched from inside fin() must not start a step here
+        fin()  # still busy: a request dispatched from inside fin() must not start a step here
         self.busy = False
         self.kick()
 
@@ -294,6 +298,7 @@ class ColocatedWorker(Worker):
                 if r.prefilled == r.prompt:
                     self.queue.remove(r)
                     self._prefilled(r)
+
         return dur, sum(n for *_, n in parts), len(batch), fin
 
 
@@ -310,6 +315,7 @@ class PrefillWorker(Worker):
                 self.sim.finish(r)
             else:
                 self.sim.send_kv(r)
+
         return self.sim.steps.prefill(r.prompt), r.prompt, 0, fin
 
 

@@ -1,4 +1,5 @@
 """Per-stream token timelines around one document arrival, one panel per simulated mode."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,8 +12,9 @@ def _first_doc(sim: Sim, after: float) -> float | None:
     return min(docs) if docs else None
 
 
-def plot_timelines(sims: list[Sim], path: Path, warmup: float, before: float = 0.3, after: float = 1.7,
-                   max_streams: int = 16) -> Path:
+def plot_timelines(
+    sims: list[Sim], path: Path, warmup: float, before: float = 0.3, after: float = 1.7, max_streams: int = 16
+) -> Path:
     """Each dot row is one chat stream in flight when the document arrived; a gap in a row is a
     stall. The shaded span is the document's prefill (arrival to its first token)."""
     import matplotlib
@@ -31,7 +33,9 @@ def plot_timelines(sims: list[Sim], path: Path, warmup: float, before: float = 0
         doc = next(r for r in sim.requests if r.kind == "doc" and r.arrival == a)
         ax.axvspan(0, (doc.token_times[0] - a) * 1e3, color="tab:red", alpha=0.12, lw=0)
         ax.axvline(0, color="tab:red", lw=1)
-        live = [r for r in sim.requests if r.kind == "chat" and r.token_times and r.token_times[0] <= a < r.token_times[-1]]
+        live = [
+            r for r in sim.requests if r.kind == "chat" and r.token_times and r.token_times[0] <= a < r.token_times[-1]
+        ]
         for y, r in enumerate(live[:max_streams]):
             xs = [(t - a) * 1e3 for t in r.token_times if a - before <= t <= a + after]
             ax.plot(xs, [y] * len(xs), "|", ms=6, color="tab:blue")

@@ -5,6 +5,7 @@ Default scenario is the article's: Llama-3.1-70B FP8 on H100 SXM at 40% MFU, 32 
 *simulated*; `--calibration` swaps the datasheet for measured bandwidth/MFU/overheads.
 `--capacity` runs the article's capacity table through the simulator, beside the closed form.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,12 +14,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from costmodel.sim_engine import MODES, Request, Sim, SimConfig, StepModel, Workload, simulate
-from costmodel import cost_model as cm
 from cli import CliError
-
+from costmodel import cost_model as cm
+from costmodel.sim_engine import MODES, Request, Sim, SimConfig, StepModel, Workload, simulate
 
 # ----------------------------------------------------------------------------- metrics
+
 
 def percentiles(xs: list[float], ps: tuple[int, ...] = (50, 90, 99)) -> dict[str, float | None]:
     """Linear-interpolated percentiles (numpy's default), None when there is no sample."""
@@ -44,7 +45,7 @@ def _doc_stalls(docs: list[Request], streams: list[Request]) -> list[float]:
             t = r.token_times
             if r is d or len(t) < 2 or not t[0] <= a < t[-1]:
                 continue
-            i = max(bisect.bisect_right(t, a) - 1, 0)   # gap t[i] -> t[i+1] contains the arrival
+            i = max(bisect.bisect_right(t, a) - 1, 0)  # gap t[i] -> t[i+1] contains the arrival
             while i + 1 < len(t) and t[i] < f:
                 worst = max(worst, t[i + 1] - t[i])
                 i += 1
@@ -57,28 +58,47 @@ def summarize(sim: Sim, warmup: float, slo: dict[str, float | None]) -> dict[str
     window = end - warmup
     measured = [r for r in sim.requests if warmup <= r.arrival < end]
     done = [r for r in measured if r.done]
-    ttft = {k: [(r.token_times[0] - r.arrival) * 1e3 for r in done if k in ("all", r.kind)] for k in ("all", "chat", "doc")}
-    tpot = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) * 1e3 for r in done if len(r.token_times) > 1]
+    ttft = {
+        k: [(r.token_times[0] - r.arrival) * 1e3 for r in done if k in ("all", r.kind)] for k in ("all", "chat", "doc")
+    }
+    tpot = [
+        (r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) * 1e3 for r in done if len(r.token_times) > 1
+    ]
     itl = [(b - a) * 1e3 for r in done for a, b in zip(r.token_times, r.token_times[1:])]
     stalls = _doc_stalls([r for r in done if r.kind == "doc"], sim.requests)
-    tokens = sum(bisect.bisect_left(r.token_times, end) - bisect.bisect_left(r.token_times, warmup) for r in sim.requests)
+    tokens = sum(
+        bisect.bisect_left(r.token_times, end) - bisect.bisect_left(r.token_times, warmup) for r in sim.requests
+    )
 
     def good(r: Request) -> bool:
         t = r.token_times
         gaps = [b - a for a, b in zip(t, t[1:])]
-        return ((slo["ttft_ms"] is None or (t[0] - r.arrival) * 1e3 <= slo["ttft_ms"])
-                and (slo["tpot_ms"] is None or len(t) < 2 or (t[-1] - t[0]) / (len(t) - 1) * 1e3 <= slo["tpot_ms"])
-                and (slo["itl_ms"] is None or not gaps or max(gaps) * 1e3 <= slo["itl_ms"]))
+        return (
+            (slo["ttft_ms"] is None or (t[0] - r.arrival) * 1e3 <= slo["ttft_ms"])
+            and (slo["tpot_ms"] is None or len(t) < 2 or (t[-1] - t[0]) / (len(t) - 1) * 1e3 <= slo["tpot_ms"])
+            and (slo["itl_ms"] is None or not gaps or max(gaps) * 1e3 <= slo["itl_ms"])
+        )
 
-    prefill_busy = sum(max(0.0, min(s.end, end) - max(s.start, warmup))
-                       for w in sim.front for s in w.log if s.prefill_tokens and not s.decode_tokens)
+    prefill_busy = sum(
+        max(0.0, min(s.end, end) - max(s.start, warmup))
+        for w in sim.front
+        for s in w.log
+        if s.prefill_tokens and not s.decode_tokens
+    )
     return {
-        "mode": sim.cfg.mode, "label": sim.cfg.label, "gpus": sim.cfg.gpus,
-        "requests": len(sim.requests), "finished": len(sim.finished), "measured": len(measured),
+        "mode": sim.cfg.mode,
+        "label": sim.cfg.label,
+        "gpus": sim.cfg.gpus,
+        "requests": len(sim.requests),
+        "finished": len(sim.finished),
+        "measured": len(measured),
         "lost": len(sim.requests) - len(sim.finished),
         "generated_tokens": sum(len(r.token_times) for r in sim.requests),
-        "ttft_ms": percentiles(ttft["all"]), "ttft_chat_ms": percentiles(ttft["chat"]),
-        "ttft_doc_ms": percentiles(ttft["doc"]), "tpot_ms": percentiles(tpot), "itl_ms": percentiles(itl),
+        "ttft_ms": percentiles(ttft["all"]),
+        "ttft_chat_ms": percentiles(ttft["chat"]),
+        "ttft_doc_ms": percentiles(ttft["doc"]),
+        "tpot_ms": percentiles(tpot),
+        "itl_ms": percentiles(itl),
         "max_stall_ms": max(stalls) * 1e3 if stalls else None,
         "mean_doc_stall_ms": sum(stalls) / len(stalls) * 1e3 if stalls else None,
         "documents": len(stalls),
@@ -92,32 +112,68 @@ def summarize(sim: Sim, warmup: float, slo: dict[str, float | None]) -> dict[str
 
 # ----------------------------------------------------------------------------- capacity
 
-def capacity_special_case(steps: StepModel, rates: list[float], prompt: int = 4096, batch: int = 32,
-                          duration: float = 400.0, warmup: float = 20.0) -> list[dict[str, Any]]:
+
+def capacity_special_case(
+    steps: StepModel,
+    rates: list[float],
+    prompt: int = 4096,
+    batch: int = 32,
+    duration: float = 400.0,
+    warmup: float = 20.0,
+) -> list[dict[str, Any]]:
     """The article's capacity table, simulated: `batch` endless streams on one colocated node,
     documents of `prompt` tokens evenly spaced at each rate, every decode sequence at the fixed
     context of `steps` (the article's assumption). Sequences that fit = decode tok/s / per-seq speed."""
     step = steps.decode([Request(-1, "chat", 0, 1, 2)] * batch)
-    closed = {r.prefills_per_s: r for r in cm.capacity_table(
-        steps.model, steps.hw, rates, prompt, batch, steps.fixed_ctx or prompt, steps.mfu,
-        steps.weight_dtype, steps.kv_dtype)}
+    closed = {
+        r.prefills_per_s: r
+        for r in cm.capacity_table(
+            steps.model,
+            steps.hw,
+            rates,
+            prompt,
+            batch,
+            steps.fixed_ctx or prompt,
+            steps.mfu,
+            steps.weight_dtype,
+            steps.kv_dtype,
+        )
+    }
     rows = []
     for rate in rates:
-        wl = Workload(streams=batch, chat_prompt=(1, 1), chat_output=(10**9, 10**9), doc_rate=rate,
-                      doc_prompt=(prompt, prompt), doc_output=(1, 1), duration=duration, arrivals="uniform")
+        wl = Workload(
+            streams=batch,
+            chat_prompt=(1, 1),
+            chat_output=(10**9, 10**9),
+            doc_rate=rate,
+            doc_prompt=(prompt, prompt),
+            doc_output=(1, 1),
+            duration=duration,
+            arrivals="uniform",
+        )
         # max_batch + 1: a document (one output token) must not wait for a batch slot it never uses
         sim = simulate(SimConfig(mode="colocated", max_batch=batch + 1), steps, wl, horizon=duration)
-        decode_tokens = sum(bisect.bisect_left(r.token_times, duration) - bisect.bisect_left(r.token_times, warmup)
-                            for r in sim.requests if r.kind == "chat")
+        decode_tokens = sum(
+            bisect.bisect_left(r.token_times, duration) - bisect.bisect_left(r.token_times, warmup)
+            for r in sim.requests
+            if r.kind == "chat"
+        )
         m = summarize(sim, warmup, {"ttft_ms": None, "tpot_ms": None, "itl_ms": None})
         c = closed[rate]
-        rows.append({"prefills_per_s": rate, "gpu_share": m["prefill_only_share"],
-                     "decode_sequences": decode_tokens / (duration - warmup) * step,  # tok/s over per-seq speed 1/step
-                     "closed_form_gpu_share": c.gpu_share, "closed_form_decode_sequences": c.decode_sequences})
+        rows.append(
+            {
+                "prefills_per_s": rate,
+                "gpu_share": m["prefill_only_share"],
+                "decode_sequences": decode_tokens / (duration - warmup) * step,  # tok/s over per-seq speed 1/step
+                "closed_form_gpu_share": c.gpu_share,
+                "closed_form_decode_sequences": c.decode_sequences,
+            }
+        )
     return rows
 
 
 # ----------------------------------------------------------------------------- CLI
+
 
 def _range(s: str) -> tuple[int, int]:
     try:
@@ -136,8 +192,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hw", default="h100-sxm", help=f"GPU preset: {', '.join(sorted(cm.HARDWARE))}")
     g.add_argument("--mfu", type=float, default=None, help="default 0.4, or the calibration's")
     g.add_argument("--calibration", default=None, help="calibration JSON (see costmodel/cost_model.py)")
-    g.add_argument("--fixed-ctx", type=int, default=None,
-                   help="price every decode sequence at this context (the article's 4k assumption)")
+    g.add_argument(
+        "--fixed-ctx",
+        type=int,
+        default=None,
+        help="price every decode sequence at this context (the article's 4k assumption)",
+    )
     g = p.add_argument_group("serving")
     g.add_argument("--modes", default="colocated,chunked,disagg", help=f"comma-separated: {', '.join(MODES)}")
     g.add_argument("--workers", type=int, default=1, help="colocated workers")
@@ -192,14 +252,27 @@ def _fmt(x: float | None, f: str = ".0f") -> str:
 
 
 def render(results: list[dict[str, Any]]) -> str:
-    head = ["mode", "GPUs", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p99", "max stall",
-            "tok/s", "goodput"]
-    rows = [[r["label"], str(r["gpus"]), _fmt(r["ttft_ms"]["p50"]), _fmt(r["ttft_ms"]["p99"]),
-             _fmt(r["tpot_ms"]["p50"], ".1f"), _fmt(r["tpot_ms"]["p99"], ".1f"), _fmt(r["itl_ms"]["p99"], ".1f"),
-             _fmt(r["max_stall_ms"]), f"{r['throughput_tok_s']:,.0f}", f"{r['goodput_req_s']:.2f}"] for r in results]
+    head = ["mode", "GPUs", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p99", "max stall", "tok/s", "goodput"]
+    rows = [
+        [
+            r["label"],
+            str(r["gpus"]),
+            _fmt(r["ttft_ms"]["p50"]),
+            _fmt(r["ttft_ms"]["p99"]),
+            _fmt(r["tpot_ms"]["p50"], ".1f"),
+            _fmt(r["tpot_ms"]["p99"], ".1f"),
+            _fmt(r["itl_ms"]["p99"], ".1f"),
+            _fmt(r["max_stall_ms"]),
+            f"{r['throughput_tok_s']:,.0f}",
+            f"{r['goodput_req_s']:.2f}",
+        ]
+        for r in results
+    ]
     w = [max(len(h), *(len(x[i]) for x in rows)) for i, h in enumerate(head)]
-    lines = ["  ".join(h.rjust(w[i]) for i, h in enumerate(head)),
-             "  ".join(("(ms)" if 2 <= i <= 7 else "(req/s)" if i == 9 else "").rjust(w[i]) for i in range(len(head)))]
+    lines = [
+        "  ".join(h.rjust(w[i]) for i, h in enumerate(head)),
+        "  ".join(("(ms)" if 2 <= i <= 7 else "(req/s)" if i == 9 else "").rjust(w[i]) for i in range(len(head))),
+    ]
     lines += ["  ".join(c.rjust(w[i]) for i, c in enumerate(x)) for x in rows]
     return "\n".join(lines)
 
@@ -207,8 +280,10 @@ def render(results: list[dict[str, Any]]) -> str:
 def render_capacity(rows: list[dict[str, Any]]) -> str:
     lines = ["prefills/s  GPU on prefill (sim / closed)  decode seqs (sim / closed)"]
     for r in rows:
-        lines.append(f"{r['prefills_per_s']:>10g}  {r['gpu_share']:>14.1%} / {r['closed_form_gpu_share']:<6.1%}"
-                     f"       {r['decode_sequences']:>8.2f} / {r['closed_form_decode_sequences']:.2f}")
+        lines.append(
+            f"{r['prefills_per_s']:>10g}  {r['gpu_share']:>14.1%} / {r['closed_form_gpu_share']:<6.1%}"
+            f"       {r['decode_sequences']:>8.2f} / {r['closed_form_decode_sequences']:.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -234,10 +309,21 @@ def main(args: argparse.Namespace) -> int:
     if args.warmup >= args.duration:
         raise CliError("--warmup must be shorter than --duration")
     try:
-        wl = Workload(args.streams, args.chat_rate, args.chat_prompt, args.chat_output, args.doc_rate,
-                      args.doc_prompt, args.doc_output, args.duration, seed=args.seed)
-        cfgs = [SimConfig(m, args.workers, args.prefill_workers, args.decode_workers, args.chunk,
-                          args.max_batch, link) for m in modes]
+        wl = Workload(
+            args.streams,
+            args.chat_rate,
+            args.chat_prompt,
+            args.chat_output,
+            args.doc_rate,
+            args.doc_prompt,
+            args.doc_output,
+            args.duration,
+            seed=args.seed,
+        )
+        cfgs = [
+            SimConfig(m, args.workers, args.prefill_workers, args.decode_workers, args.chunk, args.max_batch, link)
+            for m in modes
+        ]
     except ValueError as e:
         raise CliError(str(e)) from None
     slo = {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms, "itl_ms": args.slo_itl_ms}
@@ -253,8 +339,10 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(payload, indent=2))
     else:
-        print(f"simulated: {steps.model.name} on {steps.hw.name} at {steps.mfu:.0%} MFU; {args.streams} streams, "
-              f"documents {args.doc_prompt[0]:,} tokens at {args.doc_rate:g}/s for {args.duration:g} s")
+        print(
+            f"simulated: {steps.model.name} on {steps.hw.name} at {steps.mfu:.0%} MFU; {args.streams} streams, "
+            f"documents {args.doc_prompt[0]:,} tokens at {args.doc_rate:g}/s for {args.duration:g} s"
+        )
         print(render(results))
         print(f"result: {path}" + (f", plot: {payload['png']}" if "png" in payload else ""))
     return 0

@@ -21,6 +21,7 @@ Arrivals (random, sharegpt): Poisson at `request_rate` (exponential gaps, first 
 or all at t=0 when the rate is infinite; the client's `max_concurrency` then gives a fixed
 concurrency load.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,9 +45,9 @@ class RequestSpec:
 
     request_id: str
     prompt: str | tuple[int, ...]
-    prompt_len: int          # intended prompt length in tokens (exact for byte tokenizer / ids)
+    prompt_len: int  # intended prompt length in tokens (exact for byte tokenizer / ids)
     max_tokens: int
-    arrival_s: float         # offset from benchmark start at which the request is sent
+    arrival_s: float  # offset from benchmark start at which the request is sent
     kind: RequestKind
 
 
@@ -55,11 +56,11 @@ class WorkloadConfig:
     workload: WorkloadName = "random"
     seed: int = 0
     prompt_token_ids: bool = False
-    token_id_low: int = 32            # ids drawn from [low, high): printable bytes by default,
-    token_id_high: int = 127          # which are ordinary tokens in byte and BPE vocabularies alike
+    token_id_low: int = 32  # ids drawn from [low, high): printable bytes by default,
+    token_id_high: int = 127  # which are ordinary tokens in byte and BPE vocabularies alike
     # random / sharegpt
     num_requests: int = 16
-    request_rate: float = math.inf    # requests/s, Poisson; inf = all at t=0
+    request_rate: float = math.inf  # requests/s, Poisson; inf = all at t=0
     random_input_len: int = 128
     random_output_len: int = 64
     random_range_ratio: float = 0.0
@@ -69,11 +70,11 @@ class WorkloadConfig:
     chat_streams: int = 8
     chat_prompt_len: int = 64
     chat_output_len: int = 256
-    chat_stagger_s: float = 0.0       # chat i starts at i * stagger
+    chat_stagger_s: float = 0.0  # chat i starts at i * stagger
     doc_prompt_len: int = 1024
     doc_output_len: int = 8
     doc_count: int = 2
-    doc_rate: float | None = None     # documents/s (Poisson); None = fixed spacing below
+    doc_rate: float | None = None  # documents/s (Poisson); None = fixed spacing below
     doc_start_s: float = 2.0
     doc_interval_s: float = 2.0
 
@@ -89,8 +90,10 @@ class WorkloadConfig:
             (self.chat_prompt_len >= 1 and self.doc_prompt_len >= 1, "prompt lengths must be >= 1"),
             (self.chat_output_len >= 1 and self.doc_output_len >= 1, "output lengths must be >= 1"),
             (self.doc_rate is None or self.doc_rate > 0, "--doc-rate must be > 0"),
-            (self.doc_start_s >= 0 and self.doc_interval_s >= 0 and self.chat_stagger_s >= 0,
-             "article-mix times must be >= 0"),
+            (
+                self.doc_start_s >= 0 and self.doc_interval_s >= 0 and self.chat_stagger_s >= 0,
+                "article-mix times must be >= 0",
+            ),
             (0 <= self.token_id_low < self.token_id_high, "token id range must satisfy 0 <= low < high"),
         ]
         for ok, msg in checks:
@@ -152,9 +155,17 @@ def _random_workload(cfg: WorkloadConfig, rng: random.Random) -> list[RequestSpe
 
 
 def _article_workload(cfg: WorkloadConfig, rng: random.Random) -> list[RequestSpec]:
-    specs = [RequestSpec(f"chat-{i}", make_prompt(cfg.chat_prompt_len, rng, cfg), cfg.chat_prompt_len,
-                         cfg.chat_output_len, i * cfg.chat_stagger_s, "chat")
-             for i in range(cfg.chat_streams)]
+    specs = [
+        RequestSpec(
+            f"chat-{i}",
+            make_prompt(cfg.chat_prompt_len, rng, cfg),
+            cfg.chat_prompt_len,
+            cfg.chat_output_len,
+            i * cfg.chat_stagger_s,
+            "chat",
+        )
+        for i in range(cfg.chat_streams)
+    ]
     if cfg.doc_rate is not None:
         # Poisson process started at doc_start_s: the first document waits one exponential gap too,
         # so document times do not all share the fixed start.
@@ -164,9 +175,12 @@ def _article_workload(cfg: WorkloadConfig, rng: random.Random) -> list[RequestSp
             doc_times.append(t)
     else:
         doc_times = [cfg.doc_start_s + i * cfg.doc_interval_s for i in range(cfg.doc_count)]
-    specs += [RequestSpec(f"doc-{i}", make_prompt(cfg.doc_prompt_len, rng, cfg), cfg.doc_prompt_len,
-                          cfg.doc_output_len, t, "document")
-              for i, t in enumerate(doc_times)]
+    specs += [
+        RequestSpec(
+            f"doc-{i}", make_prompt(cfg.doc_prompt_len, rng, cfg), cfg.doc_prompt_len, cfg.doc_output_len, t, "document"
+        )
+        for i, t in enumerate(doc_times)
+    ]
     return specs
 
 

@@ -6,6 +6,7 @@ worker it may free its copy -> join the running batch (loop thread). Tokens are 
 StreamEvents that the router collects with `poll_events()` (one long-poll per worker, not one
 call per token).
 """
+
 from __future__ import annotations
 
 import threading
@@ -13,10 +14,10 @@ import time
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 
+from contracts.worker import GenerateRequest, PrefillResult, StreamEvent, WorkerConfig, WorkerError, WorkerStats
 from engine.block_manager import NoFreeBlocks
 from engine.sequence import Sequence
 from engine.worker_base import EngineLoop, build_engine, log
-from contracts.worker import GenerateRequest, PrefillResult, StreamEvent, WorkerConfig, WorkerError, WorkerStats
 from transport import make_transport
 from transport.base import TransferTimeout, TransportError
 
@@ -59,6 +60,7 @@ class DecodeWorker(EngineLoop):
     # ---- called from other threads (Ray actor methods) -------------------------------------
     def submit_prompt(self, req: GenerateRequest) -> None:
         """Colocated: admit a raw prompt (prefilled here, whole or in chunks)."""
+
         def admit() -> None:
             if not self._refuse_aborted(req.request_id):
                 seq = Sequence(req.request_id, list(req.prompt_ids), req.params)
@@ -70,6 +72,7 @@ class DecodeWorker(EngineLoop):
     def submit_prefilled(self, req: GenerateRequest, result: PrefillResult) -> None:
         """Disaggregated: admit a request whose prompt KV waits on a prefill worker."""
         self.engine.check_fits(len(req.prompt_ids), req.params.max_tokens)
+
         def admit() -> None:
             if not self._refuse_aborted(req.request_id):
                 self._admissions.append((req, result))
@@ -100,10 +103,16 @@ class DecodeWorker(EngineLoop):
 
     def stats(self) -> WorkerStats:
         e = self.engine
-        return WorkerStats(self.name, "colocated" if self.colocated else "decode",
-                           queue_depth=len(e.waiting) + len(self._admissions) + len(self._in_transfer),
-                           running=len(e.running), parked=0, blocks_total=e.blocks.num_blocks,
-                           blocks_free=e.blocks.num_free, steps=self.steps)
+        return WorkerStats(
+            self.name,
+            "colocated" if self.colocated else "decode",
+            queue_depth=len(e.waiting) + len(self._admissions) + len(self._in_transfer),
+            running=len(e.running),
+            parked=0,
+            blocks_total=e.blocks.num_blocks,
+            blocks_free=e.blocks.num_free,
+            steps=self.steps,
+        )
 
     def ping(self) -> str:
         """Raises if the engine loop is gone, so the router reports and replaces the worker."""
@@ -130,8 +139,13 @@ class DecodeWorker(EngineLoop):
         """A submit that arrives after its own abort: drop it (and end the stream, if any)."""
         if request_id not in self._aborted:
             return False
-        self._emit([StreamEvent(request_id, "error", finished=True, finish_reason="abort",
-                                error=f"request {request_id} was aborted")])
+        self._emit(
+            [
+                StreamEvent(
+                    request_id, "error", finished=True, finish_reason="abort", error=f"request {request_id} was aborted"
+                )
+            ]
+        )
         return True
 
     def _fail_expired_admissions(self) -> None:
@@ -146,9 +160,14 @@ class DecodeWorker(EngineLoop):
                 kept.append((req, result))
                 continue
             waited = now - result.timings.get("prefill_end", now)
-            self._fail_admission(req.request_id, [], (
-                f"KV transfer failed: the KV lease on {result.handle.agent} expired while the request "
-                f"waited {waited:.1f} s for free KV blocks on {self.name}; raise --lease-s or add decode capacity"))
+            self._fail_admission(
+                req.request_id,
+                [],
+                (
+                    f"KV transfer failed: the KV lease on {result.handle.agent} expired while the request "
+                    f"waited {waited:.1f} s for free KV blocks on {self.name}; raise --lease-s or add decode capacity"
+                ),
+            )
         self._admissions = kept
 
     def _start_transfers(self) -> None:
@@ -172,21 +191,27 @@ class DecodeWorker(EngineLoop):
             # a pull is only valid if it finishes before then (same clock on one node; NTP across).
             left = handle.lease_deadline - time.time()
             if left <= 0:
-                raise LeaseExpired(f"the KV lease on {handle.agent} expired {-left:.2f} s before the pull "
-                                   "started; raise --lease-s")
+                raise LeaseExpired(
+                    f"the KV lease on {handle.agent} expired {-left:.2f} s before the pull started; raise --lease-s"
+                )
             self.transport.connect(handle.source)
             try:
-                stats = self.transport.read(handle, blocks[: len(handle.block_ids)],
-                                            min(self.cfg.transfer_timeout_s, left))
+                stats = self.transport.read(
+                    handle, blocks[: len(handle.block_ids)], min(self.cfg.transfer_timeout_s, left)
+                )
             except TransferTimeout:
                 if left >= self.cfg.transfer_timeout_s:
                     raise
-                raise LeaseExpired(f"the KV lease on {handle.agent} ran out ({left:.2f} s left when the "
-                                   "pull started) before the pull finished; raise --lease-s") from None
+                raise LeaseExpired(
+                    f"the KV lease on {handle.agent} ran out ({left:.2f} s left when the "
+                    "pull started) before the pull finished; raise --lease-s"
+                ) from None
             late = time.time() - handle.lease_deadline
             if late >= 0:
-                raise LeaseExpired(f"the pull from {handle.agent} finished {late:.2f} s after the KV lease "
-                                   "ran out, so its blocks may hold another prompt; raise --lease-s")
+                raise LeaseExpired(
+                    f"the pull from {handle.agent} finished {late:.2f} s after the KV lease "
+                    "ran out, so its blocks may hold another prompt; raise --lease-s"
+                )
             self.transport.notify(handle.agent, req.request_id)
         except Exception as e:  # noqa: BLE001 - reported to the router as this request's error
             log.warning("KV pull for %s failed: %s", req.request_id, e)
@@ -205,19 +230,34 @@ class DecodeWorker(EngineLoop):
         if req.request_id in self._aborted:
             self.engine.blocks.free(blocks)
             return
-        seq = Sequence(req.request_id, list(req.prompt_ids), req.params, output_ids=[result.first_token],
-                       block_table=blocks)
+        seq = Sequence(
+            req.request_id, list(req.prompt_ids), req.params, output_ids=[result.first_token], block_table=blocks
+        )
         self.engine.add_prefilled(seq)
-        self._emit([StreamEvent(req.request_id, "admitted", transfer=stats,
-                                finished=seq.finish_reason is not None, finish_reason=seq.finish_reason)])
+        self._emit(
+            [
+                StreamEvent(
+                    req.request_id,
+                    "admitted",
+                    transfer=stats,
+                    finished=seq.finish_reason is not None,
+                    finish_reason=seq.finish_reason,
+                )
+            ]
+        )
 
     def on_exit(self) -> None:
         e = self.engine
         held = [s.seq_id for s in (*e.waiting, *e.running)] + [r.request_id for r, _ in self._admissions]
         held += list(self._in_transfer)
         error = str(self._ended_error())
-        self._emit([StreamEvent(rid, "error", finished=True, finish_reason="error", error=error)
-                    for rid in held if rid not in self._aborted])
+        self._emit(
+            [
+                StreamEvent(rid, "error", finished=True, finish_reason="error", error=error)
+                for rid in held
+                if rid not in self._aborted
+            ]
+        )
 
     def _stamp_prefills(self, events: list[StreamEvent], t_start: float) -> None:
         """Colocated timelines: queue = admission to first prefill step, prefill = first prefill
@@ -250,8 +290,9 @@ class DecodeWorker(EngineLoop):
         t_start = time.time()
         events = self.engine.step()
         t = time.time()
-        out = [StreamEvent(ev.seq_id, "token", ev.token_id, ev.index, ev.finished, ev.finish_reason, t)
-               for ev in events]
+        out = [
+            StreamEvent(ev.seq_id, "token", ev.token_id, ev.index, ev.finished, ev.finish_reason, t) for ev in events
+        ]
         if self._prefill_clock:
             self._stamp_prefills(out, t_start)
         self._emit(out)

@@ -9,6 +9,7 @@ are all the same call: decode is simply query_len == 1.
 CPU-capable reference; `engine/gpu/` provides faster backends with identical semantics, and
 `engine/attention_registry.py` picks one for a device (so this base never imports a backend).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -42,8 +43,16 @@ class AttentionBackend(ABC):
     on it)."""
 
     @abstractmethod
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq, D]."""
 
 
@@ -55,13 +64,13 @@ class TorchReferenceAttention(AttentionBackend):
         start = 0
         for i, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
             kc, vc = cache.gather(layer, meta.block_tables[i], ctx, out_dtype=q.dtype)  # [ctx, Hkv, D]
-            qi = q[start:start + qlen].transpose(0, 1)  # [Hq, qlen, D]
+            qi = q[start : start + qlen].transpose(0, 1)  # [Hq, qlen, D]
             kc = kc.transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, ctx, D]
             vc = vc.transpose(0, 1).repeat_interleave(group, dim=0)
             # causal with an offset: query j sits at position ctx - qlen + j
             q_pos = torch.arange(ctx - qlen, ctx, device=q.device)[:, None]
             mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos  # [qlen, ctx]
             oi = F.scaled_dot_product_attention(qi, kc, vc, attn_mask=mask, scale=scale)
-            out[start:start + qlen] = oi.transpose(0, 1)
+            out[start : start + qlen] = oi.transpose(0, 1)
             start += qlen
         return out

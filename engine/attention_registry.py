@@ -3,6 +3,7 @@
 Kept apart from engine/attention.py (the base class and the reference) so that the GPU backend,
 which subclasses the base, and the choice between backends do not import each other.
 """
+
 from __future__ import annotations
 
 import torch

@@ -5,6 +5,7 @@ Invariants (checked by tests/test_block_manager.py under random workloads):
 - `num_free + num_used == num_blocks` at all times;
 - freeing a block that is not owned is an error, never a silent double free.
 """
+
 from __future__ import annotations
 
 from collections import deque

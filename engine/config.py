@@ -4,6 +4,7 @@
 `config.json` that matter). `CacheConfig` describes the paged KV pool. Neither imports torch,
 so the router, the cost model and the simulator can use them freely.
 """
+
 from __future__ import annotations
 
 import json
@@ -69,14 +70,14 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         d = dict(d)
         if d.get("rope_scaling") is not None and not isinstance(d["rope_scaling"], RopeScaling):
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         return cls(**d)
 
     @classmethod
-    def from_hf_config(cls, hf: dict[str, Any], name: str = "hf") -> "ModelConfig":
+    def from_hf_config(cls, hf: dict[str, Any], name: str = "hf") -> ModelConfig:
         """Build from a Hugging Face Llama `config.json` dictionary."""
         heads = hf["num_attention_heads"]
         # transformers < 5 writes "rope_scaling" + top-level "rope_theta"; transformers >= 5 writes
@@ -143,32 +144,70 @@ class ModelConfig:
         return d
 
 
-_LLAMA31_ROPE = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                            original_max_position_embeddings=8192)
+_LLAMA31_ROPE = RopeScaling(
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
 
 PRESETS: dict[str, ModelConfig] = {
     # CPU tests and demo: a forward pass of a few hundred tokens takes milliseconds.
     "tiny": ModelConfig(
-        name="tiny", vocab_size=320, hidden_size=128, intermediate_size=384, num_layers=4,
-        num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=4096,
+        name="tiny",
+        vocab_size=320,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
     ),
     # ~1.2B, Llama-3.2-1B shapes (tied embeddings): a GPU smoke test.
     "small": ModelConfig(
-        name="small", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
-        num_heads=32, num_kv_heads=8, head_dim=64, max_position_embeddings=131072,
-        rope_theta=500000.0, rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192), tie_word_embeddings=True,
-        bos_token_id=128000, eos_token_id=128001,
+        name="small",
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192),
+        tie_word_embeddings=True,
+        bos_token_id=128000,
+        eos_token_id=128001,
     ),
     # Exact published shapes of meta-llama/Llama-3.1-8B and -70B (config.json).
     "llama-3.1-8b": ModelConfig(
-        name="llama-3.1-8b", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=131072,
-        rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, bos_token_id=128000, eos_token_id=128001,
+        name="llama-3.1-8b",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=_LLAMA31_ROPE,
+        bos_token_id=128000,
+        eos_token_id=128001,
     ),
     "llama-3.1-70b": ModelConfig(
-        name="llama-3.1-70b", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
-        num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128, max_position_embeddings=131072,
-        rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, bos_token_id=128000, eos_token_id=128001,
+        name="llama-3.1-70b",
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=_LLAMA31_ROPE,
+        bos_token_id=128000,
+        eos_token_id=128001,
     ),
 }
 
@@ -237,6 +276,14 @@ def read_generation_eos(directory: str | Path) -> list[int]:
     return sorted(set(ids))
 
 
-__all__ = ["ModelConfig", "RopeScaling", "CacheConfig", "PRESETS", "resolve_model_config",
-           "KV_DTYPE_BYTES", "with_overrides", "is_checkpoint_dir",
-           "read_generation_eos"]
+__all__ = [
+    "ModelConfig",
+    "RopeScaling",
+    "CacheConfig",
+    "PRESETS",
+    "resolve_model_config",
+    "KV_DTYPE_BYTES",
+    "with_overrides",
+    "is_checkpoint_dir",
+    "read_generation_eos",
+]

@@ -1,4 +1,5 @@
 """`pdserve generate`: one prompt through the local engine (no Ray, no server)."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,10 +18,13 @@ from engine.tokenizer import load_tokenizer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"a registry model ({', '.join(MODELS)}; pulled on first use), a preset ({', '.join(PRESETS)}; "
-                        f"random weights), a Hugging Face Llama checkpoint directory or a .gguf file "
-                        f"(default {DEFAULT_MODEL})")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"a registry model ({', '.join(MODELS)}; pulled on first use), a preset ({', '.join(PRESETS)}; "
+        f"random weights), a Hugging Face Llama checkpoint directory or a .gguf file "
+        f"(default {DEFAULT_MODEL})",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
@@ -29,8 +33,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (temperature > 0)")
     p.add_argument("--dtype", choices=["fp8", "bf16", "fp32"], default="fp8", help="weight dtype (default fp8)")
-    p.add_argument("--kv-dtype", choices=["fp8", "bf16", "fp32"], default=None,
-                   help="KV cache dtype (default: fp8, or fp32 with --dtype fp32)")
+    p.add_argument(
+        "--kv-dtype",
+        choices=["fp8", "bf16", "fp32"],
+        default=None,
+        help="KV cache dtype (default: fp8, or fp32 with --dtype fp32)",
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="default cpu")
     p.add_argument("--chunk-size", type=int, default=None, help="prefill in chunks of N tokens")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
@@ -54,8 +62,10 @@ def main(args: argparse.Namespace) -> int:
     except PullError as e:
         raise CliError(str(e)) from None
     if args.model not in PRESETS and not is_checkpoint_dir(args.model):
-        raise CliError(f"--model {args.model!r}: not a preset ({', '.join(PRESETS)}), a registry model "
-                       f"({', '.join(MODELS)}), a directory containing config.json or a .gguf file")
+        raise CliError(
+            f"--model {args.model!r}: not a preset ({', '.join(PRESETS)}), a registry model "
+            f"({', '.join(MODELS)}), a directory containing config.json or a .gguf file"
+        )
     if args.max_tokens < 1:
         raise CliError("--max-tokens must be >= 1")
     if args.chunk_size is not None and args.chunk_size < 1:
@@ -78,14 +88,21 @@ def main(args: argparse.Namespace) -> int:
         raise CliError("--prompt is empty")
     total = len(ids) + args.max_tokens
     if total > cfg.max_position_embeddings:
-        raise CliError(f"prompt ({len(ids)} tokens) + --max-tokens ({args.max_tokens}) exceeds the model's "
-                       f"context of {cfg.max_position_embeddings} tokens")
+        raise CliError(
+            f"prompt ({len(ids)} tokens) + --max-tokens ({args.max_tokens}) exceeds the model's "
+            f"context of {cfg.max_position_embeddings} tokens"
+        )
     kv_dtype = args.kv_dtype or ("fp32" if args.dtype == "fp32" else "fp8")
     block = 16
     cache = CacheConfig(block_size=block, num_blocks=-(-total // block) + 1, kv_dtype=kv_dtype)
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                seed=args.seed, ignore_eos=args.ignore_eos)
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+        )
     except ValueError as e:
         raise CliError(str(e)) from None
     t_load = time.perf_counter()
@@ -108,19 +125,29 @@ def main(args: argparse.Namespace) -> int:
     t_end = time.perf_counter()
     n_decode = len(seq.output_ids) - 1
     result = {
-        "model": cfg.name, "dtype": args.dtype, "kv_dtype": kv_dtype, "device": args.device,
-        "prompt_tokens": len(ids), "token_ids": seq.output_ids, "text": tok.decode(seq.output_ids),
+        "model": cfg.name,
+        "dtype": args.dtype,
+        "kv_dtype": kv_dtype,
+        "device": args.device,
+        "prompt_tokens": len(ids),
+        "token_ids": seq.output_ids,
+        "text": tok.decode(seq.output_ids),
         "finish_reason": seq.finish_reason,
-        "timings": {"load_s": round(load_s, 4), "prefill_ms": round((t_first - t0) * 1e3, 3),
-                    "decode_tokens_per_s": round(n_decode / (t_end - t_first), 2) if n_decode else None},
+        "timings": {
+            "load_s": round(load_s, 4),
+            "prefill_ms": round((t_first - t0) * 1e3, 3),
+            "decode_tokens_per_s": round(n_decode / (t_end - t_first), 2) if n_decode else None,
+        },
     }
     if args.json:
         print(json.dumps(result))
     else:
         print(result["text"])
         t = result["timings"]
-        print(f"\n[{cfg.name} {args.dtype} on {args.device}] prompt {len(ids)} tok, generated {len(seq.output_ids)} "
-              f"tok ({seq.finish_reason}); prefill {t['prefill_ms']} ms, decode {t['decode_tokens_per_s']} tok/s")
+        print(
+            f"\n[{cfg.name} {args.dtype} on {args.device}] prompt {len(ids)} tok, generated {len(seq.output_ids)} "
+            f"tok ({seq.finish_reason}); prefill {t['prefill_ms']} ms, decode {t['decode_tokens_per_s']} tok/s"
+        )
     return 0
 
 

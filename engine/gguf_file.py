@@ -12,11 +12,13 @@ Face checkpoint directory would hold:
 
 Nothing here imports torch: weights come out as numpy arrays; engine/weights.py quantizes them.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -25,9 +27,15 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 
 # GGUF tensor name (within a block) -> Hugging Face LlamaForCausalLM name
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -55,8 +63,9 @@ class GGUFFile:
         try:
             self._reader = gguf.GGUFReader(str(self.path))
         except Exception as e:  # noqa: BLE001 - truncated/garbage files fail in many ways inside the reader
-            raise GGUFError(f"{self.path}: not a readable GGUF file (truncated or corrupt?): "
-                            f"{type(e).__name__}: {e}") from None
+            raise GGUFError(
+                f"{self.path}: not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}"
+            ) from None
         self._fields = self._reader.fields
         arch = self.get("general.architecture")
         if arch != "llama":
@@ -92,8 +101,10 @@ class GGUFFile:
         vocab = self.get(a + "vocab_size") or len(self._need("tokenizer.ggml.tokens"))
         names = {t.name for t in self._reader.tensors}
         return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "vocab_size": int(vocab), "hidden_size": hidden,
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": int(vocab),
+            "hidden_size": hidden,
             "intermediate_size": int(self._need(a + "feed_forward_length")),
             "num_hidden_layers": int(self._need(a + "block_count")),
             "num_attention_heads": heads,
@@ -105,7 +116,8 @@ class GGUFFile:
             "tie_word_embeddings": "output.weight" not in names,
             "bos_token_id": self.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": self.get("tokenizer.ggml.eos_token_id"),
-            "hidden_act": "silu", "torch_dtype": "float32",
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
         }
 
     @property
@@ -135,11 +147,15 @@ class GGUFFile:
         merges = [tuple(m.split(" ", 1)) for m in self._need("tokenizer.ggml.merges")]
         tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-                             if pre in _DIGIT_SPLIT_PRE else byte_level)
+        tok.pre_tokenizer = (
+            pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+            if pre in _DIGIT_SPLIT_PRE
+            else byte_level
+        )
         tok.decoder = decoders.ByteLevel()
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for _, t in sorted(self.special_tokens().items())])
+        tok.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for _, t in sorted(self.special_tokens().items())]
+        )
         return tok.to_str()
 
     def tokenizer_config(self) -> dict[str, Any]:
@@ -150,8 +166,12 @@ class GGUFFile:
             i = self.get(key)
             return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
-        return {"bos_token": name("tokenizer.ggml.bos_token_id"), "eos_token": name("tokenizer.ggml.eos_token_id"),
-                "add_bos_token": self.add_bos, "chat_template": self.chat_template}
+        return {
+            "bos_token": name("tokenizer.ggml.bos_token_id"),
+            "eos_token": name("tokenizer.ggml.eos_token_id"),
+            "add_bos_token": self.add_bos,
+            "chat_template": self.chat_template,
+        }
 
     # ---- weights -------------------------------------------------------------------------------
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
@@ -168,7 +188,9 @@ class GGUFFile:
                     raise GGUFError(f"{self.path}: has rope_freqs (Llama 3 rope scaling), which is not supported")
                 continue
             if kind not in SUPPORTED_TYPES:
-                raise GGUFError(f"{self.path}: tensor {t.name} has type {kind}; supported: {', '.join(SUPPORTED_TYPES)}")
+                raise GGUFError(
+                    f"{self.path}: tensor {t.name} has type {kind}; supported: {', '.join(SUPPORTED_TYPES)}"
+                )
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
             if hf.endswith("q_proj.weight"):
                 w = unpermute_rows(w, heads)

@@ -4,6 +4,7 @@ FP8 pages hold float8_e4m3fn values with one fp32 scale per (token, kv head): ea
 and V are quantized on their own, so the cached bytes do not depend on how prompts were
 batched or chunked. That is what lets whole, chunked and disaggregated prefill agree exactly.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,8 +36,9 @@ class KVCache:
         self.data = self.raw[:, : layout.data_bytes_per_block].view(dtype).view(nb, L, 2, bs, H, D)
         # scales: [num_blocks, L, 2, block_size, H] fp32, or None for bf16/fp32 pages
         self.scales = (
-            self.raw[:, layout.data_bytes_per_block:].view(torch.float32).view(nb, L, 2, bs, H)
-            if layout.scale_bytes_per_block else None
+            self.raw[:, layout.data_bytes_per_block :].view(torch.float32).view(nb, L, 2, bs, H)
+            if layout.scale_bytes_per_block
+            else None
         )
 
     @property
@@ -55,8 +57,9 @@ class KVCache:
             else:
                 self.data[blk, layer, kv_index, off] = x.to(self.data.dtype)
 
-    def gather(self, layer: int, block_table: torch.Tensor, length: int,
-               out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(
+        self, layer: int, block_table: torch.Tensor, length: int, out_dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K, V [length, H, D] of one sequence whose blocks are `block_table`."""
         n_blocks = -(-length // self.layout.block_size)
         blocks = block_table[:n_blocks]

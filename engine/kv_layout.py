@@ -12,6 +12,7 @@ descriptors, and the scales always travel with the bytes they scale.
 
 Pure Python (no torch) so the router and transport can reason about layouts cheaply.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,7 +35,7 @@ class KVLayout:
     num_blocks: int  # pool size: not part of compatibility (pools of different sizes interoperate)
 
     @classmethod
-    def build(cls, model: ModelConfig, cache: CacheConfig) -> "KVLayout":
+    def build(cls, model: ModelConfig, cache: CacheConfig) -> KVLayout:
         return cls(
             num_layers=model.num_layers,
             num_kv_heads=model.num_kv_heads,
@@ -85,7 +86,7 @@ class KVLayout:
         blob = json.dumps(self.compat_fields(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
-    def differences(self, other: "KVLayout") -> list[str]:
+    def differences(self, other: KVLayout) -> list[str]:
         """Human-readable list of fields that make `other` incompatible with self."""
         mine, theirs = self.compat_fields(), other.compat_fields()
         return [f"{k}: {mine[k]!r} != {theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
@@ -94,6 +95,6 @@ class KVLayout:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "KVLayout":
+    def from_dict(cls, d: dict) -> KVLayout:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})

@@ -5,6 +5,7 @@ On CUDA, Fp8Linear quantizes activations per token on the fly and calls `torch._
 (the FP8 tensor-core GEMM). On CPU it multiplies by the dequantized weight in fp32: the CPU
 path is a numerical reference, not a fast path (bf16/fp8 matmuls crawl on CPU).
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,8 +43,9 @@ class Fp8Linear(nn.Module):
             # dynamic per-token activation scale: [T, 1]
             x_scale = (x2.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
             xq = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-            out = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale,
-                                   scale_b=self.weight_scale[None, :], out_dtype=x.dtype)
+            out = torch._scaled_mm(
+                xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale[None, :], out_dtype=x.dtype
+            )
             return out.reshape(*x.shape[:-1], self.out_features)
         if self._dequant is None:
             self._dequant = self.dequantized()
@@ -51,8 +53,7 @@ class Fp8Linear(nn.Module):
 
 
 class DenseLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=dtype, device=device))
@@ -68,8 +69,9 @@ class DenseLinear(nn.Module):
 WEIGHT_DTYPES = ("fp8", "bf16", "fp32")
 
 
-def make_linear(in_features: int, out_features: int, weight_dtype: str,
-                device: torch.device | str = "cpu") -> nn.Module:
+def make_linear(
+    in_features: int, out_features: int, weight_dtype: str, device: torch.device | str = "cpu"
+) -> nn.Module:
     if weight_dtype == "fp8":
         return Fp8Linear(in_features, out_features, device)
     if weight_dtype == "bf16":

@@ -12,6 +12,7 @@ single forward pass. The same engine serves three roles:
 Blocks for a sequence's whole budget (prompt + max_tokens) are reserved at admission, so a
 running sequence can never run out of KV mid-stream; a request that does not fit waits.
 """
+
 from __future__ import annotations
 
 import time
@@ -41,8 +42,15 @@ class StepStats:
 
 
 class LLMEngine:
-    def __init__(self, runner: ModelRunner, chunk_size: int | None = None, max_num_seqs: int = 256,
-                 max_prefill_tokens: int = 8192, prefill_only: bool = False, eos_ids: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        chunk_size: int | None = None,
+        max_num_seqs: int = 256,
+        max_prefill_tokens: int = 8192,
+        prefill_only: bool = False,
+        eos_ids: tuple[int, ...] = (),
+    ):
         self.runner = runner
         cache = runner.cache_cfg
         self.blocks = BlockManager(cache.num_blocks, cache.block_size)
@@ -64,11 +72,14 @@ class LLMEngine:
             raise ValueError("prompt must contain at least one token")
         total = prompt_len + (0 if self.prefill_only else max_tokens)
         if prompt_len + max_tokens > self.max_context:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                             f"context of {self.max_context} tokens")
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                f"context of {self.max_context} tokens"
+            )
         if self.blocks.blocks_for(total) > self.blocks.num_blocks:
-            raise ValueError(f"request needs {self.blocks.blocks_for(total)} KV blocks; the pool has "
-                             f"{self.blocks.num_blocks}")
+            raise ValueError(
+                f"request needs {self.blocks.blocks_for(total)} KV blocks; the pool has {self.blocks.num_blocks}"
+            )
 
     def add_request(self, seq: Sequence) -> None:
         self.check_fits(len(seq.prompt_ids), seq.params.max_tokens)
@@ -144,8 +155,14 @@ class LLMEngine:
         items = [StepItem([s.output_ids[-1]], s.num_tokens - 1, s.block_table) for s in decode]
         for seq, n in prefill:
             done = seq.num_cached + n == len(seq.prompt_ids)
-            items.append(StepItem(seq.prompt_ids[seq.num_cached:seq.num_cached + n], seq.num_cached,
-                                  seq.block_table, want_logits=done))
+            items.append(
+                StepItem(
+                    seq.prompt_ids[seq.num_cached : seq.num_cached + n],
+                    seq.num_cached,
+                    seq.block_table,
+                    want_logits=done,
+                )
+            )
         if not items:
             self.last_step = None  # nothing could run (idle, or every waiting prompt lacks blocks)
             return []

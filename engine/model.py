@@ -4,6 +4,7 @@ Shapes use T for the flat batch of new tokens in this step (all sequences concat
 Hq/Hkv for query/KV heads and D for head_dim. Projections are fused (qkv, gate_up) and built by
 `make_linear`, so `--dtype fp8` swaps in Fp8Linear without touching this file.
 """
+
 from __future__ import annotations
 
 import math
@@ -74,10 +75,9 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.qkv_proj = make_linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, weight_dtype, device)
         self.o_proj = make_linear(cfg.q_size, cfg.hidden_size, weight_dtype, device)
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x, positions, rotary: Rotary, backend: AttentionBackend, cache: KVCache,
-                meta: AttentionMetadata):
+    def forward(self, x, positions, rotary: Rotary, backend: AttentionBackend, cache: KVCache, meta: AttentionMetadata):
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -116,22 +116,39 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding -> N decoder layers -> final norm -> lm_head (dense, or tied to the embedding)."""
 
-    def __init__(self, cfg: ModelConfig, weight_dtype: str = "fp8", act_dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weight_dtype: str = "fp8",
+        act_dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
         super().__init__()
         self.cfg, self.weight_dtype, self.act_dtype = cfg, weight_dtype, act_dtype
-        self.embed_tokens = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=act_dtype,
-                                                     device=device), requires_grad=False)
+        self.embed_tokens = nn.Parameter(
+            torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=act_dtype, device=device), requires_grad=False
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, weight_dtype, device) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
         self.rotary = Rotary(cfg, device)
         # lm_head stays in the activation dtype: quantizing it costs accuracy for little speed.
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
-            torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=act_dtype, device=device), requires_grad=False)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nn.Parameter(
+                torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=act_dtype, device=device), requires_grad=False
+            )
+        )
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
-                cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         x = F.embedding(input_ids, self.embed_tokens)
         for layer in self.layers:

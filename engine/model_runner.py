@@ -6,6 +6,7 @@ One call covers every case the workers need:
 - decode (query_len = 1),
 - and any mix of them in one batch (colocated chunked prefill, Sarathi-style).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,9 +31,16 @@ class StepItem:
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig, weight_dtype: str = "fp8",
-                 device: str | torch.device = "cpu", checkpoint_dir: str | None = None, seed: int = 0,
-                 backend: AttentionBackend | None = None):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        cache_cfg: CacheConfig,
+        weight_dtype: str = "fp8",
+        device: str | torch.device = "cpu",
+        checkpoint_dir: str | None = None,
+        seed: int = 0,
+        backend: AttentionBackend | None = None,
+    ):
         self.device = torch.device(device)
         self.model_cfg, self.cache_cfg = model_cfg, cache_cfg
         self.model: LlamaModel = build_model(model_cfg, weight_dtype, self.device, checkpoint_dir, seed)
@@ -64,8 +72,7 @@ class ModelRunner:
             block_tables=tables.to(dev),
             context_lens_t=torch.tensor(ctx, dtype=torch.int32, device=dev),
         )
-        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
-                meta)
+        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev), meta)
 
     @torch.inference_mode()
     def forward(self, items: list[StepItem]) -> torch.Tensor:

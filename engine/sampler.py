@@ -3,6 +3,7 @@
 A seeded request draws step k's token from a generator seeded with (seed, k): the outcome
 depends only on the request, never on which batch, worker or process sampled it.
 """
+
 from __future__ import annotations
 
 import torch

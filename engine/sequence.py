@@ -1,4 +1,5 @@
 """Sequence and SamplingParams: the per-request state an engine carries between steps."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,5 +1,6 @@
 """Tokenizers: bytes for random models, `tokenizer.json` for real checkpoints, and an
 incremental detokenizer for streaming (never emits half a UTF-8 character)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,8 +35,14 @@ class HFTokenizer:
     """A Hugging Face `tokenizers` tokenizer. `add_bos`: prepend bos to every encoded text, as the
     checkpoint's tokenizer_config.json says (SmolLM2 does not; Llama 3 does)."""
 
-    def __init__(self, path: str | Path | None, bos_id: int | None, eos_id: int | None, add_bos: bool = True,
-                 json_str: str | None = None):
+    def __init__(
+        self,
+        path: str | Path | None,
+        bos_id: int | None,
+        eos_id: int | None,
+        add_bos: bool = True,
+        json_str: str | None = None,
+    ):
         from tokenizers import Tokenizer as _T  # noqa: PLC0415
 
         self._tok = _T.from_str(json_str) if json_str is not None else _T.from_file(str(path))
@@ -112,9 +119,9 @@ class Detokenizer:
         return self._delta(final=True)
 
     def _delta(self, final: bool) -> str:
-        emitted = self.tok.decode(self.ids[self.prefix:self.read])
-        text = self.tok.decode(self.ids[self.prefix:])
+        emitted = self.tok.decode(self.ids[self.prefix : self.read])
+        text = self.tok.decode(self.ids[self.prefix :])
         if text.endswith("\ufffd") and not final:
             return ""
         self.prefix, self.read = self.read, len(self.ids)  # tokens that render as '' advance it too
-        return text[len(emitted):] if len(text) > len(emitted) else ""
+        return text[len(emitted) :] if len(text) > len(emitted) else ""

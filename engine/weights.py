@@ -5,11 +5,12 @@ Random weights are scaled so every layer keeps activations O(1) and the logits s
 standard deviation of ~4: greedy choices then have clear margins, so the equality oracles
 (batching, chunking, processes, transports) compare real decisions, not rounding noise.
 """
+
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -35,12 +36,12 @@ def init_random(model: LlamaModel, seed: int = 0) -> None:
     model.embed_tokens.copy_(_randn(model.embed_tokens.shape, 1.0, gen, device))
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj.load(_randn((cfg.q_size + 2 * cfg.kv_size, h), h ** -0.5, gen, device))
-        attn.o_proj.load(_randn((h, cfg.q_size), cfg.q_size ** -0.5 / 2, gen, device))
-        mlp.gate_up_proj.load(_randn((2 * cfg.intermediate_size, h), h ** -0.5, gen, device))
-        mlp.down_proj.load(_randn((h, cfg.intermediate_size), cfg.intermediate_size ** -0.5 / 2, gen, device))
+        attn.qkv_proj.load(_randn((cfg.q_size + 2 * cfg.kv_size, h), h**-0.5, gen, device))
+        attn.o_proj.load(_randn((h, cfg.q_size), cfg.q_size**-0.5 / 2, gen, device))
+        mlp.gate_up_proj.load(_randn((2 * cfg.intermediate_size, h), h**-0.5, gen, device))
+        mlp.down_proj.load(_randn((h, cfg.intermediate_size), cfg.intermediate_size**-0.5 / 2, gen, device))
     if model.lm_head is not None:
-        model.lm_head.copy_(_randn(model.lm_head.shape, LOGIT_STD * h ** -0.5, gen, device))
+        model.lm_head.copy_(_randn(model.lm_head.shape, LOGIT_STD * h**-0.5, gen, device))
 
 
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight$")
@@ -96,7 +97,7 @@ def load_hf_checkpoint(model: LlamaModel, directory: str | Path) -> None:
         elif name == "lm_head.weight":
             if model.lm_head is not None:
                 model.lm_head.copy_(t.to(model.lm_head.dtype))
-        elif (m := _LAYER_RE.match(name)):
+        elif m := _LAYER_RE.match(name):
             pending.setdefault(int(m.group(1)), {})[m.group(2)] = t
             _flush_layer(model, int(m.group(1)), pending)
     if "model.embed_tokens.weight" not in seen:
@@ -110,8 +111,17 @@ def load_hf_checkpoint(model: LlamaModel, directory: str | Path) -> None:
         raise ValueError(f"{directory}: found {len(pending)} layers, config says {model.cfg.num_layers}")
 
 
-_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-          "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
+_PARTS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+    "input_layernorm",
+    "post_attention_layernorm",
+)
 
 
 def _flush_layer(model: LlamaModel, i: int, pending: dict[int, dict[str, torch.Tensor]]) -> None:
@@ -131,8 +141,13 @@ def _flush_layer(model: LlamaModel, i: int, pending: dict[int, dict[str, torch.T
     pending[i] = {}
 
 
-def build_model(cfg: ModelConfig, weight_dtype: str = "fp8", device: str | torch.device = "cpu",
-                checkpoint_dir: str | Path | None = None, seed: int = 0) -> LlamaModel:
+def build_model(
+    cfg: ModelConfig,
+    weight_dtype: str = "fp8",
+    device: str | torch.device = "cpu",
+    checkpoint_dir: str | Path | None = None,
+    seed: int = 0,
+) -> LlamaModel:
     """The model with real (checkpoint) or seeded random weights. Activations are fp32 on CPU
     (bf16 matmuls crawl there) and bf16 on CUDA."""
     device = torch.device(device)

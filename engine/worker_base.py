@@ -4,15 +4,17 @@ Workers (prefill and decode) are plain classes built on this, so the same code r
 Ray actor (threaded, `max_concurrency` > 1), in a benchmark process without Ray, or in a test.
 The engine, its block manager and its KV pool are touched only by the loop thread.
 """
+
 from __future__ import annotations
 
 import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from engine.config import CacheConfig, is_checkpoint_dir, read_generation_eos, resolve_model_config
 from engine.llm_engine import LLMEngine
@@ -44,8 +46,14 @@ def build_engine(cfg: EngineSettings, prefill_only: bool) -> LLMEngine:
     cache = CacheConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, kv_dtype=cfg.kv_dtype)
     runner = ModelRunner(model_cfg, cache, cfg.dtype, cfg.device, ckpt, seed=cfg.seed)
     eos = tuple(read_generation_eos(cfg.model)) if ckpt else ()
-    return LLMEngine(runner, chunk_size=cfg.chunk_size, max_num_seqs=cfg.max_num_seqs,
-                     max_prefill_tokens=cfg.max_prefill_tokens, prefill_only=prefill_only, eos_ids=eos)
+    return LLMEngine(
+        runner,
+        chunk_size=cfg.chunk_size,
+        max_num_seqs=cfg.max_num_seqs,
+        max_prefill_tokens=cfg.max_prefill_tokens,
+        prefill_only=prefill_only,
+        eos_ids=eos,
+    )
 
 
 class EngineLoop:
@@ -89,13 +97,15 @@ class EngineLoop:
         except FutureTimeout:
             if fut.done():  # fn itself raised a TimeoutError
                 raise
-            raise self.error_type(f"worker {self.name} did not answer within {timeout:g} s "
-                                  "(its engine loop is stuck or overloaded)") from None
+            raise self.error_type(
+                f"worker {self.name} did not answer within {timeout:g} s (its engine loop is stuck or overloaded)"
+            ) from None
 
     def _ended_error(self) -> Exception:
         if self.fatal is not None:
-            return self.error_type(f"worker {self.name}: its engine loop died ({self.fatal!r}); "
-                                   "the worker must be restarted")
+            return self.error_type(
+                f"worker {self.name}: its engine loop died ({self.fatal!r}); the worker must be restarted"
+            )
         return self.error_type(f"worker {self.name} is shut down")
 
     def _fail_inbox(self) -> None:

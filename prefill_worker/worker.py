@@ -3,14 +3,15 @@
 The prompt's blocks stay pinned under a lease until the decode worker says it has pulled them
 (a transport notification) or the lease expires; either way they return to the free list.
 """
+
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future
 
+from contracts.worker import GenerateRequest, PrefillResult, WorkerConfig, WorkerError, WorkerStats
 from engine.sequence import Sequence
 from engine.worker_base import EngineLoop, build_engine
-from contracts.worker import GenerateRequest, PrefillResult, WorkerConfig, WorkerError, WorkerStats
 from transport import make_transport
 from transport.wire import PeerInfo
 
@@ -65,8 +66,16 @@ class PrefillWorker(EngineLoop):
 
     def stats(self) -> WorkerStats:
         e = self.engine
-        return WorkerStats(self.name, "prefill", queue_depth=len(e.waiting), running=0, parked=len(e.parked),
-                           blocks_total=e.blocks.num_blocks, blocks_free=e.blocks.num_free, steps=self.steps)
+        return WorkerStats(
+            self.name,
+            "prefill",
+            queue_depth=len(e.waiting),
+            running=0,
+            parked=len(e.parked),
+            blocks_total=e.blocks.num_blocks,
+            blocks_free=e.blocks.num_free,
+            steps=self.steps,
+        )
 
     def ping(self) -> str:
         """Raises if the engine loop is gone, so the router reports and replaces the worker."""
@@ -114,8 +123,18 @@ class PrefillWorker(EngineLoop):
             handle = self.transport.make_handle(ev.seq_id, seq.block_table, len(seq.prompt_ids), self.cfg.lease_s)
             self._leases[ev.seq_id] = handle.lease_deadline
             t_first = started[0] if started else t_start
-            fut.set_result(PrefillResult(
-                request_id=ev.seq_id, first_token=ev.token_id, handle=handle, worker=self.name,
-                timings={"queue_ms": (t_first - t_enq) * 1e3, "prefill_ms": (t_end - t_first) * 1e3,
-                         "prefill_start": t_first, "prefill_end": t_end}))
+            fut.set_result(
+                PrefillResult(
+                    request_id=ev.seq_id,
+                    first_token=ev.token_id,
+                    handle=handle,
+                    worker=self.name,
+                    timings={
+                        "queue_ms": (t_first - t_enq) * 1e3,
+                        "prefill_ms": (t_end - t_first) * 1e3,
+                        "prefill_start": t_first,
+                        "prefill_end": t_end,
+                    },
+                )
+            )
         return True

@@ -10,24 +10,26 @@ aborts the request on the workers if they still hold it. The pump is a separate 
 when Starlette cancels a streaming response (client gone), that cancellation must not land inside
 the orchestrator's generator, whose cleanup has to run to completion.
 """
+
 from __future__ import annotations
 
 import asyncio
 import hmac
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from contracts.worker import GenerateRequest, WorkerError
 from engine.tokenizer import Detokenizer, Tokenizer
 from router import openai_protocol as oa
 from router.config import ServeConfig
 from router.metrics import ServeMetrics
-from contracts.worker import GenerateRequest, WorkerError
 
 log = logging.getLogger("pdserve.app")
 DISCONNECT_POLL_S = 0.25
@@ -46,16 +48,22 @@ class ServerState:
 
     def orch(self) -> Any:
         if self.orchestrator is None:
-            raise oa.OpenAIError(503, "The server is starting; try again shortly.", type="server_error",
-                                 code="not_ready")
+            raise oa.OpenAIError(
+                503, "The server is starting; try again shortly.", type="server_error", code="not_ready"
+            )
         return self.orchestrator
 
     def limits(self) -> oa.Limits:
         mc = self.orch().model_config
         # A request that cannot fit one worker's KV pool would wait for blocks forever.
         kv_tokens = self.cfg.num_blocks * self.cfg.block_size
-        return oa.Limits(self.cfg.model_name, frozenset(self.cfg.accepted_model_names()),
-                         min(mc.max_position_embeddings, kv_tokens), mc.vocab_size, self.cfg.max_tokens_limit)
+        return oa.Limits(
+            self.cfg.model_name,
+            frozenset(self.cfg.accepted_model_names()),
+            min(mc.max_position_embeddings, kv_tokens),
+            mc.vocab_size,
+            self.cfg.max_tokens_limit,
+        )
 
     def spawn(self, coro: Awaitable[Any], what: str) -> None:
         """Fire and forget (but keep a reference and log failures): cleanup that must outlive a
@@ -168,11 +176,15 @@ class _Run:
         self.closed = True
         self.stop()
         self.st.inflight -= 1
-        status = ("ok" if self.finish_reason and not self.failed else "error" if self.failed else "aborted")
+        status = "ok" if self.finish_reason and not self.failed else "error" if self.failed else "aborted"
         t = self.token_times
         self.st.metrics.observe_request(
-            status, t[0] - self.t0 if t else None, [b - a for a, b in zip(t, t[1:])],
-            t[-1] - self.t0 if t else None, len(t))
+            status,
+            t[0] - self.t0 if t else None,
+            [b - a for a, b in zip(t, t[1:])],
+            t[-1] - self.t0 if t else None,
+            len(t),
+        )
 
 
 class _ClosingStream(StreamingResponse):
@@ -201,8 +213,11 @@ async def _sse_events(run: _Run, request: Request) -> AsyncIterator[str]:
         if run.finish_reason is None:  # the client left; nobody to tell
             return
         tl = run.st.orch().timeline(rid)
-        yield oa.sse(oa.stream_chunk(p, rid, created, "", run.finish_reason, first,
-                                     timeline=None if p.include_usage else (tl or {})))
+        yield oa.sse(
+            oa.stream_chunk(
+                p, rid, created, "", run.finish_reason, first, timeline=None if p.include_usage else (tl or {})
+            )
+        )
         if p.include_usage:
             yield oa.sse(oa.usage_chunk(p, rid, created, run.usage(), tl))
     except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band, like vLLM
@@ -233,8 +248,9 @@ async def _complete(run: _Run, request: Request) -> Response:
         run.close()
     if run.finish_reason is None:  # the client left
         return Response(status_code=499)
-    body = oa.full_response(run.p, run.rid, run.created, text, run.finish_reason, run.usage(),
-                            run.st.orch().timeline(run.rid))
+    body = oa.full_response(
+        run.p, run.rid, run.created, text, run.finish_reason, run.usage(), run.st.orch().timeline(run.rid)
+    )
     return JSONResponse(body, headers={"X-Request-Id": run.rid})
 
 
@@ -249,8 +265,9 @@ def create_app(orchestrator: Any, tokenizer: Tokenizer, cfg: ServeConfig, *, lif
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), cfg.api_key.encode()):
-            raise oa.OpenAIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                                 code="invalid_api_key")
+            raise oa.OpenAIError(
+                401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key"
+            )
 
     protected = [Depends(auth)]
 
@@ -273,8 +290,9 @@ def create_app(orchestrator: Any, tokenizer: Tokenizer, cfg: ServeConfig, *, lif
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception) -> JSONResponse:
         log.exception("unexpected error on %s %s", request.method, request.url.path)
-        return JSONResponse(oa.error_body(f"Internal server error: {type(e).__name__}", "server_error"),
-                            status_code=500)
+        return JSONResponse(
+            oa.error_body(f"Internal server error: {type(e).__name__}", "server_error"), status_code=500
+        )
 
     async def generate(request: Request, kind: str) -> Response:
         t_arrival = time.perf_counter()
@@ -286,8 +304,12 @@ def create_app(orchestrator: Any, tokenizer: Tokenizer, cfg: ServeConfig, *, lif
             orch = st.orch()
             # No await between this check and the increment: admission is atomic in the event loop.
             if st.inflight >= cfg.max_queue or orch.queue_depth() >= cfg.max_queue:
-                raise oa.OpenAIError(429, f"The server's queue is full ({cfg.max_queue} requests); retry later.",
-                                     type="rate_limit_error", code="queue_full")
+                raise oa.OpenAIError(
+                    429,
+                    f"The server's queue is full ({cfg.max_queue} requests); retry later.",
+                    type="rate_limit_error",
+                    code="queue_full",
+                )
         except oa.OpenAIError:
             st.metrics.requests.labels("rejected").inc()
             raise
@@ -295,8 +317,12 @@ def create_app(orchestrator: Any, tokenizer: Tokenizer, cfg: ServeConfig, *, lif
         run = _Run(st, p, t_arrival)
         st.metrics.prompt_tokens.inc(len(p.prompt_ids))
         if p.stream:
-            return _ClosingStream(_sse_events(run, request), run.close, media_type="text/event-stream",
-                                  headers={"Cache-Control": "no-cache", "X-Request-Id": run.rid})
+            return _ClosingStream(
+                _sse_events(run, request),
+                run.close,
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Request-Id": run.rid},
+            )
         return await _complete(run, request)
 
     @app.post("/v1/completions", dependencies=protected)
@@ -310,15 +336,29 @@ def create_app(orchestrator: Any, tokenizer: Tokenizer, cfg: ServeConfig, *, lif
     @app.get("/v1/models", dependencies=protected)
     async def models() -> dict[str, Any]:
         lim = st.limits()
-        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": st.started,
-                                            "owned_by": "pdserve", "max_model_len": lim.context_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": cfg.model_name,
+                    "object": "model",
+                    "created": st.started,
+                    "owned_by": "pdserve",
+                    "max_model_len": lim.context_len,
+                }
+            ],
+        }
 
     @app.get("/v1/requests/{request_id}/timeline", dependencies=protected)
     async def timeline(request_id: str) -> dict[str, Any]:
         tl = st.orch().timeline(request_id)
         if tl is None:
-            raise oa.OpenAIError(404, f"No timeline for request '{request_id}' (unknown, or too old).",
-                                 param="request_id", code="request_not_found")
+            raise oa.OpenAIError(
+                404,
+                f"No timeline for request '{request_id}' (unknown, or too old).",
+                param="request_id",
+                code="request_not_found",
+            )
         return oa.json_safe(tl)
 
     @app.get("/metrics", dependencies=protected)
@@ -332,7 +372,8 @@ def create_app(orchestrator: Any, tokenizer: Tokenizer, cfg: ServeConfig, *, lif
     async def health() -> JSONResponse:
         if st.orchestrator is None:
             return JSONResponse({"status": "starting"}, status_code=503)
-        return JSONResponse({"status": "ok", "mode": st.orchestrator.mode, "model": cfg.model_name,
-                             "inflight": st.inflight})
+        return JSONResponse(
+            {"status": "ok", "mode": st.orchestrator.mode, "model": cfg.model_name, "inflight": st.inflight}
+        )
 
     return app

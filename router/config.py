@@ -4,15 +4,16 @@ One dataclass, built in one place (`ServeConfig.build`), validated in one place 
 router, the pool launcher and the benchmarks all read the same names. YAML keys are the field
 names (dashes allowed: `max-queue` == `max_queue`); flags given on the command line win over YAML.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from contracts.worker import WorkerConfig
 from engine.config import KV_DTYPE_BYTES, PRESETS, is_checkpoint_dir
 from engine.model_registry import MODELS
-from contracts.worker import WorkerConfig
 
 MODES = ("disagg", "colocated")
 POLICIES = ("round_robin", "least_loaded")
@@ -54,7 +55,7 @@ class ServeConfig:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def build(cls, flags: dict[str, Any] | None = None, yaml_path: str | Path | None = None) -> "ServeConfig":
+    def build(cls, flags: dict[str, Any] | None = None, yaml_path: str | Path | None = None) -> ServeConfig:
         """YAML (if any) then flags on top; a flag whose value is None was not given."""
         values: dict[str, Any] = {}
         if yaml_path is not None:
@@ -79,8 +80,11 @@ class ServeConfig:
         if self.mode not in MODES:
             raise bad("--mode", f"must be one of {', '.join(MODES)}")
         if self.model not in PRESETS and self.model not in MODELS and not is_checkpoint_dir(self.model):
-            raise bad("--model", f"not a preset ({', '.join(PRESETS)}), a registry model ({', '.join(MODELS)}), "
-                                 "a directory containing config.json or a .gguf file")
+            raise bad(
+                "--model",
+                f"not a preset ({', '.join(PRESETS)}), a registry model ({', '.join(MODELS)}), "
+                "a directory containing config.json or a .gguf file",
+            )
         if self.dtype not in WEIGHT_DTYPES:
             raise bad("--dtype", f"must be one of {', '.join(WEIGHT_DTYPES)}")
         if self.kv_dtype not in KV_DTYPE_BYTES:
@@ -115,8 +119,9 @@ class ServeConfig:
         for name in ("prefill_resources", "decode_resources"):
             for k, v in getattr(self, name).items():
                 if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                    raise ConfigError(f"{name}: expected a mapping of resource name to a positive number, "
-                                      f"got {k!r}: {v!r}")
+                    raise ConfigError(
+                        f"{name}: expected a mapping of resource name to a positive number, got {k!r}: {v!r}"
+                    )
 
     # ------------------------------------------------------------------ views
     @property
@@ -133,10 +138,19 @@ class ServeConfig:
         return {self.model_name, self.model}
 
     def worker_config(self) -> WorkerConfig:
-        return WorkerConfig(model=self.model, dtype=self.dtype, kv_dtype=self.kv_dtype, device=self.device,
-                            block_size=self.block_size, num_blocks=self.num_blocks, chunk_size=self.chunk_size,
-                            max_num_seqs=self.max_num_seqs, lease_s=self.lease_s, transport=self.transport,
-                            transfer_timeout_s=self.transfer_timeout_s)
+        return WorkerConfig(
+            model=self.model,
+            dtype=self.dtype,
+            kv_dtype=self.kv_dtype,
+            device=self.device,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            chunk_size=self.chunk_size,
+            max_num_seqs=self.max_num_seqs,
+            lease_s=self.lease_s,
+            transport=self.transport,
+            transfer_timeout_s=self.transfer_timeout_s,
+        )
 
     def to_dict(self, redact: bool = True) -> dict[str, Any]:
         d = asdict(self)

@@ -6,6 +6,7 @@ to pin a pool to labelled nodes). A dead actor is replaced by a fresh one in the
 `ray_address="none"` runs the same worker classes as plain objects in this process (GPU
 benchmarks without Ray, quick local checks).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -15,10 +16,9 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import resolve_model_config
-from engine.config import is_checkpoint_dir, read_generation_eos
-from router.orchestrator import Orchestrator
 from contracts.worker import WorkerConfig
+from engine.config import is_checkpoint_dir, read_generation_eos, resolve_model_config
+from router.orchestrator import Orchestrator
 from router.worker_handle import WorkerHandle
 from router.worker_host import WorkerHost, load_worker_class
 
@@ -54,29 +54,41 @@ class RayPools:
         self._serial = 0
         for s in specs:
             bundle = {"CPU": 1.0, **({"GPU": s.gpus_per_worker} if s.gpus_per_worker else {}), **s.resources}
-            self.groups[s.role] = placement_group([dict(bundle) for _ in range(s.size)], strategy="PACK",
-                                                  name=f"pdserve-{s.role}-{os.getpid()}")
+            self.groups[s.role] = placement_group(
+                [dict(bundle) for _ in range(s.size)], strategy="PACK", name=f"pdserve-{s.role}-{os.getpid()}"
+            )
 
     async def wait_ready(self, timeout_s: float = 120.0) -> None:
         try:
             await asyncio.wait_for(asyncio.gather(*(pg.ready() for pg in self.groups.values())), timeout_s)
         except asyncio.TimeoutError:
-            raise RuntimeError("placement groups not ready in time: the cluster lacks the resources "
-                               f"for {', '.join(f'{s.size} {r}' for r, s in self.specs.items())} workers "
-                               "(check --gpus-per-worker and the pools' custom resources)") from None
+            raise RuntimeError(
+                "placement groups not ready in time: the cluster lacks the resources "
+                f"for {', '.join(f'{s.size} {r}' for r, s in self.specs.items())} workers "
+                "(check --gpus-per-worker and the pools' custom resources)"
+            ) from None
 
     def spawn(self, role: str, bundle: int) -> WorkerHandle:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
 
         spec = self.specs[role]
         self._serial += 1
-        name = f"{role}-{bundle}" if self._serial <= sum(s.size for s in self.specs.values()) else \
-            f"{role}-{bundle}-r{self._serial}"
+        name = (
+            f"{role}-{bundle}"
+            if self._serial <= sum(s.size for s in self.specs.values())
+            else f"{role}-{bundle}-r{self._serial}"
+        )
         actor_cls = self.ray.remote(WorkerHost)
         actor = actor_cls.options(
-            name=f"pdserve-{name}-{os.getpid()}", max_concurrency=ACTOR_CONCURRENCY, max_restarts=0,
-            num_cpus=1, num_gpus=spec.gpus_per_worker, resources=spec.resources or None,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.groups[role], placement_group_bundle_index=bundle),
+            name=f"pdserve-{name}-{os.getpid()}",
+            max_concurrency=ACTOR_CONCURRENCY,
+            max_restarts=0,
+            num_cpus=1,
+            num_gpus=spec.gpus_per_worker,
+            resources=spec.resources or None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.groups[role], placement_group_bundle_index=bundle
+            ),
         ).remote(role, *_worker_args(spec, name))
         return WorkerHandle(name, "prefill" if role == "prefill" else "decode", actor, is_ray=True, bundle=bundle)
 
@@ -123,10 +135,15 @@ def init_ray(address: str | None, num_workers: int) -> bool:
         ray.init(address=address, log_to_driver=True)
         return True
     temp = os.path.join(tempfile.gettempdir(), "pdserve-ray")
-    ray.init(num_cpus=max(os.cpu_count() or 1, num_workers + 1), object_store_memory=256 * 1024 ** 2,
-             include_dashboard=False, _temp_dir=temp, log_to_driver=True,
-             _node_ip_address="127.0.0.1",  # an embedded cluster never leaves loopback
-             runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, num_workers + 1),
+        object_store_memory=256 * 1024**2,
+        include_dashboard=False,
+        _temp_dir=temp,
+        log_to_driver=True,
+        _node_ip_address="127.0.0.1",  # an embedded cluster never leaves loopback
+        runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}},
+    )
     return True
 
 
@@ -135,8 +152,10 @@ def pool_specs(cfg: Any) -> list[PoolSpec]:
     wc = cfg.worker_config()
     if cfg.mode == "colocated":
         return [PoolSpec("colocated", cfg.decode, wc, cfg.gpus_per_worker, dict(cfg.decode_resources or {}))]
-    return [PoolSpec("prefill", cfg.prefill, wc, cfg.gpus_per_worker, dict(cfg.prefill_resources or {})),
-            PoolSpec("decode", cfg.decode, wc, cfg.gpus_per_worker, dict(cfg.decode_resources or {}))]
+    return [
+        PoolSpec("prefill", cfg.prefill, wc, cfg.gpus_per_worker, dict(cfg.prefill_resources or {})),
+        PoolSpec("decode", cfg.decode, wc, cfg.gpus_per_worker, dict(cfg.decode_resources or {})),
+    ]
 
 
 async def build_orchestrator(cfg: Any) -> Orchestrator:
@@ -150,10 +169,14 @@ async def build_orchestrator(cfg: Any) -> Orchestrator:
         for s in specs:
             cls = load_worker_class(s.role)  # in-process workers: this process runs the engine
             names = [f"{s.role}-{i}" for i in range(s.size)]
-            objs = await asyncio.gather(*(loop.run_in_executor(None, cls, *_worker_args(s, n)) for n in names),
-                                        return_exceptions=True)
-            handles[s.role] = [WorkerHandle(n, "prefill" if s.role == "prefill" else "decode", o, is_ray=False)
-                               for n, o in zip(names, objs) if not isinstance(o, BaseException)]
+            objs = await asyncio.gather(
+                *(loop.run_in_executor(None, cls, *_worker_args(s, n)) for n in names), return_exceptions=True
+            )
+            handles[s.role] = [
+                WorkerHandle(n, "prefill" if s.role == "prefill" else "decode", o, is_ray=False)
+                for n, o in zip(names, objs)
+                if not isinstance(o, BaseException)
+            ]
             failed = next((o for o in objs if isinstance(o, BaseException)), None)
             if failed is not None:  # stop the workers that did start (loop threads, registered pools)
                 for h in (h for hs in handles.values() for h in hs):
@@ -189,7 +212,15 @@ async def build_orchestrator(cfg: Any) -> Orchestrator:
                 ray.shutdown()
 
         replace, on_shutdown = pools.replace, shutdown_ray
-    orch = Orchestrator(cfg.mode, model_cfg, handles.get("prefill", []),
-                        handles.get("decode", handles.get("colocated", [])), cfg.policy, eos, replace, on_shutdown)
+    orch = Orchestrator(
+        cfg.mode,
+        model_cfg,
+        handles.get("prefill", []),
+        handles.get("decode", handles.get("colocated", [])),
+        cfg.policy,
+        eos,
+        replace,
+        on_shutdown,
+    )
     await orch.start()
     return orch

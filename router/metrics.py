@@ -6,12 +6,14 @@ blocks) and KV-transfer totals belong to the orchestrator: they are read on each
 instead of freezing at their last value, and the transfer counters are the orchestrator's own
 cumulative totals.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -21,10 +23,53 @@ from contracts.worker import WorkerStats
 log = logging.getLogger("pdserve.metrics")
 
 # Seconds. TTFT spans a CPU tiny model (ms) to a 70B long prompt queued behind others (tens of s).
-TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0)
-TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
-                 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+TTFT_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+TOKEN_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 REQUEST_STATUSES = ("ok", "aborted", "error", "rejected")
 
@@ -40,20 +85,27 @@ class _Snapshot:
 class _OrchestratorCollector:
     """Exports the last snapshot taken from the orchestrator."""
 
-    def __init__(self, metrics: "ServeMetrics"):
+    def __init__(self, metrics: ServeMetrics):
         self.m = metrics
 
     def collect(self) -> Iterator[Metric]:
         s = self.m.snapshot
-        yield CounterMetricFamily("pdserve_kv_transfer_bytes", "KV cache bytes moved from prefill to decode workers",
-                                  value=s.transfer_bytes)
-        yield CounterMetricFamily("pdserve_kv_transfer_seconds", "Seconds spent moving KV cache (sum over transfers)",
-                                  value=s.transfer_seconds)
-        yield GaugeMetricFamily("pdserve_router_queue_depth", "Requests admitted by the router and not finished",
-                                value=s.router_queue_depth)
+        yield CounterMetricFamily(
+            "pdserve_kv_transfer_bytes", "KV cache bytes moved from prefill to decode workers", value=s.transfer_bytes
+        )
+        yield CounterMetricFamily(
+            "pdserve_kv_transfer_seconds",
+            "Seconds spent moving KV cache (sum over transfers)",
+            value=s.transfer_seconds,
+        )
+        yield GaugeMetricFamily(
+            "pdserve_router_queue_depth", "Requests admitted by the router and not finished", value=s.router_queue_depth
+        )
         per_worker = {
-            "pdserve_queue_depth": ("Requests waiting on a worker (prefill queue or decode admission)",
-                                    lambda w: w.queue_depth),
+            "pdserve_queue_depth": (
+                "Requests waiting on a worker (prefill queue or decode admission)",
+                lambda w: w.queue_depth,
+            ),
             "pdserve_running_sequences": ("Sequences decoding on a worker", lambda w: w.running),
             "pdserve_kv_blocks_used": ("KV cache blocks in use on a worker", lambda w: w.blocks_used),
             "pdserve_kv_blocks_free": ("KV cache blocks free on a worker", lambda w: w.blocks_free),
@@ -68,17 +120,33 @@ class _OrchestratorCollector:
 class ServeMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time from request arrival to the first token",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("pdserve_time_per_output_token_seconds",
-                              "Per request: (last token - first token) / (tokens - 1)", buckets=TOKEN_BUCKETS,
-                              registry=r)
-        self.itl = Histogram("pdserve_inter_token_latency_seconds", "Gap between consecutive tokens of a stream",
-                             buckets=TOKEN_BUCKETS, registry=r)
-        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Time from request arrival to its last token",
-                             buckets=E2E_BUCKETS, registry=r)
-        self.requests = Counter("pdserve_requests", "Requests by outcome (ok, aborted, error, rejected)",
-                                ["status"], registry=r)
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds",
+            "Time from request arrival to the first token",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "pdserve_time_per_output_token_seconds",
+            "Per request: (last token - first token) / (tokens - 1)",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve_inter_token_latency_seconds",
+            "Gap between consecutive tokens of a stream",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve_e2e_request_latency_seconds",
+            "Time from request arrival to its last token",
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "pdserve_requests", "Requests by outcome (ok, aborted, error, rejected)", ["status"], registry=r
+        )
         for s in REQUEST_STATUSES:  # every series exists from the start (rate() needs a zero)
             self.requests.labels(s)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
@@ -86,8 +154,9 @@ class ServeMetrics:
         self.snapshot = _Snapshot()
         r.register(_OrchestratorCollector(self))
 
-    def observe_request(self, status: str, ttft_s: float | None, itls_s: list[float], e2e_s: float | None,
-                        completion_tokens: int) -> None:
+    def observe_request(
+        self, status: str, ttft_s: float | None, itls_s: list[float], e2e_s: float | None, completion_tokens: int
+    ) -> None:
         """Called once per admitted request when it ends, whatever the outcome."""
         self.requests.labels(status).inc()
         self.generation_tokens.inc(completion_tokens)

@@ -7,6 +7,7 @@ Unknown request fields are ignored, as vLLM and SGLang do, so clients that send 
 have to ignore *silently* in a way that changes the answer (`n` > 1, `logprobs`, `echo`,
 penalties) are refused with a 400 instead.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,15 @@ SSE_DONE = "data: [DONE]\n\n"
 class OpenAIError(Exception):
     """An error answered with an OpenAI-style body: {"error": {message, type, param, code}}."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):  # noqa: A002 - the wire name
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ):  # noqa: A002 - the wire name
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
 
@@ -38,8 +46,12 @@ class OpenAIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,  # noqa: A002
-               code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str,
+    type: str = "invalid_request_error",
+    param: str | None = None,  # noqa: A002
+    code: str | None = None,
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -134,8 +146,11 @@ def _model_validate(cls: type[_Strict], body: Any) -> Any:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"]) or None
         msg = "field required" if err["type"] == "missing" else err["msg"]
-        raise bad(f"Invalid value for '{param}': {msg}.", param=param, code="invalid_type"
-                  if err["type"] != "missing" else "missing_required_parameter") from None
+        raise bad(
+            f"Invalid value for '{param}': {msg}.",
+            param=param,
+            code="invalid_type" if err["type"] != "missing" else "missing_required_parameter",
+        ) from None
 
 
 def _is_ids(x: Any) -> bool:
@@ -146,8 +161,9 @@ def completion_prompt_ids(prompt: Any, tok: Tokenizer) -> list[int]:
     """A string, a list of token ids, or a list holding exactly one of those."""
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) != 1:
-            raise bad(f"Batched prompts are not supported ({len(prompt)} given); send one prompt per request.",
-                      param="prompt")
+            raise bad(
+                f"Batched prompts are not supported ({len(prompt)} given); send one prompt per request.", param="prompt"
+            )
         prompt = prompt[0]
     if isinstance(prompt, str):
         return tok.encode(prompt)
@@ -164,8 +180,10 @@ def message_text(msg: ChatMessage, i: int) -> str:
         parts = []
         for j, part in enumerate(c):
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise bad("Only text content parts ({'type': 'text', 'text': ...}) are supported.",
-                          param=f"messages.{i}.content.{j}")
+                raise bad(
+                    "Only text content parts ({'type': 'text', 'text': ...}) are supported.",
+                    param=f"messages.{i}.content.{j}",
+                )
             parts.append(part["text"])
         return "".join(parts)
     raise bad("'content' must be a string or a list of text parts.", param=f"messages.{i}.content")
@@ -214,24 +232,32 @@ def _check_unsupported(req: _Common) -> None:
             raise bad("'top_logprobs' is not supported.", param="top_logprobs", code="unsupported_parameter")
 
 
-def _sampling(req: _Common, max_tokens: int | None, prompt_len: int, lim: Limits, default_max: int | None,
-              max_param: str) -> SamplingParams:
+def _sampling(
+    req: _Common, max_tokens: int | None, prompt_len: int, lim: Limits, default_max: int | None, max_param: str
+) -> SamplingParams:
     room = lim.context_len - prompt_len
     if room < 1:
-        raise bad(f"This model's maximum context length is {lim.context_len} tokens; the prompt has "
-                  f"{prompt_len} tokens, which leaves no room to generate.", param="prompt",
-                  code="context_length_exceeded")
+        raise bad(
+            f"This model's maximum context length is {lim.context_len} tokens; the prompt has "
+            f"{prompt_len} tokens, which leaves no room to generate.",
+            param="prompt",
+            code="context_length_exceeded",
+        )
     if max_tokens is None:
         max_tokens = min(default_max or room, room, lim.max_tokens_limit)
     if max_tokens < 1:
         raise bad(f"'{max_param}' must be at least 1 (got {max_tokens}).", param=max_param)
     if max_tokens > lim.max_tokens_limit:
-        raise bad(f"'{max_param}' must be at most {lim.max_tokens_limit} on this server (got {max_tokens}).",
-                  param=max_param)
+        raise bad(
+            f"'{max_param}' must be at most {lim.max_tokens_limit} on this server (got {max_tokens}).", param=max_param
+        )
     if prompt_len + max_tokens > lim.context_len:
-        raise bad(f"This model's maximum context length is {lim.context_len} tokens; you requested "
-                  f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} for the completion).",
-                  param=max_param, code="context_length_exceeded")
+        raise bad(
+            f"This model's maximum context length is {lim.context_len} tokens; you requested "
+            f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} for the completion).",
+            param=max_param,
+            code="context_length_exceeded",
+        )
     t = 1.0 if req.temperature is None else req.temperature
     if not (math.isfinite(t) and 0 <= t <= 2):
         raise bad(f"'temperature' must be between 0 and 2 (got {t}).", param="temperature")
@@ -243,15 +269,26 @@ def _sampling(req: _Common, max_tokens: int | None, prompt_len: int, lim: Limits
     stop_ids = tuple(req.stop_token_ids or ())
     if any(not 0 <= i < lim.vocab_size for i in stop_ids):
         raise bad(f"'stop_token_ids' must be in [0, {lim.vocab_size}).", param="stop_token_ids")
-    return SamplingParams(max_tokens=max_tokens, temperature=t, top_p=p, seed=req.seed,
-                          stop_token_ids=stop_ids, ignore_eos=req.ignore_eos)
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=t, top_p=p, seed=req.seed, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos
+    )
 
 
-def _prepare(kind: Literal["completion", "chat"], req: _Common, ids: list[int], max_tokens: int | None,
-             max_param: str, lim: Limits) -> Prepared:
+def _prepare(
+    kind: Literal["completion", "chat"],
+    req: _Common,
+    ids: list[int],
+    max_tokens: int | None,
+    max_param: str,
+    lim: Limits,
+) -> Prepared:
     if req.model is not None and req.model not in lim.accepted_names:
-        raise OpenAIError(404, f"The model '{req.model}' does not exist; this server serves '{lim.model_name}'.",
-                          param="model", code="model_not_found")
+        raise OpenAIError(
+            404,
+            f"The model '{req.model}' does not exist; this server serves '{lim.model_name}'.",
+            param="model",
+            code="model_not_found",
+        )
     _check_unsupported(req)
     stop = _stop_strings(req.stop)
     if req.stream_options is not None and not req.stream:
@@ -264,8 +301,15 @@ def _prepare(kind: Literal["completion", "chat"], req: _Common, ids: list[int], 
     # OpenAI's defaults: 16 tokens for completions, "as many as fit" for chat.
     default_max = 16 if kind == "completion" else None
     params = _sampling(req, max_tokens, len(ids), lim, default_max, max_param)
-    return Prepared(kind, lim.model_name, ids, params, stop, bool(req.stream),
-                    bool(req.stream and req.stream_options and req.stream_options.include_usage))
+    return Prepared(
+        kind,
+        lim.model_name,
+        ids,
+        params,
+        stop,
+        bool(req.stream),
+        bool(req.stream and req.stream_options and req.stream_options.include_usage),
+    )
 
 
 def prepare_completion(body: Any, tok: Tokenizer, lim: Limits) -> Prepared:
@@ -278,11 +322,17 @@ def prepare_chat(body: Any, tok: Tokenizer, lim: Limits) -> Prepared:
     req: ChatCompletionRequest = _model_validate(ChatCompletionRequest, body)
     if not req.messages:
         raise bad("'messages' must hold at least one message.", param="messages")
-    if req.max_tokens is not None and req.max_completion_tokens is not None and \
-            req.max_tokens != req.max_completion_tokens:
+    if (
+        req.max_tokens is not None
+        and req.max_completion_tokens is not None
+        and req.max_tokens != req.max_completion_tokens
+    ):
         raise bad("'max_tokens' and 'max_completion_tokens' disagree; send one.", param="max_completion_tokens")
-    mt, param = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens is not None
-                 else (req.max_tokens, "max_tokens"))
+    mt, param = (
+        (req.max_completion_tokens, "max_completion_tokens")
+        if req.max_completion_tokens is not None
+        else (req.max_tokens, "max_tokens")
+    )
     ids = tok.encode(render_chat(req.messages))
     return _prepare("chat", req, ids, mt, param, lim)
 
@@ -316,7 +366,7 @@ class StopFilter:
 
     def _held(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of some stop string."""
-        tail = self.text[self.sent:]
+        tail = self.text[self.sent :]
         best = 0
         for s in self.stops:
             for k in range(min(len(s) - 1, len(tail)), best, -1):
@@ -326,7 +376,7 @@ class StopFilter:
         return best
 
     def _emit(self, upto: int) -> str:
-        out, self.sent = self.text[self.sent:upto], max(self.sent, upto)
+        out, self.sent = self.text[self.sent : upto], max(self.sent, upto)
         return out
 
 
@@ -347,29 +397,47 @@ def json_safe(x: Any) -> Any:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def _head(p: Prepared, rid: str, created: int, chunk: bool) -> dict[str, Any]:
-    obj = ("text_completion" if p.kind == "completion" else
-           "chat.completion.chunk" if chunk else "chat.completion")
+    obj = "text_completion" if p.kind == "completion" else "chat.completion.chunk" if chunk else "chat.completion"
     return {"id": rid, "object": obj, "created": created, "model": p.model}
 
 
-def full_response(p: Prepared, rid: str, created: int, text: str, finish_reason: str, use: dict[str, int],
-                  timeline: dict | None) -> dict[str, Any]:
+def full_response(
+    p: Prepared, rid: str, created: int, text: str, finish_reason: str, use: dict[str, int], timeline: dict | None
+) -> dict[str, Any]:
     if p.kind == "completion":
         choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-    return {**_head(p, rid, created, False), "choices": [choice], "usage": use,
-            "pdserve": {"timeline": json_safe(timeline)}}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+    return {
+        **_head(p, rid, created, False),
+        "choices": [choice],
+        "usage": use,
+        "pdserve": {"timeline": json_safe(timeline)},
+    }
 
 
-def stream_chunk(p: Prepared, rid: str, created: int, text: str, finish_reason: str | None,
-                 first: bool = False, timeline: dict | None = None) -> dict[str, Any]:
+def stream_chunk(
+    p: Prepared,
+    rid: str,
+    created: int,
+    text: str,
+    finish_reason: str | None,
+    first: bool = False,
+    timeline: dict | None = None,
+) -> dict[str, Any]:
     """One SSE chunk: a token's text (possibly empty), or the final chunk with finish_reason (which
     carries the timeline when no usage chunk follows, so clients never see an extra chunk)."""
     if p.kind == "completion":
@@ -387,8 +455,7 @@ def stream_chunk(p: Prepared, rid: str, created: int, text: str, finish_reason: 
 
 def usage_chunk(p: Prepared, rid: str, created: int, use: dict[str, int], timeline: dict | None) -> dict[str, Any]:
     """The last chunk before [DONE] with stream_options.include_usage: usage and the timeline."""
-    return {**_head(p, rid, created, True), "choices": [], "usage": use,
-            "pdserve": {"timeline": json_safe(timeline)}}
+    return {**_head(p, rid, created, True), "choices": [], "usage": use, "pdserve": {"timeline": json_safe(timeline)}}
 
 
 def sse(obj: dict[str, Any]) -> str:

@@ -7,6 +7,7 @@ Colocated:      pick decode -> decode.submit_prompt(req) -> stream every token.
 Tokens come back through one pump task per decode worker (`poll_events` long-poll) and are
 routed to per-request queues. Every phase is stamped into a per-request timeline.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,10 +15,10 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from typing import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
-from engine.config import ModelConfig
 from contracts.worker import GenerateRequest, PrefillResult, StreamEvent, WorkerError, WorkerStats
+from engine.config import ModelConfig
 from router.worker_handle import WorkerDied, WorkerHandle
 
 log = logging.getLogger("pdserve.router")
@@ -28,9 +29,17 @@ ReplaceFn = Callable[[WorkerHandle], Awaitable["WorkerHandle | None"]]
 
 
 class Orchestrator:
-    def __init__(self, mode: str, model_config: ModelConfig, prefill: list[WorkerHandle],
-                 decode: list[WorkerHandle], policy: str = "round_robin", eos_ids: tuple[int, ...] = (),
-                 replace: ReplaceFn | None = None, on_shutdown: Callable[[list[WorkerHandle]], Awaitable[None]] | None = None):
+    def __init__(
+        self,
+        mode: str,
+        model_config: ModelConfig,
+        prefill: list[WorkerHandle],
+        decode: list[WorkerHandle],
+        policy: str = "round_robin",
+        eos_ids: tuple[int, ...] = (),
+        replace: ReplaceFn | None = None,
+        on_shutdown: Callable[[list[WorkerHandle]], Awaitable[None]] | None = None,
+    ):
         if mode not in ("disagg", "colocated"):
             raise ValueError(f"mode must be disagg or colocated, got {mode!r}")
         if policy not in ("round_robin", "least_loaded"):
@@ -105,8 +114,12 @@ class Orchestrator:
             if prefill is not None:
                 result: PrefillResult = await prefill.prefill(req)
                 first = StreamEvent(rid, "token", result.first_token, 0, t=time.time())
-                tl.update(queue_ms=result.timings["queue_ms"], prefill_ms=result.timings["prefill_ms"],
-                          prefill_end_ms=self._rel(tl, result.timings["prefill_end"]), kv_blocks=len(result.handle.block_ids))
+                tl.update(
+                    queue_ms=result.timings["queue_ms"],
+                    prefill_ms=result.timings["prefill_ms"],
+                    prefill_end_ms=self._rel(tl, result.timings["prefill_end"]),
+                    kv_blocks=len(result.handle.block_ids),
+                )
                 if self._first_is_last(req, result.first_token):
                     await prefill.release(rid)
                     first.finished = True
@@ -206,8 +219,11 @@ class Orchestrator:
             w.alive = False
             for rid, pair in list(self._assigned.items()):
                 if w in pair and rid in self._streams:
-                    self._streams[rid].put_nowait(StreamEvent(rid, "error", finished=True, finish_reason="error",
-                                                              error=f"{w.role} worker {w.name} died"))
+                    self._streams[rid].put_nowait(
+                        StreamEvent(
+                            rid, "error", finished=True, finish_reason="error", error=f"{w.role} worker {w.name} died"
+                        )
+                    )
             if self._replace is not None:
                 self._replacing[w.name] = asyncio.create_task(self._replace_worker(w, pool))
 
@@ -231,8 +247,14 @@ class Orchestrator:
 
     # ---- timelines -----------------------------------------------------------------------------
     def _new_timeline(self, req: GenerateRequest) -> dict:
-        tl = {"request_id": req.request_id, "mode": self.mode, "arrival": req.arrival,
-              "prompt_tokens": len(req.prompt_ids), "output_tokens": 0, "token_ids": []}
+        tl = {
+            "request_id": req.request_id,
+            "mode": self.mode,
+            "arrival": req.arrival,
+            "prompt_tokens": len(req.prompt_ids),
+            "output_tokens": 0,
+            "token_ids": [],
+        }
         self._timelines[req.request_id] = tl
         while len(self._timelines) > TIMELINES_KEPT:
             self._timelines.popitem(last=False)
@@ -248,9 +270,14 @@ class Orchestrator:
             s = ev.transfer
             self._transfer_bytes += s.bytes
             self._transfer_seconds += s.seconds
-            tl["transfer"] = {"backend": s.backend, "bytes": s.bytes, "descriptors": s.descriptors,
-                              "ms": round(s.seconds * 1e3, 3), "gbytes_per_s": round(s.gbytes_per_s, 3),
-                              "link_ms": {k: round(v, 4) for k, v in s.link_ms.items()}}
+            tl["transfer"] = {
+                "backend": s.backend,
+                "bytes": s.bytes,
+                "descriptors": s.descriptors,
+                "ms": round(s.seconds * 1e3, 3),
+                "gbytes_per_s": round(s.gbytes_per_s, 3),
+                "link_ms": {k: round(v, 4) for k, v in s.link_ms.items()},
+            }
             if "prefill_end_ms" in tl:  # admission wait = time between prefill end and decode join, less the pull
                 tl["decode_wait_ms"] = round(tl["decode_admitted_ms"] - tl["prefill_end_ms"] - s.seconds * 1e3, 3)
 

@@ -5,6 +5,7 @@ then uvicorn starts; the pools are built inside uvicorn's event loop (the app's 
 orchestrator's tasks live in the loop that serves requests. `start_server_in_thread` runs the
 same thing on a free loopback port in a background thread, for tests and `pdserve bench compare`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,9 +14,10 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from cli import CliError
 from engine.config import PRESETS, resolve_model_config
@@ -30,59 +32,111 @@ D = ServeConfig()  # defaults shown in --help
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.epilog = ("examples:\n"
-                "  pdserve serve --mode disagg --model tiny                      # 1 prefill + 1 decode worker\n"
-                "  pdserve serve --mode colocated --chunk-size 128 --decode 2\n"
-                "  pdserve serve --config serve.yaml --port 9000                # flags override the YAML\n")
+    p.epilog = (
+        "examples:\n"
+        "  pdserve serve --mode disagg --model tiny                      # 1 prefill + 1 decode worker\n"
+        "  pdserve serve --mode colocated --chunk-size 128 --decode 2\n"
+        "  pdserve serve --config serve.yaml --port 9000                # flags override the YAML\n"
+    )
     # Every default is None here: a flag that was not given must not override the YAML file.
     g = p.add_argument_group("pools")
-    g.add_argument("--mode", choices=MODES, default=None,
-                   help=f"disagg: separate prefill and decode pools; colocated: decode workers also prefill "
-                        f"(default {D.mode})")
-    g.add_argument("--model", default=None,
-                   help=f"a registry model ({', '.join(MODELS)}; pulled on first use), a preset "
-                        f"({', '.join(PRESETS)}; random weights), a Hugging Face Llama checkpoint directory or a "
-                        f".gguf file (default {D.model})")
+    g.add_argument(
+        "--mode",
+        choices=MODES,
+        default=None,
+        help=f"disagg: separate prefill and decode pools; colocated: decode workers also prefill (default {D.mode})",
+    )
+    g.add_argument(
+        "--model",
+        default=None,
+        help=f"a registry model ({', '.join(MODELS)}; pulled on first use), a preset "
+        f"({', '.join(PRESETS)}; random weights), a Hugging Face Llama checkpoint directory or a "
+        f".gguf file (default {D.model})",
+    )
     g.add_argument("--dtype", choices=WEIGHT_DTYPES, default=None, help=f"weight dtype (default {D.dtype})")
-    g.add_argument("--kv-dtype", choices=["fp8", "bf16", "fp32"], default=None,
-                   help=f"KV cache dtype (default {D.kv_dtype})")
+    g.add_argument(
+        "--kv-dtype", choices=["fp8", "bf16", "fp32"], default=None, help=f"KV cache dtype (default {D.kv_dtype})"
+    )
     g.add_argument("--device", default=None, help=f"cpu, cuda or cuda:N (default {D.device})")
-    g.add_argument("--prefill", type=int, default=None, metavar="N",
-                   help=f"prefill workers, disagg mode (default {D.prefill})")
-    g.add_argument("--decode", type=int, default=None, metavar="M",
-                   help=f"decode workers (colocated workers in colocated mode) (default {D.decode})")
-    g.add_argument("--chunk-size", type=int, default=None, metavar="TOKENS",
-                   help="prefill in chunks of this many tokens mixed into decode steps (default: whole prompts)")
+    g.add_argument(
+        "--prefill", type=int, default=None, metavar="N", help=f"prefill workers, disagg mode (default {D.prefill})"
+    )
+    g.add_argument(
+        "--decode",
+        type=int,
+        default=None,
+        metavar="M",
+        help=f"decode workers (colocated workers in colocated mode) (default {D.decode})",
+    )
+    g.add_argument(
+        "--chunk-size",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="prefill in chunks of this many tokens mixed into decode steps (default: whole prompts)",
+    )
     g.add_argument("--policy", choices=POLICIES, default=None, help=f"dispatch policy (default {D.policy})")
-    g.add_argument("--gpus-per-worker", type=float, default=None,
-                   help=f"GPUs per Ray actor; 0 on CPU, 0.5 shares a GPU between two (default {D.gpus_per_worker})")
+    g.add_argument(
+        "--gpus-per-worker",
+        type=float,
+        default=None,
+        help=f"GPUs per Ray actor; 0 on CPU, 0.5 shares a GPU between two (default {D.gpus_per_worker})",
+    )
     g.add_argument("--num-blocks", type=int, default=None, help=f"KV blocks per worker (default {D.num_blocks})")
     g.add_argument("--block-size", type=int, default=None, help=f"tokens per KV block (default {D.block_size})")
-    g.add_argument("--max-num-seqs", type=int, default=None,
-                   help=f"sequences per decode batch (default {D.max_num_seqs})")
-    g.add_argument("--transport", choices=TRANSPORTS, default=None,
-                   help=f"KV transport between pools (default {D.transport})")
-    g.add_argument("--lease-s", type=float, default=None,
-                   help=f"seconds prefill keeps KV that decode has not pulled (default {D.lease_s:g})")
-    g.add_argument("--transfer-timeout-s", type=float, default=None,
-                   help=f"seconds one KV pull may take before the request fails (default {D.transfer_timeout_s:g})")
-    g.add_argument("--ray-address", default=None,
-                   help="an existing Ray cluster (e.g. auto or ray://host:10001); default: start a local one; "
-                        "'none' runs the workers in this process without Ray")
+    g.add_argument(
+        "--max-num-seqs", type=int, default=None, help=f"sequences per decode batch (default {D.max_num_seqs})"
+    )
+    g.add_argument(
+        "--transport", choices=TRANSPORTS, default=None, help=f"KV transport between pools (default {D.transport})"
+    )
+    g.add_argument(
+        "--lease-s",
+        type=float,
+        default=None,
+        help=f"seconds prefill keeps KV that decode has not pulled (default {D.lease_s:g})",
+    )
+    g.add_argument(
+        "--transfer-timeout-s",
+        type=float,
+        default=None,
+        help=f"seconds one KV pull may take before the request fails (default {D.transfer_timeout_s:g})",
+    )
+    g.add_argument(
+        "--ray-address",
+        default=None,
+        help="an existing Ray cluster (e.g. auto or ray://host:10001); default: start a local one; "
+        "'none' runs the workers in this process without Ray",
+    )
     g = p.add_argument_group("router")
     g.add_argument("--host", default=None, help=f"address to listen on (default {D.host})")
     g.add_argument("--port", type=int, default=None, help=f"port, 0 = any free port (default {D.port})")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health")
-    g.add_argument("--max-queue", type=int, default=None,
-                   help=f"requests in flight before new ones get 429 (default {D.max_queue})")
-    g.add_argument("--max-tokens-limit", type=int, default=None,
-                   help=f"largest max_tokens a request may ask for (default {D.max_tokens_limit})")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    g.add_argument(
+        "--max-queue",
+        type=int,
+        default=None,
+        help=f"requests in flight before new ones get 429 (default {D.max_queue})",
+    )
+    g.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=None,
+        help=f"largest max_tokens a request may ask for (default {D.max_tokens_limit})",
+    )
     g.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model's)")
-    p.add_argument("--config", default=None, metavar="YAML",
-                   help="settings file; keys are the flag names (max_queue or max-queue); flags win")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
-                   help="server log level (default info)")
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="YAML",
+        help="settings file; keys are the flag names (max_queue or max-queue); flags win",
+    )
+    p.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        default="info",
+        help="server log level (default info)",
+    )
 
 
 _NOT_SETTINGS = {"config", "log_level", "command", "bench_command", "_main"}
@@ -154,24 +208,35 @@ def base_url(host: str, sock: socket.socket) -> str:
 
 
 def ready_message(cfg: ServeConfig, url: str) -> str:
-    pools = (f"{cfg.prefill} prefill + {cfg.decode} decode" if cfg.mode == "disagg" else
-             f"{cfg.decode} colocated, " + (f"chunks of {cfg.chunk_size}" if cfg.chunk_size else "whole prompts"))
+    pools = (
+        f"{cfg.prefill} prefill + {cfg.decode} decode"
+        if cfg.mode == "disagg"
+        else f"{cfg.decode} colocated, " + (f"chunks of {cfg.chunk_size}" if cfg.chunk_size else "whole prompts")
+    )
     auth = " -H 'Authorization: Bearer <your key>'" if cfg.api_key else ""
     body = f'{{"model": "{cfg.model_name}", "prompt": "Hello", "max_tokens": 16, "stream": true}}'
-    return (f"pdserve: serving {cfg.model_name} ({cfg.mode}: {pools}) at {url}/v1  (Ctrl-C to stop)\n"
-            f"  curl -N {url}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
+    return (
+        f"pdserve: serving {cfg.model_name} ({cfg.mode}: {pools}) at {url}/v1  (Ctrl-C to stop)\n"
+        f"  curl -N {url}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
+    )
 
 
 def _uvicorn_server(cfg: ServeConfig, app: Any, log_level: str) -> Any:
     import uvicorn  # noqa: PLC0415
 
     # access_log off: a benchmark would print a line per request; /metrics has the counts.
-    return uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level=log_level, access_log=False,
-                                         timeout_graceful_shutdown=5))
+    return uvicorn.Server(
+        uvicorn.Config(app, lifespan="on", log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
+    )
 
 
-async def serve(cfg: ServeConfig, sock: socket.socket, log_level: str = "info",
-                on_ready: Callable[[str], None] | None = None, server_box: list | None = None) -> None:
+async def serve(
+    cfg: ServeConfig,
+    sock: socket.socket,
+    log_level: str = "info",
+    on_ready: Callable[[str], None] | None = None,
+    server_box: list | None = None,
+) -> None:
     """Run until the server is told to exit; `on_ready(url)` once it accepts requests."""
     cfg = resolve_model(cfg)
     errors: list[BaseException] = []
@@ -219,8 +284,8 @@ def main(args: argparse.Namespace) -> int:
 class ServerThread:
     """A pdserve server on a free 127.0.0.1 port in a background thread.
 
-        with ServerThread(cfg) as srv:      # blocks until the pools are up
-            client = OpenAI(base_url=srv.base_url, api_key=cfg.api_key or "none")
+    with ServerThread(cfg) as srv:      # blocks until the pools are up
+        client = OpenAI(base_url=srv.base_url, api_key=cfg.api_key or "none")
     """
 
     def __init__(self, cfg: ServeConfig, startup_timeout_s: float = 300.0, log_level: str = "warning"):
@@ -245,7 +310,7 @@ class ServerThread:
         finally:
             self._ready.set()
 
-    def start(self) -> "ServerThread":
+    def start(self) -> ServerThread:
         self._thread.start()
         if not self._ready.wait(self.timeout):
             self.stop()
@@ -265,7 +330,7 @@ class ServerThread:
         self._thread.join(timeout_s)
         self._sock.close()
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

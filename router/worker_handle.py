@@ -3,16 +3,26 @@ object in this process (benchmarks on a GPU box without Ray, single-process test
 
 Its async methods mirror `contracts.worker.PrefillWorkerAPI` / `DecodeWorkerAPI` one for one, so
 the orchestrator calls typed methods, never method names."""
+
 from __future__ import annotations
 
 import asyncio
 import functools
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, ParamSpec, TypeVar, cast
+from typing import Any, ParamSpec, TypeVar, cast
 
-from contracts.worker import (DecodeWorkerAPI, GenerateRequest, PrefillResult, PrefillWorkerAPI, StreamEvent,
-                              Worker, WorkerError, WorkerStats)
+from contracts.worker import (
+    DecodeWorkerAPI,
+    GenerateRequest,
+    PrefillResult,
+    PrefillWorkerAPI,
+    StreamEvent,
+    Worker,
+    WorkerError,
+    WorkerStats,
+)
 
 log = logging.getLogger("pdserve.router")
 P = ParamSpec("P")

@@ -6,6 +6,7 @@ is named in `WORKER_CLASSES` (like a console-script entry point) and imported in
 process, where `__init__` builds it. Every other method forwards one call of the worker contract
 (`contracts.worker`), unchanged: exceptions reach the caller as the worker raised them.
 """
+
 from __future__ import annotations
 
 import importlib

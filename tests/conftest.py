@@ -4,6 +4,7 @@ The checkpoints are written by transformers' own `LlamaForCausalLM.save_pretrain
 (safetensors), so the engine's loader and model are checked against the reference
 implementation, not against themselves.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,10 +38,21 @@ HF_ROPE = RopeScaling(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, ori
 
 def hf_test_config(tied: bool) -> ModelConfig:
     return ModelConfig(
-        name="hf-tied" if tied else "hf-untied", vocab_size=300, hidden_size=64, intermediate_size=160,
-        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
-        rope_theta=10000.0, rope_scaling=HF_ROPE, rms_norm_eps=1e-5, tie_word_embeddings=tied,
-        bos_token_id=1, eos_token_id=2,
+        name="hf-tied" if tied else "hf-untied",
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=160,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        rope_scaling=HF_ROPE,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
     )
 
 
@@ -70,9 +82,9 @@ def _save_checkpoint(directory: Path, cfg: ModelConfig, seed: int) -> None:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif name == "model.embed_tokens.weight":
                 # tied: the embedding is also the head, so it gets the head's scale
-                p.normal_(0.0, 4.0 * h ** -0.5 if cfg.tie_word_embeddings else 1.0)
+                p.normal_(0.0, 4.0 * h**-0.5 if cfg.tie_word_embeddings else 1.0)
             elif name == "lm_head.weight":
-                p.normal_(0.0, 4.0 * h ** -0.5)
+                p.normal_(0.0, 4.0 * h**-0.5)
             else:
                 p.normal_(0.0, p.shape[1] ** -0.5)
     model.save_pretrained(directory, safe_serialization=True)
@@ -96,8 +108,9 @@ def hf_models(hf_checkpoints):
     import torch  # noqa: PLC0415
     from transformers import LlamaForCausalLM  # noqa: PLC0415
 
-    return {k: LlamaForCausalLM.from_pretrained(c.path, torch_dtype=torch.float32).eval()
-            for k, c in hf_checkpoints.items()}
+    return {
+        k: LlamaForCausalLM.from_pretrained(c.path, torch_dtype=torch.float32).eval() for k, c in hf_checkpoints.items()
+    }
 
 
 @pytest.fixture(scope="session")

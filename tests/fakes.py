@@ -4,6 +4,7 @@ FakeCompletionsServer: a minimal OpenAI-compatible completions server (FastAPI +
 127.0.0.1, a free port) that streams a scripted answer with known delays. It exists to test the
 benchmark client's timing and parsing, not serving; serving is tested against the real router.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -11,8 +12,9 @@ import json
 import socket
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -24,17 +26,22 @@ class FakeScript:
     """What the fake streams: max_tokens tokens named t0, t1, ..., `tokens_per_chunk` per chunk."""
 
     first_token_delay_s: float = 0.05
-    itl_s: float = 0.02                    # delay before every chunk after the first
+    itl_s: float = 0.02  # delay before every chunk after the first
     tokens_per_chunk: int = 1
     report_usage: bool = True
-    fail_prompts: tuple[str, ...] = ()     # prompts answered with HTTP 500
+    fail_prompts: tuple[str, ...] = ()  # prompts answered with HTTP 500
     model: str = "fake-model"
     received: list[dict[str, Any]] = field(default_factory=list)  # request bodies, in order
 
 
 def _chunk(rid: str, model: str, text: str, finish: str | None) -> str:
-    body = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+    body = {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+    }
     return f"data: {json.dumps(body)}\n\n"
 
 
@@ -43,8 +50,7 @@ def build_app(script: FakeScript) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": script.model, "object": "model", "created": 0,
-                                            "owned_by": "fake"}]}
+        return {"object": "list", "data": [{"id": script.model, "object": "model", "created": 0, "owned_by": "fake"}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -67,9 +73,14 @@ def build_app(script: FakeScript) -> FastAPI:
             yield _chunk(rid, script.model, "", "length")
             if usage:
                 n_in = len(prompt) if isinstance(prompt, (str, list)) else 0
-                u = {"id": rid, "object": "text_completion", "created": int(time.time()),
-                     "model": script.model, "choices": [],
-                     "usage": {"prompt_tokens": n_in, "completion_tokens": n, "total_tokens": n_in + n}}
+                u = {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": int(time.time()),
+                    "model": script.model,
+                    "choices": [],
+                    "usage": {"prompt_tokens": n_in, "completion_tokens": n, "total_tokens": n_in + n},
+                }
                 yield f"data: {json.dumps(u)}\n\n"
             yield "data: [DONE]\n\n"
 
@@ -95,7 +106,7 @@ class FakeCompletionsServer:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def __enter__(self) -> "FakeCompletionsServer":
+    def __enter__(self) -> FakeCompletionsServer:
         self._thread.start()
         deadline = time.monotonic() + 10
         while not self._server.started:
@@ -115,8 +126,8 @@ class FakeCompletionsServer:
 # logic (validation, SSE shaping, stop strings, aborts, 429, metrics). Serving itself is tested
 # against the real orchestrator and workers.
 
-from engine.config import PRESETS, ModelConfig  # noqa: E402
 from contracts.worker import GenerateRequest, StreamEvent, WorkerError, WorkerStats  # noqa: E402
+from engine.config import PRESETS, ModelConfig  # noqa: E402
 
 
 def echo_script(prompt_ids: list[int], max_tokens: int) -> list[int]:
@@ -128,9 +139,15 @@ class FakeOrchestrator:
     """Yields `script(prompt_ids, max_tokens)` as token events, `delay_s` apart; a token equal to
     `eos_id` ends the stream with "stop". Records aborts; `fail_at` raises WorkerError there."""
 
-    def __init__(self, model_config: ModelConfig | None = None, delay_s: float = 0.0,
-                 script: Any = echo_script, eos_id: int | None = None, fail_at: int | None = None,
-                 mode: str = "disagg"):
+    def __init__(
+        self,
+        model_config: ModelConfig | None = None,
+        delay_s: float = 0.0,
+        script: Any = echo_script,
+        eos_id: int | None = None,
+        fail_at: int | None = None,
+        mode: str = "disagg",
+    ):
         self.model_config = model_config or PRESETS["tiny"]
         self.mode, self.delay_s, self.script, self.eos_id, self.fail_at = mode, delay_s, script, eos_id, fail_at
         self.active: set[str] = set()
@@ -142,9 +159,13 @@ class FakeOrchestrator:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamEvent]:
         self.requests.append(req)
         self.active.add(req.request_id)
-        tl = self.timelines[req.request_id] = {"request_id": req.request_id, "mode": self.mode,
-                                               "prompt_tokens": len(req.prompt_ids), "output_tokens": 0,
-                                               "transfer": {"bytes": 4096, "gbytes_per_s": float("inf")}}
+        tl = self.timelines[req.request_id] = {
+            "request_id": req.request_id,
+            "mode": self.mode,
+            "prompt_tokens": len(req.prompt_ids),
+            "output_tokens": 0,
+            "transfer": {"bytes": 4096, "gbytes_per_s": float("inf")},
+        }
         tokens = self.script(req.prompt_ids, req.params.max_tokens)[: req.params.max_tokens]
         try:
             for i, tok in enumerate(tokens):
@@ -154,8 +175,14 @@ class FakeOrchestrator:
                 stop = tok == self.eos_id and not req.params.ignore_eos
                 last = stop or i == len(tokens) - 1
                 tl["output_tokens"] = i + 1
-                yield StreamEvent(req.request_id, "token", tok, i, finished=last,
-                                  finish_reason=("stop" if stop else "length") if last else None)
+                yield StreamEvent(
+                    req.request_id,
+                    "token",
+                    tok,
+                    i,
+                    finished=last,
+                    finish_reason=("stop" if stop else "length") if last else None,
+                )
                 if last:
                     return
         finally:
@@ -169,10 +196,14 @@ class FakeOrchestrator:
 
     async def stats(self) -> list[WorkerStats]:
         n = len(self.active)
-        return [WorkerStats("fake-prefill-0", "prefill", queue_depth=0, running=0, parked=0, blocks_total=64,
-                            blocks_free=64),
-                WorkerStats("fake-decode-0", "decode", queue_depth=0, running=n, parked=0, blocks_total=64,
-                            blocks_free=64 - n)]
+        return [
+            WorkerStats(
+                "fake-prefill-0", "prefill", queue_depth=0, running=0, parked=0, blocks_total=64, blocks_free=64
+            ),
+            WorkerStats(
+                "fake-decode-0", "decode", queue_depth=0, running=n, parked=0, blocks_total=64, blocks_free=64 - n
+            ),
+        ]
 
     def transfer_totals(self) -> tuple[int, float]:
         return 4096 * len(self.timelines), 0.001 * len(self.timelines)

@@ -4,6 +4,7 @@ plus its equality checker and predictions on their own.
 The end-to-end run is the CI-sized `--quick` workload: three chat streams and one 512-token
 document, in colocated, chunked (64) and disaggregated (1P1D) mode, each on a fresh server.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bench_compare as bc
-from benchmarks.compare_report import unpack
-from costmodel import compare_predict as cp
 from benchmarks.bench_serve import BenchConfig, BenchResult
+from benchmarks.compare_report import unpack
+from cli import main as cli_main
+from costmodel import compare_predict as cp
 from costmodel.serve_metrics import compute_metrics
 from costmodel.workloads import WorkloadConfig, build_workload
-from cli import main as cli_main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CALIBRATION = Path(__file__).resolve().parent.parent / "benchmarks/results/chunks-tiny-cpu.calibration.json"
@@ -26,9 +27,28 @@ CALIBRATION = Path(__file__).resolve().parent.parent / "benchmarks/results/chunk
 @pytest.mark.timeout(240)
 def test_bench_compare_end_to_end(tmp_path, capsys):
     pytest.importorskip("ray")
-    rc = cli_main(["bench", "compare", "--quick", "--model", "tiny", "--device", "cpu",
-                   "--modes", "colocated,chunked,disagg", "--chunk-sizes", "64", "--out-dir", str(tmp_path),
-                   "--out", "cmp", "--no-progress", "--calibration", str(CALIBRATION)])
+    rc = cli_main(
+        [
+            "bench",
+            "compare",
+            "--quick",
+            "--model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--modes",
+            "colocated,chunked,disagg",
+            "--chunk-sizes",
+            "64",
+            "--out-dir",
+            str(tmp_path),
+            "--out",
+            "cmp",
+            "--no-progress",
+            "--calibration",
+            str(CALIBRATION),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     result = json.loads((tmp_path / "cmp.json").read_text())
@@ -74,8 +94,14 @@ def test_bench_compare_end_to_end(tmp_path, capsys):
 
 
 def _run(label: str, ids: dict[str, list[int]]) -> bc.ModeRun:
-    return bc.ModeRun(bc.ModeSpec(label, "colocated"), {}, 0.0, ids, [],
-                      BenchResult(BenchConfig(), "tiny", [], compute_metrics([]), 0.0))
+    return bc.ModeRun(
+        bc.ModeSpec(label, "colocated"),
+        {},
+        0.0,
+        ids,
+        [],
+        BenchResult(BenchConfig(), "tiny", [], compute_metrics([]), 0.0),
+    )
 
 
 def test_equality_check_reports_the_first_differing_token():
@@ -85,7 +111,9 @@ def test_equality_check_reports_the_first_differing_token():
     eq = bc.check_equality([ref, same, bad])
     assert eq["identical"] is False and eq["compared"] == 4
     assert {(m["mode"], m["request_id"], m["first_difference"]) for m in eq["mismatches"]} == {
-        ("chunked-7", "a", 1), ("chunked-7", "b", 1)}
+        ("chunked-7", "a", 1),
+        ("chunked-7", "b", 1),
+    }
     assert bc.check_equality([ref, same])["identical"] is True
 
 
@@ -94,8 +122,11 @@ def test_mode_list_parsing_and_errors():
 
     modes = bc.build_modes("colocated,chunked,disagg", "32,128", 2, 1)
     assert [(m.label, m.mode, m.chunk_size, m.prefill, m.decode) for m in modes] == [
-        ("colocated", "colocated", None, 1, 1), ("chunked-32", "colocated", 32, 1, 1),
-        ("chunked-128", "colocated", 128, 1, 1), ("disagg-2P1D", "disagg", None, 2, 1)]
+        ("colocated", "colocated", None, 1, 1),
+        ("chunked-32", "colocated", 32, 1, 1),
+        ("chunked-128", "colocated", 128, 1, 1),
+        ("disagg-2P1D", "disagg", None, 2, 1),
+    ]
     for bad in (("colocated,fast", "32"), ("chunked", "0"), ("chunked", "a,b")):
         with pytest.raises(CliError):
             bc.build_modes(*bad, 1, 1)
@@ -105,8 +136,11 @@ def test_prediction_of_the_freeze_on_the_calibrated_device():
     """On the calibrated CPU, whole-prompt colocated serving must be predicted to stall the
     streams for about one document prefill; chunked and disaggregated for about one step."""
     setup = cp.setup_from_calibration("tiny", CALIBRATION)
-    specs = build_workload(WorkloadConfig(workload="article", chat_streams=4, chat_output_len=60,
-                                          doc_prompt_len=1024, doc_count=1, doc_start_s=0.3))
+    specs = build_workload(
+        WorkloadConfig(
+            workload="article", chat_streams=4, chat_output_len=60, doc_prompt_len=1024, doc_count=1, doc_start_s=0.3
+        )
+    )
     prefill_ms = setup.steps.prefill(1024) * 1e3
     step_ms = setup.steps.decode([cp.Request(0, "chat", 0.0, 64, 60)] * 4) * 1e3
 

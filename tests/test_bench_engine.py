@@ -1,6 +1,7 @@
 """Smoke tests of `pdserve bench chunks` and `pdserve bench article` on the tiny model with tiny
 sweeps: the result files exist, carry provenance, and every measured figure is positive.
 No timing assertions: the numbers depend on the machine."""
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,30 @@ def _positive(x) -> bool:
 
 
 def test_bench_chunks_writes_result_plot_and_calibration(tmp_path, capsys):
-    rc = main(["bench", "chunks", *COMMON, "--decode-batch", "2", "--context", "32", "--prompt-len", "128",
-               "--chunks", "32,128", "--repeats", "1", "--decode-repeats", "2", "--out-dir", str(tmp_path),
-               "--out", "c", "--json"])
+    rc = main(
+        [
+            "bench",
+            "chunks",
+            *COMMON,
+            "--decode-batch",
+            "2",
+            "--context",
+            "32",
+            "--prompt-len",
+            "128",
+            "--chunks",
+            "32,128",
+            "--repeats",
+            "1",
+            "--decode-repeats",
+            "2",
+            "--out-dir",
+            str(tmp_path),
+            "--out",
+            "c",
+            "--json",
+        ]
+    )
     assert rc == 0
     printed = json.loads(capsys.readouterr().out)
     r = json.loads((tmp_path / "c.json").read_text())
@@ -30,8 +52,16 @@ def test_bench_chunks_writes_result_plot_and_calibration(tmp_path, capsys):
     assert [p["chunk"] for p in r["points"]] == [32, 128]
     assert [p["num_chunks"] for p in r["points"]] == [4, 1]
     for p in r["points"]:
-        for k in ("prefill_s", "prefill_tok_s", "chunk_ms", "achieved_tflops", "mfu", "mixed_mean_ms",
-                  "mixed_max_ms", "itl_ratio"):
+        for k in (
+            "prefill_s",
+            "prefill_tok_s",
+            "chunk_ms",
+            "achieved_tflops",
+            "mfu",
+            "mixed_mean_ms",
+            "mixed_max_ms",
+            "itl_ratio",
+        ):
             assert _positive(p[k]), (k, p[k])
         assert p["mixed_max_ms"] >= p["mixed_p50_ms"]
     assert _positive(r["decode_only_ms"]["median"])
@@ -49,8 +79,29 @@ def test_bench_chunks_writes_result_plot_and_calibration(tmp_path, capsys):
 
 
 def test_bench_article_writes_tables_beside_predictions(tmp_path, capsys):
-    rc = main(["bench", "article", *COMMON, "--kv-fill", "random", "--batches", "1,4", "--ctx", "32", "--contexts", "32,64",
-               "--decode-repeats", "2", "--prefill-repeats", "1", "--out-dir", str(tmp_path), "--out", "a"])
+    rc = main(
+        [
+            "bench",
+            "article",
+            *COMMON,
+            "--kv-fill",
+            "random",
+            "--batches",
+            "1,4",
+            "--ctx",
+            "32",
+            "--contexts",
+            "32,64",
+            "--decode-repeats",
+            "2",
+            "--prefill-repeats",
+            "1",
+            "--out-dir",
+            str(tmp_path),
+            "--out",
+            "a",
+        ]
+    )
     assert rc == 0
     table = capsys.readouterr().out
     assert "decode step @ 32 ctx" in table and "predicted ms" in table
@@ -58,19 +109,26 @@ def test_bench_article_writes_tables_beside_predictions(tmp_path, capsys):
     assert r["provenance"]["config"]["batches"] == "1,4"
     rows = r["rows"]
     assert [(x["kind"], x["batch"], x["ctx"]) for x in rows] == [
-        ("decode", 1, 32), ("decode", 4, 32), ("prefill", 1, 32), ("prefill", 1, 64)]
+        ("decode", 1, 32),
+        ("decode", 4, 32),
+        ("prefill", 1, 32),
+        ("prefill", 1, 64),
+    ]
     for x in rows:
         assert _positive(x["measured_ms"]) and _positive(x["predicted_ms"]) and _positive(x["achieved"])
         assert x["error_pct"] == pytest.approx(100 * (x["predicted_ms"] - x["measured_ms"]) / x["measured_ms"])
     assert (tmp_path / "a.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["bench", "chunks", "--chunks", "64,x"], "--chunks must be comma-separated integers"),
-    (["bench", "chunks", "--prompt-len", "64", "--chunks", "128"], "longer than --prompt-len"),
-    (["bench", "article", "--model", "nope"], "not a preset"),
-    (["bench", "article", "--ctx", "5000"], "exceed tiny's context"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "chunks", "--chunks", "64,x"], "--chunks must be comma-separated integers"),
+        (["bench", "chunks", "--prompt-len", "64", "--chunks", "128"], "longer than --prompt-len"),
+        (["bench", "article", "--model", "nope"], "not a preset"),
+        (["bench", "article", "--ctx", "5000"], "exceed tiny's context"),
+    ],
+)
 def test_bad_input_is_one_line_error(argv, message, capsys, tmp_path):
     assert main([*argv, "--device", "cpu", "--no-progress", "--out-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err

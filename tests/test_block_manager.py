@@ -1,5 +1,6 @@
 """BlockManager invariants under seeded random workloads, and LLMEngine never leaking blocks
 (requests that finish, and aborts of waiting, mid-prefill, running and parked sequences)."""
+
 from __future__ import annotations
 
 import random
@@ -84,6 +85,7 @@ def test_errors_double_free_and_incref_of_free():
 
 # ---- LLMEngine leaves every block free ---------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def runner() -> ModelRunner:
     return ModelRunner(PRESETS["tiny"], CacheConfig(block_size=4, num_blocks=40, kv_dtype="fp8"), "fp8")
@@ -91,8 +93,11 @@ def runner() -> ModelRunner:
 
 def _seq(i: int, n: int, max_tokens: int = 6) -> Sequence:
     g = torch.Generator().manual_seed(i)
-    return Sequence(f"q{i}", torch.randint(0, 256, (n,), generator=g).tolist(),
-                    SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return Sequence(
+        f"q{i}",
+        torch.randint(0, 256, (n,), generator=g).tolist(),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
 def _drain(engine: LLMEngine, limit: int = 500) -> None:
@@ -114,8 +119,10 @@ def test_engine_frees_all_blocks_when_requests_finish(runner, chunk_size):
     waited_for_blocks = False
     while engine.has_work:
         engine.step()
-        waited_for_blocks |= any(not s.block_table and engine.blocks.blocks_for(s.num_tokens + s.params.max_tokens)
-                                 > engine.blocks.num_free for s in engine.waiting)
+        waited_for_blocks |= any(
+            not s.block_table and engine.blocks.blocks_for(s.num_tokens + s.params.max_tokens) > engine.blocks.num_free
+            for s in engine.waiting
+        )
     assert waited_for_blocks and engine.blocks.num_free == engine.blocks.num_blocks
     assert all(s.status == Status.FINISHED and s.finish_reason == "length" and not s.block_table for s in seqs)
     assert [len(s.output_ids) for s in seqs] == [m for _, m in shapes]

@@ -2,6 +2,7 @@
 paged attention == dense attention. The model is the `tiny` preset with its seeded random
 weights (scaled for clear greedy margins) on the serving path: FP8 weights and FP8 KV.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -42,7 +43,7 @@ def _chunked_logits(runner: ModelRunner, prompt: list[int], chunk: int, table: l
     out = None
     for start in range(0, len(prompt), chunk):
         last = start + chunk >= len(prompt)
-        out = runner.forward([StepItem(prompt[start:start + chunk], start, table, want_logits=last)])
+        out = runner.forward([StepItem(prompt[start : start + chunk], start, table, want_logits=last)])
         assert out.shape[0] == (1 if last else 0)  # non-final chunks return no logits
     return out[0]
 
@@ -60,8 +61,13 @@ def test_chunked_prefill_logits_equal_whole_prompt(kv, fp8_runner, fp32_runner):
         assert got.argmax().item() == whole.argmax().item()
 
 
-def _generate(runner: ModelRunner, prompts: list[list[int]], chunk_size: int | None = None,
-              max_tokens: int = 8, arrivals: list[int] | None = None) -> list[list[int]]:
+def _generate(
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    chunk_size: int | None = None,
+    max_tokens: int = 8,
+    arrivals: list[int] | None = None,
+) -> list[list[int]]:
     """Greedy outputs through LLMEngine; prompt i is added before step arrivals[i] (default 0)."""
     engine = LLMEngine(runner, chunk_size=chunk_size)
     arrivals = arrivals or [0] * len(prompts)
@@ -111,17 +117,24 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
 @pytest.mark.parametrize("kv_dtype", ["fp32", "fp8"])
 @pytest.mark.parametrize("query_lens", [(1, 1, 1), (1, 5, 3)], ids=["decode", "decode+chunks"])
 def test_paged_attention_equals_dense(kv_dtype, query_lens):
-    layout = KVLayout(num_layers=2, num_kv_heads=H_KV, head_dim=D, block_size=BS, dtype=kv_dtype,
-                      scale_layout="per_token_head_fp32" if kv_dtype == "fp8" else "none", num_blocks=32)
+    layout = KVLayout(
+        num_layers=2,
+        num_kv_heads=H_KV,
+        head_dim=D,
+        block_size=BS,
+        dtype=kv_dtype,
+        scale_layout="per_token_head_fp32" if kv_dtype == "fp8" else "none",
+        num_blocks=32,
+    )
     cache, backend = KVCache(layout), TorchReferenceAttention()
     g = torch.Generator().manual_seed(3)
     ctx_lens = [5, 16, 37]
     perm = torch.randperm(32, generator=g).tolist()  # non-contiguous, out-of-order block tables
     tables, used = [], 0
     for n in ctx_lens:
-        tables.append(perm[used:used + -(-n // BS)])
+        tables.append(perm[used : used + -(-n // BS)])
         used += len(tables[-1])
-    layer, scale = 1, D ** -0.5
+    layer, scale = 1, D**-0.5
     full_k = [torch.randn(n, H_KV, D, generator=g) for n in ctx_lens]
     full_v = [torch.randn(n, H_KV, D, generator=g) for n in ctx_lens]
     slots = lambda table, lo, hi: torch.tensor([table[p // BS] * BS + p % BS for p in range(lo, hi)])  # noqa: E731
@@ -130,22 +143,24 @@ def test_paged_attention_equals_dense(kv_dtype, query_lens):
         cache.write(layer, slots(t, 0, n - q_n), k[: n - q_n], v[: n - q_n])
     # this step: query_lens[i] new tokens per sequence, flat
     q = torch.randn(sum(query_lens), H_Q, D, generator=g)
-    new_k = torch.cat([k[n - q_n:] for k, n, q_n in zip(full_k, ctx_lens, query_lens)])
-    new_v = torch.cat([v[n - q_n:] for v, n, q_n in zip(full_v, ctx_lens, query_lens)])
+    new_k = torch.cat([k[n - q_n :] for k, n, q_n in zip(full_k, ctx_lens, query_lens)])
+    new_v = torch.cat([v[n - q_n :] for v, n, q_n in zip(full_v, ctx_lens, query_lens)])
     width = max(map(len, tables))
     meta = AttentionMetadata(
         slot_mapping=torch.cat([slots(t, n - q_n, n) for t, n, q_n in zip(tables, ctx_lens, query_lens)]),
-        query_lens=list(query_lens), context_lens=ctx_lens,
+        query_lens=list(query_lens),
+        context_lens=ctx_lens,
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        context_lens_t=torch.tensor(ctx_lens, dtype=torch.int32))
+        context_lens_t=torch.tensor(ctx_lens, dtype=torch.int32),
+    )
     out = backend.forward(layer, q, new_k, new_v, cache, meta, scale)
     start = 0
     for k, v, q_n in zip(full_k, full_v, query_lens):
         if kv_dtype == "fp8":  # dense reference on what FP8 pages can represent
             (kq, ks), (vq, vs) = quantize_fp8(k), quantize_fp8(v)
             k, v = kq.float() * ks[..., None], vq.float() * vs[..., None]
-        ref = _dense(q[start:start + q_n], k, v, scale)
-        torch.testing.assert_close(out[start:start + q_n], ref, atol=1e-5, rtol=1e-5)
+        ref = _dense(q[start : start + q_n], k, v, scale)
+        torch.testing.assert_close(out[start : start + q_n], ref, atol=1e-5, rtol=1e-5)
         start += q_n
     # nothing was written to another layer
     assert cache.data[:, 0].float().abs().sum() == 0

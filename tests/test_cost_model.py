@@ -3,6 +3,7 @@
 Where the article's prose disagrees with its own arithmetic, the test asserts the arithmetic and
 names the erratum (see README "Errata").
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -13,8 +14,8 @@ import sys
 
 import pytest
 
-from costmodel import cost_model as cm
 from cli import main as cli_main
+from costmodel import cost_model as cm
 from engine.config import PRESETS
 
 M, HW = cm.ARTICLE_MODEL, cm.ARTICLE_HW
@@ -31,16 +32,22 @@ def test_import_loads_no_torch():
 
 def test_model_constants():
     assert M.params == PRESETS["llama-3.1-70b"].num_params() == 70_553_706_496
-    assert cm.kv_bytes_per_token(M) == 160 * 1024                    # 160 KiB/token, FP8
+    assert cm.kv_bytes_per_token(M) == 160 * 1024  # 160 KiB/token, FP8
     assert cm.kv_bytes_per_token(M, "bf16") == 320 * 1024
-    assert r(cm.kv_bytes_per_token(M) * 4096 / 1e6) == 671            # 671 MB for a 4k prompt
+    assert r(cm.kv_bytes_per_token(M) * 4096 / 1e6) == 671  # 671 MB for a 4k prompt
     # "FP8 weights are 70.5 GB": the config gives 70.55 GB (70.6 at one decimal); see errata.
     assert r(cm.weight_bytes(M) / 1e9, 2) == 70.55
 
 
 # batch -> (step ms, reads GB, per-sequence tok/s), as printed in the article
-DECODE = {1: (21.3, 71, 47.0), 8: (22.7, 76, 44.1), 32: (27.5, 92, 36.4), 64: (33.9, 114, 29.5),
-          256: (72.3, 242, 13.8), 512: (123.6, 414, 8.1)}
+DECODE = {
+    1: (21.3, 71, 47.0),
+    8: (22.7, 76, 44.1),
+    32: (27.5, 92, 36.4),
+    64: (33.9, 114, 29.5),
+    256: (72.3, 242, 13.8),
+    512: (123.6, 414, 8.1),
+}
 
 
 @pytest.mark.parametrize("batch", DECODE)
@@ -51,11 +58,11 @@ def test_decode_table(batch):
     assert r(d.read_bytes / 1e9) == reads
     # Erratum: the article prints 44.2 tok/s at batch 8; 1 / 22.66 ms = 44.12.
     assert r(d.per_seq_tok_s, 1) == per_seq
-    assert d.memory_s > d.flop_s                                       # never compute-bound at 4k
+    assert d.memory_s > d.flop_s  # never compute-bound at 4k
 
 
 def test_decode_prose():
-    assert r(cm.decode_step(M, HW, 64, 4096).tok_s) == 1889            # node tok/s at batch 64
+    assert r(cm.decode_step(M, HW, 64, 4096).tok_s) == 1889  # node tok/s at batch 64
     assert r(cm.kv_bytes_per_token(M) * 4096 / HW.mem_bw * 1e3, 2) == 0.20
     assert r(2 * M.params / (0.4 * HW.peak("fp8")) * 1e3, 2) == 0.18
     assert cm.crossover_batch(M, HW, 4096) == float("inf")
@@ -67,8 +74,7 @@ def test_decode_prose():
 
 
 # context -> (linear TFLOP, attention TFLOP, attention share %, ms at 40% MFU)
-PREFILL = {1024: (144, 3, 2, 186), 4096: (578, 44, 7, 786), 16384: (2312, 704, 23, 3809),
-           32768: (4624, 2815, 38, 9397)}
+PREFILL = {1024: (144, 3, 2, 186), 4096: (578, 44, 7, 786), 16384: (2312, 704, 23, 3809), 32768: (4624, 2815, 38, 9397)}
 
 
 @pytest.mark.parametrize("ctx", PREFILL)
@@ -98,7 +104,7 @@ def test_token_conversion():
 
 
 def test_break_even_chunk():
-    assert r(cm.break_even_chunk(M, HW)) == 119                        # batch 1, as the article's script
+    assert r(cm.break_even_chunk(M, HW)) == 119  # batch 1, as the article's script
     # The article's script: step(1) * MFU * peak / (2 N), without the quadratic term.
     script = cm.decode_step(M, HW, 1, 4096).time_s * 0.4 * HW.peak("fp8") / (2 * M.params)
     assert abs(cm.break_even_chunk(M, HW) - script) < 0.5
@@ -141,8 +147,18 @@ def test_link_table():
 
 def test_calibration_replaces_datasheet(tmp_path):
     f = tmp_path / "cal.json"
-    f.write_text(json.dumps({"schema": "pdserve.calibration/1", "device": "test", "mem_bandwidth_gbps": 3000,
-                             "achieved_tflops": 700, "decode_step_overhead_ms": 1.0, "links_gbps": {"nvlink": 450}}))
+    f.write_text(
+        json.dumps(
+            {
+                "schema": "pdserve.calibration/1",
+                "device": "test",
+                "mem_bandwidth_gbps": 3000,
+                "achieved_tflops": 700,
+                "decode_step_overhead_ms": 1.0,
+                "links_gbps": {"nvlink": 450},
+            }
+        )
+    )
     cal = cm.Calibration.load(f)
     hw = cal.apply(HW)
     assert hw.mem_bw == 3000e9 and hw.step_overhead_s == 0.001
@@ -165,8 +181,17 @@ def _cli_json(argv: list[str]) -> dict:
 
 def test_cli_json_keys():
     out = _cli_json([])
-    for k in ("kv_bytes_per_token", "params", "decode_table", "prefill_table", "break_even_chunk_tokens",
-              "prefill_equivalent_tokens", "chunk_table", "capacity_table", "link_table"):
+    for k in (
+        "kv_bytes_per_token",
+        "params",
+        "decode_table",
+        "prefill_table",
+        "break_even_chunk_tokens",
+        "prefill_equivalent_tokens",
+        "chunk_table",
+        "capacity_table",
+        "link_table",
+    ):
         assert k in out, k
     assert set(out["decode_table"][0]) >= {"batch", "step_ms", "read_gb", "per_seq_tok_s"}
     assert set(out["prefill_table"][0]) >= {"context", "linear_tflop", "attention_tflop", "attention_share", "time_ms"}
@@ -198,7 +223,7 @@ def test_cli_text_and_errors(capsys):
         assert s in text, s
     assert cli_main(["cost", "--hw", "tpu"]) == 2
     assert "unknown hardware" in capsys.readouterr().err
-    assert cli_main(["cost", "--hw", "a100"]) == 2                       # no FP8 on A100: say so
+    assert cli_main(["cost", "--hw", "a100"]) == 2  # no FP8 on A100: say so
     assert "bf16" in capsys.readouterr().err
     out = _cli_json(["--hw", "a100", "--weight-dtype", "bf16", "--kv-dtype", "bf16"])
     assert out["kv_bytes_per_token"] == 320 * 1024

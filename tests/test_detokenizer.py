@@ -1,5 +1,6 @@
 """The streaming detokenizer: concatenated deltas equal decoding the whole output at once,
 for byte tokens that split multi-byte characters, invalid bytes and specials that render as ''."""
+
 import random
 
 from engine.tokenizer import ByteTokenizer, Detokenizer

@@ -3,6 +3,7 @@
 Error paths run in-process through cli.main (the console script's entry point); only
 the determinism check and one error path spawn real processes (each costs ~2 s).
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,18 @@ from cli import main as cli_main
 from tests.conftest import hf_test_config
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY_CMD = ["generate", "--model", "tiny", "--prompt-ids", "1,2,3", "--max-tokens", "16", "--temperature", "0",
-            "--json"]
+TINY_CMD = [
+    "generate",
+    "--model",
+    "tiny",
+    "--prompt-ids",
+    "1,2,3",
+    "--max-tokens",
+    "16",
+    "--temperature",
+    "0",
+    "--json",
+]
 
 
 def _pdserve() -> list[str]:
@@ -51,25 +62,40 @@ def broken_dirs(tmp_path) -> dict[str, Path]:
     return {"bad_json": bad_json, "not_llama": not_llama, "no_weights": no_weights}
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--model", "/no/such/dir", "--prompt-ids", "1"], "not a preset"),
-    (["--model", "tiny", "--prompt-ids", "1,two,3"], "comma-separated integers"),
-    (["--model", "tiny", "--prompt-ids", "1,320"], "[0, 320)"),  # tiny's vocab is 320
-    (["--model", "tiny", "--prompt-ids", "-1"], "[0, 320)"),
-    (["--model", "tiny", "--prompt-ids", ","], "at least one"),
-    (["--model", "tiny", "--prompt-ids", ",".join(["7"] * 4096)], "context of 4096"),
-    (["--model", "tiny", "--prompt", "hi", "--max-tokens", "4095"], "context of 4096"),
-    (["--model", "tiny", "--prompt-ids", "1", "--max-tokens", "0"], "--max-tokens must be >= 1"),
-    (["--model", "tiny", "--prompt-ids", "1", "--top-p", "0"], "top_p"),
-    (["--model", "tiny", "--prompt", ""], "empty"),
-], ids=["missing-dir", "bad-ids", "id-out-of-vocab", "negative-id", "no-ids", "prompt-too-long",
-        "prompt-plus-max-tokens-too-long", "max-tokens-0", "top-p-0", "empty-prompt"])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--model", "/no/such/dir", "--prompt-ids", "1"], "not a preset"),
+        (["--model", "tiny", "--prompt-ids", "1,two,3"], "comma-separated integers"),
+        (["--model", "tiny", "--prompt-ids", "1,320"], "[0, 320)"),  # tiny's vocab is 320
+        (["--model", "tiny", "--prompt-ids", "-1"], "[0, 320)"),
+        (["--model", "tiny", "--prompt-ids", ","], "at least one"),
+        (["--model", "tiny", "--prompt-ids", ",".join(["7"] * 4096)], "context of 4096"),
+        (["--model", "tiny", "--prompt", "hi", "--max-tokens", "4095"], "context of 4096"),
+        (["--model", "tiny", "--prompt-ids", "1", "--max-tokens", "0"], "--max-tokens must be >= 1"),
+        (["--model", "tiny", "--prompt-ids", "1", "--top-p", "0"], "top_p"),
+        (["--model", "tiny", "--prompt", ""], "empty"),
+    ],
+    ids=[
+        "missing-dir",
+        "bad-ids",
+        "id-out-of-vocab",
+        "negative-id",
+        "no-ids",
+        "prompt-too-long",
+        "prompt-plus-max-tokens-too-long",
+        "max-tokens-0",
+        "top-p-0",
+        "empty-prompt",
+    ],
+)
 def test_error_paths(capsys, argv, needle):
     assert needle in _run_error(capsys, ["generate", *argv])
 
 
-@pytest.mark.parametrize("kind,needle", [("bad_json", "config.json"), ("not_llama", "config.json"),
-                                         ("no_weights", "safetensors")])
+@pytest.mark.parametrize(
+    "kind,needle", [("bad_json", "config.json"), ("not_llama", "config.json"), ("no_weights", "safetensors")]
+)
 def test_broken_checkpoint_dirs(capsys, broken_dirs, kind, needle):
     assert needle in _run_error(capsys, ["generate", "--model", str(broken_dirs[kind]), "--prompt-ids", "1,2"])
 
@@ -98,7 +124,12 @@ def test_same_ids_every_run_in_fresh_processes(capsys):
 
 
 def test_error_exit_status_of_the_real_process():
-    p = subprocess.run([*_pdserve(), "generate", "--model", "/no/such/dir", "--prompt-ids", "1"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [*_pdserve(), "generate", "--model", "/no/such/dir", "--prompt-ids", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr.strip().count("\n") == 0 and "not a preset" in p.stderr

@@ -8,6 +8,7 @@ shuffled (non-contiguous) block tables, several splits, and a mixed prefill/chun
 With CUDA: the same kernel natively, `_scaled_mm` against the dequantized weight, CUDA-graph
 replay against the eager step, and green-context disaggregation against colocated greedy tokens.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,17 @@ from engine.config import PRESETS, CacheConfig, ModelConfig
 from engine.kv_cache import KVCache
 from engine.kv_layout import KVLayout
 
-GQA_CFG = ModelConfig(name="gqa", vocab_size=16, hidden_size=256, intermediate_size=16, num_layers=2,
-                      num_heads=8, num_kv_heads=2, head_dim=32, max_position_embeddings=4096)
+GQA_CFG = ModelConfig(
+    name="gqa",
+    vocab_size=16,
+    hidden_size=256,
+    intermediate_size=16,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=32,
+    max_position_embeddings=4096,
+)
 CONTEXTS = [1, 15, 16, 17, 70]  # one token, partial block, exact block, one past, several blocks
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -39,7 +49,7 @@ def decode_case(kv_dtype: str, device: str, dtype: torch.dtype, seed: int = 0):
     tables, used = [], 0
     for c in CONTEXTS:
         n = -(-c // bs)
-        tables.append(perm[used:used + n])
+        tables.append(perm[used : used + n])
         used += n
     bt = torch.zeros(len(CONTEXTS), max(map(len, tables)), dtype=torch.long)
     for i, t in enumerate(tables):
@@ -49,16 +59,20 @@ def decode_case(kv_dtype: str, device: str, dtype: torch.dtype, seed: int = 0):
         for i, c in enumerate(CONTEXTS):
             if c > 1:
                 slots = torch.tensor([tables[i][p // bs] * bs + p % bs for p in range(c - 1)], device=device)
-                cache.write(layer, slots, torch.randn(c - 1, H, D, generator=g).to(device, dtype),
-                            torch.randn(c - 1, H, D, generator=g).to(device, dtype))
+                cache.write(
+                    layer,
+                    slots,
+                    torch.randn(c - 1, H, D, generator=g).to(device, dtype),
+                    torch.randn(c - 1, H, D, generator=g).to(device, dtype),
+                )
     B = len(CONTEXTS)
     q = torch.randn(B, GQA_CFG.num_heads, D, generator=g).to(device, dtype)
     k = torch.randn(B, H, D, generator=g).to(device, dtype)
     v = torch.randn(B, H, D, generator=g).to(device, dtype)
-    slots = torch.tensor([tables[i][(c - 1) // bs] * bs + (c - 1) % bs for i, c in enumerate(CONTEXTS)],
-                         device=device)
-    meta = AttentionMetadata(slots, [1] * B, list(CONTEXTS), bt.to(device),
-                             torch.tensor(CONTEXTS, dtype=torch.int32, device=device))
+    slots = torch.tensor([tables[i][(c - 1) // bs] * bs + (c - 1) % bs for i, c in enumerate(CONTEXTS)], device=device)
+    meta = AttentionMetadata(
+        slots, [1] * B, list(CONTEXTS), bt.to(device), torch.tensor(CONTEXTS, dtype=torch.int32, device=device)
+    )
     return cache, q, k, v, meta
 
 
@@ -69,7 +83,7 @@ def _interpreter_checks() -> dict:
     from engine.model_runner import ModelRunner, StepItem  # noqa: PLC0415
 
     errors: dict = {}
-    scale = GQA_CFG.head_dim ** -0.5
+    scale = GQA_CFG.head_dim**-0.5
     for kv_dtype in ("fp8", "fp32"):
         cache, q, k, v, meta = decode_case(kv_dtype, "cpu", torch.float32)
         ref = TorchReferenceAttention().forward(1, q, k, v, cache, meta, scale)
@@ -81,9 +95,11 @@ def _interpreter_checks() -> dict:
     runners = [ModelRunner(cfg, cc, backend=TorchReferenceAttention()), ModelRunner(cfg, cc, backend=CudaAttention())]
     p1, p2 = [(7 * i + 3) % 256 for i in range(37)], [(5 * i + 1) % 256 for i in range(50)]
     t1, t2 = [9, 2, 30, 4], [11, 0, 17, 25]  # shuffled block ids
-    steps = [[StepItem(p1, 0, t1), StepItem(p2[:20], 0, t2, want_logits=False)],
-             [StepItem([5], 37, t1), StepItem(p2[20:], 20, t2)],
-             [StepItem([7], 38, t1), StepItem([9], 50, t2)]]
+    steps = [
+        [StepItem(p1, 0, t1), StepItem(p2[:20], 0, t2, want_logits=False)],
+        [StepItem([5], 37, t1), StepItem(p2[20:], 20, t2)],
+        [StepItem([7], 38, t1), StepItem([9], 50, t2)],
+    ]
     logits = [[r.forward(s) for s in steps[:1]] for r in runners]
     errors["pool_bytes_equal_after_prefill"] = bool(torch.equal(runners[0].cache.raw, runners[1].cache.raw))
     for r, out in zip(runners, logits):
@@ -94,8 +110,14 @@ def _interpreter_checks() -> dict:
 
 def test_paged_decode_and_backend_under_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__, "--interpret"], env=env, capture_output=True, text=True,
-                          timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [sys.executable, __file__, "--interpret"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     errors = json.loads(proc.stdout.strip().splitlines()[-1])
     for name in ("decode_fp8_splits1", "decode_fp8_splits3", "decode_fp32_splits1", "decode_fp32_splits3"):
@@ -111,7 +133,7 @@ def test_paged_decode_cuda(kv_dtype):
     from engine.gpu.paged_decode import paged_decode  # noqa: PLC0415
 
     cache, q, k, v, meta = decode_case(kv_dtype, "cuda", torch.bfloat16)
-    scale = GQA_CFG.head_dim ** -0.5
+    scale = GQA_CFG.head_dim**-0.5
     ref = TorchReferenceAttention().forward(1, q.float(), k.float(), v.float(), cache, meta, scale)
     for splits in (None, 1, 4):
         out = paged_decode(q, cache, 1, meta.block_tables, meta.context_lens_t, scale, num_splits=splits)
@@ -123,7 +145,7 @@ def test_fp8_linear_scaled_mm_matches_dequantized():
     from engine.linear import Fp8Linear  # noqa: PLC0415
 
     lin = Fp8Linear(512, 384, device="cuda")
-    lin.load(torch.randn(384, 512, device="cuda") / 512 ** 0.5)
+    lin.load(torch.randn(384, 512, device="cuda") / 512**0.5)
     x = torch.randn(48, 512, device="cuda", dtype=torch.bfloat16)
     ref = x.float() @ lin.dequantized().t()
     out = lin(x).float()
@@ -174,8 +196,12 @@ def test_green_context_disagg_gives_colocated_tokens():
             want.setdefault(ev.seq_id, []).append(ev.token_id)
     got: dict[str, list[int]] = {}
     part = SmPartition.create(decode_sms=32)
-    d = SingleGpuDisagg(LLMEngine(share_model(runner, cc), prefill_only=True), LLMEngine(share_model(runner, cc)),
-                        part, on_token=lambda ev: got.setdefault(ev.seq_id, []).append(ev.token_id))
+    d = SingleGpuDisagg(
+        LLMEngine(share_model(runner, cc), prefill_only=True),
+        LLMEngine(share_model(runner, cc)),
+        part,
+        on_token=lambda ev: got.setdefault(ev.seq_id, []).append(ev.token_id),
+    )
     d.start()
     for i, p in enumerate(prompts):
         d.submit(Sequence(str(i), p, params))

@@ -3,6 +3,7 @@
 The good path (a real pull through pip, checksum, conversion) is the `smollm2` fixture itself;
 these tests check failures leave nothing behind and answer with one line, exit status 2.
 """
+
 from __future__ import annotations
 
 import json
@@ -68,8 +69,10 @@ def test_gguf_file_as_model(smollm2, tmp_path):
     """`--model file.gguf` directly: config, tokenizer and weights come from the file alone."""
     gguf = tmp_path / "smol.gguf"
     os.symlink(smollm2 / "model.gguf", gguf)
-    p = _run(["generate", "--model", str(gguf), "--prompt", "The capital of France is", "--max-tokens", "4",
-              "--json"], tmp_path)
+    p = _run(
+        ["generate", "--model", str(gguf), "--prompt", "The capital of France is", "--max-tokens", "4", "--json"],
+        tmp_path,
+    )
     assert p.returncode == 0, p.stderr
     assert "Paris" in json.loads(p.stdout)["text"]
 

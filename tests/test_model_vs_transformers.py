@@ -8,6 +8,7 @@ Full-sequence logits are compared two ways: (A) one batched prefill whose items 
 prefix of the sequence (item j's last-token logits are position j's), and (B) a prompt prefill
 followed by teacher-forced decode steps over paged KV, which is how the engine generates.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,8 @@ import json
 import pytest
 import torch
 
-from engine.block_manager import BlockManager
 from cli import main as cli_main
+from engine.block_manager import BlockManager
 from engine.config import CacheConfig, resolve_model_config
 from engine.linear import Fp8Linear
 from engine.llm_engine import LLMEngine
@@ -39,11 +40,17 @@ def _prompt(seed: int, vocab: int) -> list[int]:
 
 def _hf_greedy(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     """HF greedy continuation and the per-step top-2 margin in units of the logits' std."""
-    out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                      output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    out = hf.generate(
+        torch.tensor([prompt]),
+        do_sample=False,
+        max_new_tokens=NEW_TOKENS,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
     logits = torch.stack(out.logits)[:, 0]
     top2 = logits.topk(2, dim=-1).values
-    return out.sequences[0, len(prompt):].tolist(), (top2[:, 0] - top2[:, 1]) / logits.std()
+    return out.sequences[0, len(prompt) :].tolist(), (top2[:, 0] - top2[:, 1]) / logits.std()
 
 
 def _clear_prompts(hf, vocab: int, n: int, min_margin: float) -> list[tuple[list[int], list[int]]]:
@@ -67,8 +74,12 @@ def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
 
 def _runner(ckpt, weight_dtype: str, kv_dtype: str, num_blocks: int = 128) -> ModelRunner:
     cfg = resolve_model_config(str(ckpt.path))
-    return ModelRunner(cfg, CacheConfig(block_size=4, num_blocks=num_blocks, kv_dtype=kv_dtype), weight_dtype,
-                       checkpoint_dir=str(ckpt.path))
+    return ModelRunner(
+        cfg,
+        CacheConfig(block_size=4, num_blocks=num_blocks, kv_dtype=kv_dtype),
+        weight_dtype,
+        checkpoint_dir=str(ckpt.path),
+    )
 
 
 def _all_prefixes_batched(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
@@ -110,7 +121,7 @@ def test_fp32_logits_match_transformers(kind, hf_checkpoints, hf_models):
     decoded = _prefill_then_decode(_runner(ckpt, "fp32", "fp32"), ids, PROMPT_LEN)
     assert batched.shape == ref.shape
     assert (batched - ref).abs().max().item() <= FP32_TOL * scale
-    assert (decoded - ref[PROMPT_LEN - 1:]).abs().max().item() <= FP32_TOL * scale
+    assert (decoded - ref[PROMPT_LEN - 1 :]).abs().max().item() <= FP32_TOL * scale
     assert decoded.argmax(-1)[:-1].tolist() == new
 
 
@@ -122,7 +133,7 @@ def test_fp8_logits_within_stated_tolerance(kind, hf_checkpoints, hf_models):
     for seed in (0, 1, 2):
         prompt = _prompt(seed, ckpt.cfg.vocab_size)
         ids = prompt + _hf_greedy(hf, prompt)[0]
-        ref = _hf_logits(hf, ids)[PROMPT_LEN - 1:]
+        ref = _hf_logits(hf, ids)[PROMPT_LEN - 1 :]
         err = _prefill_then_decode(runner, ids, PROMPT_LEN) - ref
         scale = ref.std().item()
         max_rel, rms_rel = err.abs().max().item() / scale, err.pow(2).mean().sqrt().item() / scale
@@ -169,8 +180,22 @@ def test_cli_fp32_greedy_equals_hf_generate(hf_checkpoints, hf_models, capsys):
     """The issue's "Done when": `pdserve generate --model DIR --dtype fp32 --json` == HF greedy."""
     hf, ckpt = hf_models["untied"], hf_checkpoints["untied"]
     prompt, new = _clear_prompts(hf, ckpt.cfg.vocab_size, 1, min_margin=1e-3)[0]
-    rc = cli_main(["generate", "--model", str(ckpt.path), "--prompt-ids", ",".join(map(str, prompt)),
-                   "--max-tokens", str(NEW_TOKENS), "--temperature", "0", "--dtype", "fp32", "--json"])
+    rc = cli_main(
+        [
+            "generate",
+            "--model",
+            str(ckpt.path),
+            "--prompt-ids",
+            ",".join(map(str, prompt)),
+            "--max-tokens",
+            str(NEW_TOKENS),
+            "--temperature",
+            "0",
+            "--dtype",
+            "fp32",
+            "--json",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
     assert out["token_ids"] == new and out["kv_dtype"] == "fp32" and out["prompt_tokens"] == PROMPT_LEN

@@ -1,6 +1,7 @@
 """Pool behaviour beyond the happy path: placement on labelled nodes of a two-node Ray cluster,
 a worker that dies (its request fails clearly, the pool replaces it), and lease expiry freeing
 prefill blocks that decode never pulled."""
+
 from __future__ import annotations
 
 import os
@@ -12,10 +13,10 @@ import pytest
 ray = pytest.importorskip("ray")
 from openai import APIError, APIStatusError, OpenAI  # noqa: E402
 
+from contracts.worker import GenerateRequest, WorkerConfig  # noqa: E402
 from engine.sequence import SamplingParams  # noqa: E402
 from router.config import ServeConfig  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
-from contracts.worker import GenerateRequest, WorkerConfig  # noqa: E402
 
 
 @pytest.fixture
@@ -26,11 +27,20 @@ def two_node_cluster():
     os.environ["RAY_AUTH_MODE"] = "disabled"
     temp = tempfile.mkdtemp(prefix="pdcl", dir="/tmp")
     os.makedirs("/tmp/ray", exist_ok=True)  # Cluster records its address there, whatever temp_dir says
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "resources": {"prefill_node": 4}, "object_store_memory": 96 * 1024 ** 2,
-        "temp_dir": temp, "include_dashboard": False, "node_ip_address": "127.0.0.1"})
-    cluster.add_node(num_cpus=2, resources={"decode_node": 4}, object_store_memory=96 * 1024 ** 2,
-                     node_ip_address="127.0.0.1")
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 2,
+            "resources": {"prefill_node": 4},
+            "object_store_memory": 96 * 1024**2,
+            "temp_dir": temp,
+            "include_dashboard": False,
+            "node_ip_address": "127.0.0.1",
+        },
+    )
+    cluster.add_node(
+        num_cpus=2, resources={"decode_node": 4}, object_store_memory=96 * 1024**2, node_ip_address="127.0.0.1"
+    )
     ray.init(address=cluster.address, _node_ip_address="127.0.0.1", log_to_driver=False)
     yield cluster
     ray.shutdown()
@@ -38,13 +48,19 @@ def two_node_cluster():
 
 
 def test_pools_placed_on_labelled_nodes_and_serve(two_node_cluster):
-    cfg = ServeConfig(mode="disagg", model="tiny", num_blocks=128, prefill_resources={"prefill_node": 1},
-                      decode_resources={"decode_node": 1})
+    cfg = ServeConfig(
+        mode="disagg",
+        model="tiny",
+        num_blocks=128,
+        prefill_resources={"prefill_node": 1},
+        decode_resources={"decode_node": 1},
+    )
     nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
     with ServerThread(cfg, startup_timeout_s=180) as srv:
         client = OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
-        resp = client.completions.create(model="tiny", prompt="Hello cluster", max_tokens=8, temperature=0,
-                                         extra_body={"ignore_eos": True})
+        resp = client.completions.create(
+            model="tiny", prompt="Hello cluster", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert resp.usage.completion_tokens == 8
         assert resp.model_extra["pdserve"]["timeline"]["transfer"]["bytes"] > 0
         # placement group table (GCS): which node each pool's bundle landed on
@@ -63,8 +79,14 @@ def test_pools_placed_on_labelled_nodes_and_serve(two_node_cluster):
 @pytest.fixture
 def local_ray():
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=8, object_store_memory=96 * 1024 ** 2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             _temp_dir=tempfile.mkdtemp(prefix="pdray", dir="/tmp"), log_to_driver=False)
+    ray.init(
+        num_cpus=8,
+        object_store_memory=96 * 1024**2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        _temp_dir=tempfile.mkdtemp(prefix="pdray", dir="/tmp"),
+        log_to_driver=False,
+    )
     yield
     ray.shutdown()
 
@@ -73,11 +95,13 @@ def test_dead_decode_worker_fails_its_request_and_is_replaced(local_ray):
     cfg = ServeConfig(mode="colocated", model="tiny", num_blocks=128)
     with ServerThread(cfg, startup_timeout_s=180) as srv:
         client = OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
-        stream = client.completions.create(model="tiny", prompt="doomed", max_tokens=1500, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True})
+        stream = client.completions.create(
+            model="tiny", prompt="doomed", max_tokens=1500, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         next(iter(stream))  # the request is running on the worker
-        (actor,) = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                    if a["name"].startswith("pdserve-colocated")]
+        (actor,) = [
+            a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("pdserve-colocated")
+        ]
         ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
         with pytest.raises(APIError) as failed:  # reported in-band: the stream had started
             for _ in stream:

@@ -4,6 +4,7 @@ transformers reads the same GGUF with its own dequantizer and its own undoing of
 Q/K row permutation, so greedy equality here checks pdserve's GGUF loader, tokenizer-free
 (both sides get the same ids), over 5 prompts x 64 tokens in one batch.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,8 +55,9 @@ def test_fp32_greedy_equals_transformers(smollm2, smollm2_hf):
     tok = load_tokenizer(str(smollm2), cfg.bos_token_id, cfg.eos_token_id)
     prompts = [tok.encode(p) for p in PROMPTS]
     blocks = sum(-(-(len(p) + NEW_TOKENS) // 16) for p in prompts)
-    runner = ModelRunner(cfg, CacheConfig(block_size=16, num_blocks=blocks, kv_dtype="fp32"), "fp32",
-                         checkpoint_dir=str(smollm2))
+    runner = ModelRunner(
+        cfg, CacheConfig(block_size=16, num_blocks=blocks, kv_dtype="fp32"), "fp32", checkpoint_dir=str(smollm2)
+    )
     engine = LLMEngine(runner)
     seqs = [Sequence(f"s{i}", p, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)) for i, p in enumerate(prompts)]
     for s in seqs:
@@ -73,8 +75,9 @@ def test_fp8_next_token_matches_transformers(smollm2, smollm2_hf):
     cfg = resolve_model_config(str(smollm2))
     tok = load_tokenizer(str(smollm2), cfg.bos_token_id, cfg.eos_token_id)
     ids = tok.encode(PROMPTS[2])
-    runner = ModelRunner(cfg, CacheConfig(block_size=16, num_blocks=8, kv_dtype="fp8"), "fp8",
-                         checkpoint_dir=str(smollm2))
+    runner = ModelRunner(
+        cfg, CacheConfig(block_size=16, num_blocks=8, kv_dtype="fp8"), "fp8", checkpoint_dir=str(smollm2)
+    )
     engine = LLMEngine(runner)
     seq = Sequence("a", ids, SamplingParams(max_tokens=1))
     engine.add_request(seq)

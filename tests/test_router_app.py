@@ -2,6 +2,7 @@
 SSE, stop strings that abort the rest, errors with OpenAI bodies, auth, worker failure, 429,
 metrics, and aborts on client disconnect (through a real uvicorn). The pure protocol functions are
 tested in tests/test_router_protocol.py; serving through real workers in the serving tests."""
+
 from __future__ import annotations
 
 import asyncio
@@ -41,7 +42,7 @@ async def _post(app, path, body, headers=None, raw=None):
 
 
 def sse_payloads(text: str) -> list:
-    events = [e[len("data: "):] for e in text.split("\n\n") if e]
+    events = [e[len("data: ") :] for e in text.split("\n\n") if e]
     assert events[-1] == "[DONE]"
     return [json.loads(e) for e in events[:-1]]
 
@@ -60,6 +61,7 @@ def test_app_completion_and_timeline():
     async def get(path):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             return await c.get(path)
+
     tl = run(get(f"/v1/requests/{body['id']}/timeline"))
     assert tl.status_code == 200 and tl.json()["request_id"] == body["id"]
     missing = run(get("/v1/requests/cmpl-nope/timeline"))
@@ -70,8 +72,19 @@ def test_app_completion_and_timeline():
 
 def test_app_stream_with_stop_string_aborts_the_rest():
     app, orch = make_app()
-    r = run(_post(app, "/v1/completions", {"prompt": "abcd", "max_tokens": 20, "stop": "da", "stream": True,
-                                           "stream_options": {"include_usage": True}}))
+    r = run(
+        _post(
+            app,
+            "/v1/completions",
+            {
+                "prompt": "abcd",
+                "max_tokens": 20,
+                "stop": "da",
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+    )
     chunks = sse_payloads(r.text)
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     assert text == "abc"
@@ -82,8 +95,7 @@ def test_app_stream_with_stop_string_aborts_the_rest():
 
 
 def test_app_chat_stream_and_eos():
-    app, orch = make_app(FakeOrchestrator(PRESETS["tiny"], eos_id=257,
-                                          script=lambda ids, n: [104, 105, 257, 120][:n]))
+    app, orch = make_app(FakeOrchestrator(PRESETS["tiny"], eos_id=257, script=lambda ids, n: [104, 105, 257, 120][:n]))
     r = run(_post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True}))
     chunks = sse_payloads(r.text)
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
@@ -111,6 +123,7 @@ def test_app_errors_have_openai_bodies():
     async def get(path, headers=None):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             return await c.get(path, headers=headers)
+
     assert run(get("/health")).status_code == 200  # never behind the key
     assert run(get("/metrics")).status_code == 401 and run(get("/v1/models")).status_code == 401
     assert run(get("/v1/models", ok)).status_code == 200
@@ -122,7 +135,9 @@ def test_app_errors_have_openai_bodies():
 def test_app_worker_failure():
     app, _ = make_app(FakeOrchestrator(PRESETS["tiny"], fail_at=2))
     r = run(_post(app, "/v1/completions", {"prompt": "ab", "max_tokens": 5}))
-    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "died" in r.json()["error"]["message"]
+    assert (
+        r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "died" in r.json()["error"]["message"]
+    )
     r = run(_post(app, "/v1/completions", {"prompt": "ab", "max_tokens": 5, "stream": True}))
     payloads = sse_payloads(r.text)
     assert [p["choices"][0]["text"] for p in payloads[:2]] == ["a", "b"] and "died" in payloads[2]["error"]["message"]
@@ -155,23 +170,30 @@ def test_app_metrics():
     async def get():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             return await c.get("/metrics")
+
     text = run(get()).text
-    for line in ['pdserve_requests_total{status="ok"} 1.0', 'pdserve_requests_total{status="rejected"} 1.0',
-                 "pdserve_generation_tokens_total 4.0", "pdserve_prompt_tokens_total 2.0",
-                 "pdserve_time_to_first_token_seconds_count 1.0", "pdserve_inter_token_latency_seconds_count 3.0",
-                 "pdserve_time_per_output_token_seconds_count 1.0", "pdserve_e2e_request_latency_seconds_count 1.0",
-                 "pdserve_kv_transfer_bytes_total 4096.0", "pdserve_router_queue_depth 0.0",
-                 'pdserve_kv_blocks_free{role="decode",worker="fake-decode-0"} 64.0',
-                 'pdserve_kv_blocks_used{role="prefill",worker="fake-prefill-0"} 0.0',
-                 'pdserve_queue_depth{role="decode",worker="fake-decode-0"} 0.0']:
+    for line in [
+        'pdserve_requests_total{status="ok"} 1.0',
+        'pdserve_requests_total{status="rejected"} 1.0',
+        "pdserve_generation_tokens_total 4.0",
+        "pdserve_prompt_tokens_total 2.0",
+        "pdserve_time_to_first_token_seconds_count 1.0",
+        "pdserve_inter_token_latency_seconds_count 3.0",
+        "pdserve_time_per_output_token_seconds_count 1.0",
+        "pdserve_e2e_request_latency_seconds_count 1.0",
+        "pdserve_kv_transfer_bytes_total 4096.0",
+        "pdserve_router_queue_depth 0.0",
+        'pdserve_kv_blocks_free{role="decode",worker="fake-decode-0"} 64.0',
+        'pdserve_kv_blocks_used{role="prefill",worker="fake-prefill-0"} 0.0',
+        'pdserve_queue_depth{role="decode",worker="fake-decode-0"} 0.0',
+    ]:
         assert line in text, line
 
 
 # ------------------------------------------------------------------------------ disconnects (real uvicorn)
 class _Uvicorn:
     def __init__(self, app):
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    lifespan="off"))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):
@@ -196,8 +218,9 @@ def _wait(cond, timeout=5.0):
 def test_client_disconnect_mid_stream_aborts():
     app, orch = make_app(FakeOrchestrator(PRESETS["tiny"], delay_s=0.05))
     with _Uvicorn(app) as url:
-        with httpx.stream("POST", url + "/v1/completions", json={"prompt": "ab", "max_tokens": 500, "stream": True},
-                          timeout=10) as r:
+        with httpx.stream(
+            "POST", url + "/v1/completions", json={"prompt": "ab", "max_tokens": 500, "stream": True}, timeout=10
+        ) as r:
             lines = r.iter_lines()
             got = [next(lines) for _ in range(3)]
             assert got[0].startswith("data: ")

@@ -2,6 +2,7 @@
 OpenAI-style body), the chat template, stop strings, response shapes, ServeConfig. The app's own
 logic over tests/fakes.FakeOrchestrator is in tests/test_router_app.py; serving through real workers
 is tested in the serving tests."""
+
 from __future__ import annotations
 
 import json
@@ -35,17 +36,37 @@ def error_of(fn, *a, **kw) -> oa.OpenAIError:
 
 # ------------------------------------------------------------------------------ validation
 def test_valid_completion_is_tokenized_and_sampled_as_asked():
-    p = completion(max_tokens=5, temperature=0, top_p=0.5, seed=7, stop=["\n"], ignore_eos=True,
-                   stream=True, stream_options={"include_usage": True}, user="u", unknown_field=1)
+    p = completion(
+        max_tokens=5,
+        temperature=0,
+        top_p=0.5,
+        seed=7,
+        stop=["\n"],
+        ignore_eos=True,
+        stream=True,
+        stream_options={"include_usage": True},
+        user="u",
+        unknown_field=1,
+    )
     assert p.prompt_ids == list(b"hello") and p.kind == "completion" and p.model == "tiny"
-    assert (p.params.max_tokens, p.params.temperature, p.params.top_p, p.params.seed, p.params.ignore_eos) == \
-        (5, 0.0, 0.5, 7, True)
+    assert (p.params.max_tokens, p.params.temperature, p.params.top_p, p.params.seed, p.params.ignore_eos) == (
+        5,
+        0.0,
+        0.5,
+        7,
+        True,
+    )
     assert p.stop == ("\n",) and p.stream and p.include_usage
 
 
-@pytest.mark.parametrize("prompt, ids", [
-    ([104, 105], [104, 105]), (["hi"], list(b"hi")), ([[1, 2, 3]], [1, 2, 3]),
-])
+@pytest.mark.parametrize(
+    "prompt, ids",
+    [
+        ([104, 105], [104, 105]),
+        (["hi"], list(b"hi")),
+        ([[1, 2, 3]], [1, 2, 3]),
+    ],
+)
 def test_prompt_forms(prompt, ids):
     assert completion(prompt=prompt).prompt_ids == ids
 
@@ -60,14 +81,25 @@ def test_openai_defaults():
     assert chat().params.max_tokens == min(LIM.max_tokens_limit, LIM.context_len - prompt_len)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"max_tokens": "5"}, "max_tokens"), ({"max_tokens": 1.5}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
-    ({"temperature": "hot"}, "temperature"), ({"stream": "yes"}, "stream"), ({"seed": 1.5}, "seed"),
-    ({"prompt": {"a": 1}}, "prompt"), ({"prompt": [1, "a"]}, "prompt"), ({"prompt": 5}, "prompt"),
-    ({"prompt": [True, 1]}, "prompt"), ({"stop": 5}, "stop"), ({"stop": ["a", 1]}, "stop"),
-    ({"stream_options": {"include_usage": "yes"}, "stream": True}, "stream_options.include_usage"),
-    ({"model": 3}, "model"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"max_tokens": "5"}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"stream": "yes"}, "stream"),
+        ({"seed": 1.5}, "seed"),
+        ({"prompt": {"a": 1}}, "prompt"),
+        ({"prompt": [1, "a"]}, "prompt"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": [True, 1]}, "prompt"),
+        ({"stop": 5}, "stop"),
+        ({"stop": ["a", 1]}, "stop"),
+        ({"stream_options": {"include_usage": "yes"}, "stream": True}, "stream_options.include_usage"),
+        ({"model": 3}, "model"),
+    ],
+)
 def test_wrong_types_are_400_naming_the_param(body, param):
     e = error_of(completion, **body)
     assert e.status == 400 and e.param == param and e.type == "invalid_request_error"
@@ -96,26 +128,39 @@ def test_unknown_model_is_404():
     assert (e.status, e.param, e.code) == (404, "model", "model_not_found") and "gpt-4" in e.message
 
 
-@pytest.mark.parametrize("body, param, code", [
-    ({"max_tokens": 0}, "max_tokens", None),
-    ({"max_tokens": -3}, "max_tokens", None),
-    ({"max_tokens": 33}, "max_tokens", None),                                # over the server's limit
-    ({"prompt": "x" * 40, "max_tokens": 30}, "max_tokens", "context_length_exceeded"),
-    ({"prompt": "x" * 64}, "prompt", "context_length_exceeded"),             # the prompt alone fills it
-    ({"prompt": ""}, "prompt", None), ({"prompt": []}, "prompt", None),
-    ({"prompt": [1, 320]}, "prompt", None), ({"prompt": [-1]}, "prompt", None),  # outside the vocabulary
-    ({"prompt": ["a", "b"]}, "prompt", None),                                # batched prompts
-    ({"temperature": -0.1}, "temperature", None), ({"temperature": 2.5}, "temperature", None),
-    ({"temperature": math.nan}, "temperature", None), ({"top_p": 0}, "top_p", None),
-    ({"top_p": 1.5}, "top_p", None), ({"top_p": -1}, "top_p", None),
-    ({"n": 2}, "n", "unsupported_value"), ({"n": 0}, "n", "unsupported_value"),
-    ({"logprobs": 1}, "logprobs", "unsupported_parameter"), ({"echo": True}, "echo", "unsupported_parameter"),
-    ({"best_of": 3}, "best_of", "unsupported_value"), ({"suffix": "x"}, "suffix", "unsupported_parameter"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
-    ({"stream_options": {"include_usage": True}}, "stream_options", None),   # without stream
-    ({"stop": ""}, "stop", None), ({"stop": ["a"] * 17}, "stop", None),
-    ({"seed": 1 << 70}, "seed", None), ({"stop_token_ids": [999]}, "stop_token_ids", None),
-])
+@pytest.mark.parametrize(
+    "body, param, code",
+    [
+        ({"max_tokens": 0}, "max_tokens", None),
+        ({"max_tokens": -3}, "max_tokens", None),
+        ({"max_tokens": 33}, "max_tokens", None),  # over the server's limit
+        ({"prompt": "x" * 40, "max_tokens": 30}, "max_tokens", "context_length_exceeded"),
+        ({"prompt": "x" * 64}, "prompt", "context_length_exceeded"),  # the prompt alone fills it
+        ({"prompt": ""}, "prompt", None),
+        ({"prompt": []}, "prompt", None),
+        ({"prompt": [1, 320]}, "prompt", None),
+        ({"prompt": [-1]}, "prompt", None),  # outside the vocabulary
+        ({"prompt": ["a", "b"]}, "prompt", None),  # batched prompts
+        ({"temperature": -0.1}, "temperature", None),
+        ({"temperature": 2.5}, "temperature", None),
+        ({"temperature": math.nan}, "temperature", None),
+        ({"top_p": 0}, "top_p", None),
+        ({"top_p": 1.5}, "top_p", None),
+        ({"top_p": -1}, "top_p", None),
+        ({"n": 2}, "n", "unsupported_value"),
+        ({"n": 0}, "n", "unsupported_value"),
+        ({"logprobs": 1}, "logprobs", "unsupported_parameter"),
+        ({"echo": True}, "echo", "unsupported_parameter"),
+        ({"best_of": 3}, "best_of", "unsupported_value"),
+        ({"suffix": "x"}, "suffix", "unsupported_parameter"),
+        ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
+        ({"stream_options": {"include_usage": True}}, "stream_options", None),  # without stream
+        ({"stop": ""}, "stop", None),
+        ({"stop": ["a"] * 17}, "stop", None),
+        ({"seed": 1 << 70}, "seed", None),
+        ({"stop_token_ids": [999]}, "stop_token_ids", None),
+    ],
+)
 def test_bad_values_are_400(body, param, code):
     e = error_of(completion, **body)
     assert (e.status, e.param, e.code) == (400, param, code)
@@ -127,23 +172,30 @@ def test_accepted_edge_values():
 
 
 def test_chat_template_and_content_parts():
-    msgs = [{"role": "system", "content": "be brief"},
-            {"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]},
-            {"role": "assistant", "content": None}]
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]},
+        {"role": "assistant", "content": None},
+    ]
     p = oa.prepare_chat({"messages": msgs, "max_tokens": 4}, TOK, LIM)
     assert bytes(p.prompt_ids).decode() == "system: be brief\nuser: hello\nassistant: \nassistant: "
     assert p.kind == "chat"
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages.0.content.0"),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
-    ({"max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
-    ({"logprobs": True}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"), ({"n": 3}, "n"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages.0.content.0"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"n": 3}, "n"),
+    ],
+)
 def test_bad_chat_requests(body, param):
     e = error_of(chat, **body)
     assert (e.status, e.param) == (400, param)
@@ -232,11 +284,17 @@ def test_config_yaml_then_flags(tmp_path):
     assert cfg.model_name == "tiny" and ServeConfig(served_model_name="m").model_name == "m"
 
 
-@pytest.mark.parametrize("yaml_text, needle", [
-    ("prefil: 2\n", "'prefil'"), ("- a\n", "mapping"), ("port: [1\n", "not valid YAML"),
-    ("port: eighty\n", "--port"), ("chunk_size: 1.5\n", "--chunk-size"),
-    ("prefill_resources: {node: -1}\n", "prefill_resources"),
-])
+@pytest.mark.parametrize(
+    "yaml_text, needle",
+    [
+        ("prefil: 2\n", "'prefil'"),
+        ("- a\n", "mapping"),
+        ("port: [1\n", "not valid YAML"),
+        ("port: eighty\n", "--port"),
+        ("chunk_size: 1.5\n", "--chunk-size"),
+        ("prefill_resources: {node: -1}\n", "prefill_resources"),
+    ],
+)
 def test_config_yaml_errors_name_the_key(tmp_path, yaml_text, needle):
     y = tmp_path / "bad.yaml"
     y.write_text(yaml_text)
@@ -244,14 +302,26 @@ def test_config_yaml_errors_name_the_key(tmp_path, yaml_text, needle):
         ServeConfig.build({}, y)
 
 
-@pytest.mark.parametrize("flags, needle", [
-    ({"mode": "both"}, "--mode"), ({"model": "/no/such/dir"}, "--model"), ({"prefill": 0}, "--prefill"),
-    ({"decode": 0}, "--decode"), ({"chunk_size": 0}, "--chunk-size"), ({"policy": "random"}, "--policy"),
-    ({"port": 70000}, "--port"), ({"max_queue": 0}, "--max-queue"), ({"transport": "tcp"}, "--transport"),
-    ({"kv_dtype": "int4"}, "--kv-dtype"), ({"device": "tpu"}, "--device"), ({"api_key": " "}, "--api-key"),
-    ({"gpus_per_worker": -1}, "--gpus-per-worker"), ({"lease_s": 0}, "--lease-s"),
-    ({"transfer_timeout_s": -1}, "--transfer-timeout-s"),
-])
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        ({"mode": "both"}, "--mode"),
+        ({"model": "/no/such/dir"}, "--model"),
+        ({"prefill": 0}, "--prefill"),
+        ({"decode": 0}, "--decode"),
+        ({"chunk_size": 0}, "--chunk-size"),
+        ({"policy": "random"}, "--policy"),
+        ({"port": 70000}, "--port"),
+        ({"max_queue": 0}, "--max-queue"),
+        ({"transport": "tcp"}, "--transport"),
+        ({"kv_dtype": "int4"}, "--kv-dtype"),
+        ({"device": "tpu"}, "--device"),
+        ({"api_key": " "}, "--api-key"),
+        ({"gpus_per_worker": -1}, "--gpus-per-worker"),
+        ({"lease_s": 0}, "--lease-s"),
+        ({"transfer_timeout_s": -1}, "--transfer-timeout-s"),
+    ],
+)
 def test_config_flag_errors_name_the_flag(flags, needle):
     with pytest.raises(ConfigError, match=needle):
         ServeConfig.build(flags)
@@ -264,10 +334,15 @@ def test_serve_cli_flags(tmp_path):
 
     y = tmp_path / "s.yaml"
     y.write_text("decode: 3\npolicy: least_loaded\n")
-    argv = ["serve", "--mode", "colocated", "--chunk-size", "128", "--config", str(y), "--port", "0",
-            "--api-key", "k"]
+    argv = ["serve", "--mode", "colocated", "--chunk-size", "128", "--config", str(y), "--port", "0", "--api-key", "k"]
     cfg = config_from_args(build_parser(argv).parse_args(argv))
-    assert (cfg.mode, cfg.chunk_size, cfg.decode, cfg.policy, cfg.port, cfg.api_key) == \
-        ("colocated", 128, 3, "least_loaded", 0, "k")
+    assert (cfg.mode, cfg.chunk_size, cfg.decode, cfg.policy, cfg.port, cfg.api_key) == (
+        "colocated",
+        128,
+        3,
+        "least_loaded",
+        0,
+        "k",
+    )
     msg = ready_message(cfg, "http://127.0.0.1:8000")
     assert "http://127.0.0.1:8000/v1/completions" in msg and "Bearer" in msg and "'k'" not in msg

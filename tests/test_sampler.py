@@ -1,5 +1,6 @@
 """Sampler: greedy, temperature and top-p with per-request seeds (step k of a seeded request
 draws from a generator seeded by (seed, k), whatever batch it is sampled in)."""
+
 from __future__ import annotations
 
 import pytest
@@ -29,7 +30,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
     first = sample(logits, params, steps)
     assert sample(logits, params, steps) == first
     # each row alone, and the batch reversed: same tokens
-    assert [sample(logits[i:i + 1], [params[i]], [steps[i]])[0] for i in range(6)] == first
+    assert [sample(logits[i : i + 1], [params[i]], [steps[i]])[0] for i in range(6)] == first
     assert sample(logits.flip(0), params[::-1], steps[::-1]) == first[::-1]
 
 
@@ -72,9 +73,14 @@ def test_seeded_request_same_tokens_alone_or_batched(temperature, top_p):
 
     def run(prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
         engine = LLMEngine(runner)
-        seqs = [Sequence(f"s{i}", p, SamplingParams(max_tokens=10, temperature=temperature, top_p=top_p,
-                                                     seed=seed, ignore_eos=True))
-                for i, (p, seed) in enumerate(zip(prompts, seeds))]
+        seqs = [
+            Sequence(
+                f"s{i}",
+                p,
+                SamplingParams(max_tokens=10, temperature=temperature, top_p=top_p, seed=seed, ignore_eos=True),
+            )
+            for i, (p, seed) in enumerate(zip(prompts, seeds))
+        ]
         for s in seqs:
             engine.add_request(s)
         while engine.has_work:

@@ -5,6 +5,7 @@ The oracle is greedy equality: every mode (colocated whole, colocated chunked wi
 that do and do not divide the prompt, disaggregated 1P1D and 2P2D) must return exactly the
 tokens the engine produces alone in this process.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,11 @@ from engine.tokenizer import ByteTokenizer  # noqa: E402
 from router.config import ServeConfig  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
 
-PROMPTS = ["Hello, pdserve!", "The quick brown fox jumps over the lazy dog. " * 2,
-           "A long document about disaggregated serving. " * 3]  # 15, 90 and 135 bytes
+PROMPTS = [
+    "Hello, pdserve!",
+    "The quick brown fox jumps over the lazy dog. " * 2,
+    "A long document about disaggregated serving. " * 3,
+]  # 15, 90 and 135 bytes
 MAX_TOKENS = 12
 
 
@@ -36,9 +40,14 @@ MAX_TOKENS = 12
 def ray_cluster():
     os.environ["RAY_AUTH_MODE"] = "disabled"
     temp = tempfile.mkdtemp(prefix="pdray", dir="/tmp")  # short: Ray's socket paths are length-limited
-    ray.init(num_cpus=8, object_store_memory=128 * 1024 ** 2, include_dashboard=False, _temp_dir=temp,
-             _node_ip_address="127.0.0.1",
-             log_to_driver=False)
+    ray.init(
+        num_cpus=8,
+        object_store_memory=128 * 1024**2,
+        include_dashboard=False,
+        _temp_dir=temp,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
     yield
     ray.shutdown()
 
@@ -64,8 +73,9 @@ def serve(**kw) -> ServerThread:
 
 
 def complete(client: OpenAI, prompt: str, **kw):
-    return client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                     extra_body={"ignore_eos": True}, **kw)
+    return client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}, **kw
+    )
 
 
 def token_ids(resp) -> list[int]:
@@ -75,8 +85,9 @@ def token_ids(resp) -> list[int]:
 def blocks_used(url: str) -> float:
     """Sum of pdserve_kv_blocks_used over every worker, from /metrics."""
     text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("pdserve_kv_blocks_used{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("pdserve_kv_blocks_used{")
+    )
 
 
 def wait_blocks_free(url: str, timeout_s: float = 20.0) -> float:
@@ -136,8 +147,14 @@ def test_streaming_delivers_every_token_in_order_with_usage(disagg_server, expec
 def test_sixteen_concurrent_streams_complete_with_correct_tokens(disagg_server, expected):
     async def one(client: AsyncOpenAI, prompt: str) -> list[int]:
         stream = await client.completions.create(
-            model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            model="tiny",
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         last = None
         async for chunk in stream:
             last = chunk
@@ -155,8 +172,14 @@ def test_sixteen_concurrent_streams_complete_with_correct_tokens(disagg_server, 
 
 
 def test_aborted_stream_frees_blocks_on_both_pools(disagg_server):
-    body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 1500, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": "tiny",
+        "prompt": PROMPTS[2],
+        "max_tokens": 1500,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", disagg_server.base_url + "/completions", json=body) as r:
             assert r.status_code == 200
@@ -176,7 +199,7 @@ BAD_REQUESTS = [
     ("wrong type", {"model": "tiny", "prompt": "hi", "max_tokens": "ten"}, 400),
     ("unknown model", {"model": "gpt-9", "prompt": "hi"}, 404),
     ("max_tokens < 1", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400),
-    ("max_tokens over limit", {"model": "tiny", "prompt": "hi", "max_tokens": 10 ** 6}, 400),
+    ("max_tokens over limit", {"model": "tiny", "prompt": "hi", "max_tokens": 10**6}, 400),
     ("over context", {"model": "tiny", "prompt": "x" * 1500, "max_tokens": 1000}, 400),
     ("bad temperature", {"model": "tiny", "prompt": "hi", "temperature": -1}, 400),
     ("bad top_p", {"model": "tiny", "prompt": "hi", "top_p": 1.5}, 400),
@@ -189,9 +212,17 @@ def test_bad_input_gets_4xx_while_a_stream_completes(disagg_server, expected):
     result: dict = {}
 
     def long_stream():
-        chunks = list(client.completions.create(
-            model="tiny", prompt=PROMPTS[0], max_tokens=200, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+        chunks = list(
+            client.completions.create(
+                model="tiny",
+                prompt=PROMPTS[0],
+                max_tokens=200,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+        )
         result["ids"] = chunks[-1].model_extra["pdserve"]["timeline"]["token_ids"]
 
     t = threading.Thread(target=long_stream)
@@ -199,8 +230,9 @@ def test_bad_input_gets_4xx_while_a_stream_completes(disagg_server, expected):
     with httpx.Client(timeout=30) as http:
         for name, body, status in BAD_REQUESTS:
             if isinstance(body, bytes):
-                r = http.post(disagg_server.base_url + "/completions", content=body,
-                              headers={"Content-Type": "application/json"})
+                r = http.post(
+                    disagg_server.base_url + "/completions", content=body, headers={"Content-Type": "application/json"}
+                )
             else:
                 r = http.post(disagg_server.base_url + "/completions", json=body)
             assert r.status_code == status, f"{name}: {r.status_code} {r.text}"

@@ -1,4 +1,5 @@
 """Invariants of the serving simulator, and its agreement with the closed-form cost model."""
+
 from __future__ import annotations
 
 import contextlib
@@ -8,26 +9,37 @@ import random
 
 import pytest
 
+from cli import main as cli_main
+from costmodel import cost_model as cm
 from costmodel.sim_engine import Sim, SimConfig, StepModel, Workload, simulate
 from costmodel.simulate import capacity_special_case, percentiles, summarize
-from costmodel import cost_model as cm
-from cli import main as cli_main
 
 M, HW = cm.ARTICLE_MODEL, cm.ARTICLE_HW
 STEPS = StepModel(M, HW)
 NO_SLO = {"ttft_ms": None, "tpot_ms": None, "itl_ms": None}
-SMALL = Workload(streams=8, chat_prompt=(32, 256), chat_output=(16, 64), doc_rate=1.0,
-                 doc_prompt=(1024, 3000), doc_output=(1, 32), duration=6.0, seed=3)
-CONFIGS = [SimConfig("colocated"), SimConfig("chunked", chunk=300),
-           SimConfig("disagg", prefill_workers=2, decode_workers=2, link=cm.LINKS["ib-100g"]),
-           SimConfig("colocated", workers=3, max_batch=4)]
+SMALL = Workload(
+    streams=8,
+    chat_prompt=(32, 256),
+    chat_output=(16, 64),
+    doc_rate=1.0,
+    doc_prompt=(1024, 3000),
+    doc_output=(1, 32),
+    duration=6.0,
+    seed=3,
+)
+CONFIGS = [
+    SimConfig("colocated"),
+    SimConfig("chunked", chunk=300),
+    SimConfig("disagg", prefill_workers=2, decode_workers=2, link=cm.LINKS["ib-100g"]),
+    SimConfig("colocated", workers=3, max_batch=4),
+]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.label}-{c.gpus}")
 def test_no_request_lost_and_tokens_conserved(cfg):
     sim = simulate(cfg, STEPS, SMALL)
     assert sim.requests and len(sim.finished) == len(sim.requests)
-    assert len({r.rid for r in sim.finished}) == len(sim.requests)          # each finished once
+    assert len({r.rid for r in sim.finished}) == len(sim.requests)  # each finished once
     for r in sim.requests:
         assert len(r.token_times) == r.output and r.prefilled == r.prompt
         assert r.arrival <= r.token_times[0]
@@ -36,7 +48,7 @@ def test_no_request_lost_and_tokens_conserved(cfg):
     decode_slots = sum(s.decode_tokens for w in sim.workers for s in w.log)
     assert decode_slots + len(sim.requests) == sum(len(r.token_times) for r in sim.requests)
     assert sum(s.prefill_tokens for w in sim.workers for s in w.log) == sum(r.prompt for r in sim.requests)
-    for w in sim.workers:                                                    # one step at a time
+    for w in sim.workers:  # one step at a time
         assert all(a.end <= b.start + 1e-12 for a, b in zip(w.log, w.log[1:]))
         assert not w.queue and not w.running
     assert summarize(sim, 1.0, NO_SLO)["lost"] == 0
@@ -60,7 +72,7 @@ def test_single_request_matches_closed_form(mode):
     want = [cm.decode_step_tokens(M, HW, 1, p + k).time_s for k in range(1, o)]
     assert gaps == pytest.approx(want, rel=1e-9)
     fixed = _alone(SimConfig(mode), p, 3, StepModel(M, HW, fixed_ctx=4096))
-    assert round((fixed.token_times[1] - fixed.token_times[0]) * 1e3, 1) == 21.3   # decode table, batch 1
+    assert round((fixed.token_times[1] - fixed.token_times[0]) * 1e3, 1) == 21.3  # decode table, batch 1
 
 
 def test_single_request_disagg_pays_the_link():
@@ -74,11 +86,23 @@ def test_single_request_disagg_pays_the_link():
 
 def test_more_decode_workers_never_lower_goodput():
     # 60 chats/s: one decode worker turns compute-bound (TPOT ~47 ms), two are back near the floor
-    wl = Workload(streams=0, chat_rate=60.0, chat_prompt=(64, 512), chat_output=(64, 256), doc_rate=0.5,
-                  doc_output=(32, 64), duration=12.0, seed=1)
+    wl = Workload(
+        streams=0,
+        chat_rate=60.0,
+        chat_prompt=(64, 512),
+        chat_output=(64, 256),
+        doc_rate=0.5,
+        doc_output=(32, 64),
+        duration=12.0,
+        seed=1,
+    )
     slo = {"ttft_ms": 3000.0, "tpot_ms": 30.0, "itl_ms": None}
-    good = [summarize(simulate(SimConfig("disagg", prefill_workers=6, decode_workers=d), STEPS, wl), 2.0, slo)
-            ["goodput_req_s"] for d in (1, 2, 3, 4)]
+    good = [
+        summarize(simulate(SimConfig("disagg", prefill_workers=6, decode_workers=d), STEPS, wl), 2.0, slo)[
+            "goodput_req_s"
+        ]
+        for d in (1, 2, 3, 4)
+    ]
     assert all(a <= b for a, b in zip(good, good[1:])), good
     assert good[-1] > good[0]
 
@@ -91,14 +115,16 @@ def test_capacity_table_is_a_special_case():
 
 
 def test_article_scenario_freeze_and_its_removal():
-    wl = Workload(duration=25.0, seed=0)   # 32 streams, 4k documents at 0.25/s
-    res = {c.mode: summarize(simulate(c, STEPS, wl), 3.0, NO_SLO)
-           for c in (SimConfig("colocated"), SimConfig("chunked", chunk=512), SimConfig("disagg"))}
+    wl = Workload(duration=25.0, seed=0)  # 32 streams, 4k documents at 0.25/s
+    res = {
+        c.mode: summarize(simulate(c, STEPS, wl), 3.0, NO_SLO)
+        for c in (SimConfig("colocated"), SimConfig("chunked", chunk=512), SimConfig("disagg"))
+    }
     freeze = cm.prefill(M, HW, 4096).time_s * 1e3
     assert res["colocated"]["documents"] >= 1
-    assert res["colocated"]["max_stall_ms"] > freeze                          # the whole prefill
-    assert res["chunked"]["max_stall_ms"] < 0.25 * res["colocated"]["max_stall_ms"]   # spread out
-    assert res["disagg"]["max_stall_ms"] < 40                                 # a decode step, no more
+    assert res["colocated"]["max_stall_ms"] > freeze  # the whole prefill
+    assert res["chunked"]["max_stall_ms"] < 0.25 * res["colocated"]["max_stall_ms"]  # spread out
+    assert res["disagg"]["max_stall_ms"] < 40  # a decode step, no more
 
 
 def test_percentiles():
@@ -117,8 +143,9 @@ def test_bad_input():
 def test_cli_json_and_png(tmp_path):
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = cli_main(["simulate", "--duration", "8", "--warmup", "1", "--doc-rate", "0.5",
-                       "--out-dir", str(tmp_path), "--json"])
+        rc = cli_main(
+            ["simulate", "--duration", "8", "--warmup", "1", "--doc-rate", "0.5", "--out-dir", str(tmp_path), "--json"]
+        )
     assert rc == 0
     out = json.loads(buf.getvalue())
     assert out["simulated"] is True and [r["mode"] for r in out["results"]] == ["colocated", "chunked", "disagg"]

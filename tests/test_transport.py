@@ -5,6 +5,7 @@ exactly the greedy tokens one process produces for the whole generation. Process
 (torch and NIXL do not survive fork); PeerInfo/KVHandle travel over a multiprocessing pipe, as the
 router would carry them.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -97,8 +98,15 @@ def _sender_main(conn) -> None:
         time.sleep(0.005)
     freed = [engine.release(rid) for rid in notified]
     transport.close()
-    conn.send({"notified": notified, "freed": freed, "free_blocks": engine.blocks.num_free,
-               "registered": transport.registered, "final_metadata": transport.final_metadata})
+    conn.send(
+        {
+            "notified": notified,
+            "freed": freed,
+            "free_blocks": engine.blocks.num_free,
+            "registered": transport.registered,
+            "final_metadata": transport.final_metadata,
+        }
+    )
     conn.poll(30)  # stay alive while the parent checks the closed agent's metadata
 
 
@@ -129,6 +137,7 @@ def test_nixl_two_processes_ship_engine_kv_and_decode_matches(reference_tokens):
         # A closed agent is gone: its last metadata (taken after deregistration) lists no pool and
         # no live endpoint, so connecting to it is refused.
         from dataclasses import replace
+
         with pytest.raises(TransportError, match="prefill-0"):
             receiver.connect(replace(handle.source, metadata=report["final_metadata"]))
         parent.send("done")
@@ -159,8 +168,15 @@ def test_local_backend_is_equivalent(reference_tokens):
 
 
 def _layout(**kw) -> KVLayout:
-    base = dict(num_layers=4, num_kv_heads=2, head_dim=32, block_size=16, dtype="fp8",
-                scale_layout="per_token_head_fp32", num_blocks=8)
+    base = dict(
+        num_layers=4,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=16,
+        dtype="fp8",
+        scale_layout="per_token_head_fp32",
+        num_blocks=8,
+    )
     return KVLayout(**{**base, **kw})
 
 
@@ -250,8 +266,22 @@ def test_bench_transfer_small_sweep_verifies_every_byte(tmp_path, capsys):
 
     from cli import main as cli_main
 
-    rc = cli_main(["bench", "transfer", "--size-mb", "1", "--block-tokens", "16,64", "--repeats", "1",
-                   "--json", "--no-plot", "--out-dir", str(tmp_path)])
+    rc = cli_main(
+        [
+            "bench",
+            "transfer",
+            "--size-mb",
+            "1",
+            "--block-tokens",
+            "16,64",
+            "--repeats",
+            "1",
+            "--json",
+            "--no-plot",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert {r["backend"] for r in out["rows"]} == {"nixl", "local"} and out["memcpy_gbytes_per_s"] > 0

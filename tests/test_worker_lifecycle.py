@@ -6,6 +6,7 @@ has no free blocks, a prefill lease that runs out before (or while) decode pulls
 while a request waits for blocks, while its KV is in flight, or before its submit, and the
 orchestrator's bookkeeping (`active`, timelines) on every ending.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -15,12 +16,12 @@ import time
 
 import pytest
 
+from contracts.worker import GenerateRequest, StreamEvent, WorkerConfig, WorkerError
 from decode_worker.worker import DecodeWorker
 from engine.config import PRESETS
 from engine.sequence import SamplingParams
 from prefill_worker.worker import PrefillWorker
 from router.orchestrator import Orchestrator
-from contracts.worker import GenerateRequest, StreamEvent, WorkerConfig, WorkerError
 from router.worker_handle import WorkerHandle
 
 _names = itertools.count()
@@ -86,6 +87,7 @@ def _tokens(events: list[StreamEvent]) -> list[int]:
 def test_prefill_loop_death_fails_waiting_callers_and_ping():
     w = PrefillWorker(_cfg(), f"lc-prefill-{next(_names)}")
     try:
+
         def boom():
             raise RuntimeError("kernel exploded")
 

@@ -1,4 +1,5 @@
 """KV transport: wire types, the Transport interface and its backends (see transport/base.py)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -25,5 +26,16 @@ def make_transport(backend: str, agent: str, **options: Any) -> Transport:
     raise ValueError(f"unknown transport backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
-__all__ = ["make_transport", "BACKENDS", "Transport", "TransportError", "LayoutMismatch", "TransferTimeout",
-           "KVLayout", "KVHandle", "PeerInfo", "TransferStats", "LINKS_GBPS"]
+__all__ = [
+    "make_transport",
+    "BACKENDS",
+    "Transport",
+    "TransportError",
+    "LayoutMismatch",
+    "TransferTimeout",
+    "KVLayout",
+    "KVHandle",
+    "PeerInfo",
+    "TransferStats",
+    "LINKS_GBPS",
+]

@@ -16,6 +16,7 @@ Lifecycle (mirrors NIXL's own verbs):
 Invariants: after `close()` nothing stays registered; a failed or timed-out `read` releases its
 transfer handles before raising; the transport never sees tokens or requests, only block ids.
 """
+
 from __future__ import annotations
 
 import time
@@ -59,8 +60,9 @@ class Transport(ABC):
         """Make `peer` reachable. Raises LayoutMismatch if its layout differs from ours."""
 
     @abstractmethod
-    def read(self, handle: KVHandle, local_blocks: list[int], timeout_s: float = 30.0,
-             coalesced: bool = True) -> TransferStats:
+    def read(
+        self, handle: KVHandle, local_blocks: list[int], timeout_s: float = 30.0, coalesced: bool = True
+    ) -> TransferStats:
         """Copy the handle's blocks from its source into `local_blocks` (same order, same count),
         connecting first if needed. Runs of consecutive ids travel as one descriptor unless
         `coalesced=False` (one per block: the benchmark's baseline). Raises TransferTimeout
@@ -82,16 +84,18 @@ class Transport(ABC):
         """True while a pool is registered (False again after close())."""
         return self.layout is not None
 
-    def make_handle(self, request_id: str, block_ids: list[int], num_tokens: int,
-                    lease_s: float = 60.0) -> KVHandle:
+    def make_handle(self, request_id: str, block_ids: list[int], num_tokens: int, lease_s: float = 60.0) -> KVHandle:
         """The KVHandle a holder gives out for blocks of its registered pool."""
         if self.layout is None:
             raise TransportError("register() the KV pool before making handles")
         if self.layout.blocks_for(num_tokens) != len(block_ids):
-            raise ValueError(f"{num_tokens} tokens need {self.layout.blocks_for(num_tokens)} blocks of "
-                             f"{self.layout.block_size}, got {len(block_ids)}")
-        return KVHandle(request_id, self.describe(), tuple(block_ids), num_tokens, self.layout.compat_hash,
-                        time.time() + lease_s)
+            raise ValueError(
+                f"{num_tokens} tokens need {self.layout.blocks_for(num_tokens)} blocks of "
+                f"{self.layout.block_size}, got {len(block_ids)}"
+            )
+        return KVHandle(
+            request_id, self.describe(), tuple(block_ids), num_tokens, self.layout.compat_hash, time.time() + lease_s
+        )
 
     @abstractmethod
     def _check_open(self) -> None:
@@ -105,8 +109,10 @@ class Transport(ABC):
             raise TransportError("register() the KV pool before read()")
         assert self.layout is not None  # registered implies a layout
         if handle.layout_hash != self.layout.compat_hash:
-            raise TransportError(f"handle {handle.request_id!r} has layout hash {handle.layout_hash}, "
-                                 f"this pool {self.layout.compat_hash}")
+            raise TransportError(
+                f"handle {handle.request_id!r} has layout hash {handle.layout_hash}, "
+                f"this pool {self.layout.compat_hash}"
+            )
 
     def check_layout(self, peer: PeerInfo) -> None:
         assert self.layout is not None, "register() first"

@@ -10,10 +10,11 @@ request).
 `coalesce(..., enabled=False)` keeps one range per block: the benchmark's "coalescing off" arm.
 `split_for_streams` then cuts the ranges into byte-balanced groups, one per parallel stream.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,9 @@ class Run:
     nbytes: int
 
 
-def check_blocks(remote_blocks: Sequence[int], local_blocks: Sequence[int], remote_num_blocks: int,
-                 local_num_blocks: int) -> None:
+def check_blocks(
+    remote_blocks: Sequence[int], local_blocks: Sequence[int], remote_num_blocks: int, local_num_blocks: int
+) -> None:
     """Raise ValueError for mappings that would read or write outside a pool or clobber a block."""
     if len(remote_blocks) != len(local_blocks):
         raise ValueError(f"{len(remote_blocks)} remote blocks but {len(local_blocks)} local blocks")
@@ -38,8 +40,9 @@ def check_blocks(remote_blocks: Sequence[int], local_blocks: Sequence[int], remo
         raise ValueError("local block ids repeat: two remote blocks would land in one local block")
 
 
-def coalesce(remote_blocks: Sequence[int], local_blocks: Sequence[int], block_bytes: int,
-             enabled: bool = True) -> list[Run]:
+def coalesce(
+    remote_blocks: Sequence[int], local_blocks: Sequence[int], block_bytes: int, enabled: bool = True
+) -> list[Run]:
     """Byte ranges for moving remote_blocks[i] -> local_blocks[i], merged where both sides are
     consecutive (and in order). Order of the result follows the input."""
     runs: list[Run] = []

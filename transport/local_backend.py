@@ -4,6 +4,7 @@ Pools register in a process-wide registry keyed by agent name; `read` copies byt
 between the two tensors (same coalescing as NIXL, so descriptor counts compare). Used by the
 colocated mode and single-process tests; a peer in another process is unreachable by design.
 """
+
 from __future__ import annotations
 
 import threading
@@ -11,7 +12,7 @@ import time
 
 import torch
 
-from transport.base import Transport, TransferTimeout, TransportError
+from transport.base import TransferTimeout, Transport, TransportError
 from transport.coalesce import check_blocks, coalesce
 from transport.wire import KVHandle, KVLayout, PeerInfo, TransferStats
 
@@ -39,8 +40,9 @@ class LocalTransport(Transport):
         self._check_open()
         want = (layout.num_blocks, layout.block_bytes)
         if pool.dtype != torch.uint8 or tuple(pool.shape) != want or not pool.is_contiguous():
-            raise ValueError(f"pool must be a contiguous uint8 tensor of shape {want}, got "
-                             f"{pool.dtype} {tuple(pool.shape)}")
+            raise ValueError(
+                f"pool must be a contiguous uint8 tensor of shape {want}, got {pool.dtype} {tuple(pool.shape)}"
+            )
         with _LOCK:
             if self.agent in _POOLS:
                 raise TransportError(f"agent name {self.agent!r} already registered in this process")
@@ -52,9 +54,14 @@ class LocalTransport(Transport):
         self._check_open()
         if self._pool is None:
             raise TransportError("register() the KV pool before describe()")
-        return PeerInfo(agent=self.agent, backend=self.backend, layout=self.layout,
-                        base_addr=self._pool.data_ptr(), device_id=max(self._pool.get_device(), 0),
-                        mem_type="VRAM" if self._pool.is_cuda else "DRAM")
+        return PeerInfo(
+            agent=self.agent,
+            backend=self.backend,
+            layout=self.layout,
+            base_addr=self._pool.data_ptr(),
+            device_id=max(self._pool.get_device(), 0),
+            mem_type="VRAM" if self._pool.is_cuda else "DRAM",
+        )
 
     def connect(self, peer: PeerInfo) -> None:
         self._check_open()
@@ -64,8 +71,9 @@ class LocalTransport(Transport):
         self._remote_pool(peer.agent)  # must be alive in this process
         self._peers[peer.agent] = peer
 
-    def read(self, handle: KVHandle, local_blocks: list[int], timeout_s: float = 30.0,
-             coalesced: bool = True) -> TransferStats:
+    def read(
+        self, handle: KVHandle, local_blocks: list[int], timeout_s: float = 30.0, coalesced: bool = True
+    ) -> TransferStats:
         self._check_read(handle)
         self.connect(handle.source)
         remote, remote_layout = self._remote_pool(handle.agent)
@@ -78,14 +86,17 @@ class LocalTransport(Transport):
             # Copies are synchronous; the deadline is checked between runs so a huge uncoalesced
             # transfer still honours it. Nothing to release: no handles exist.
             if i and time.perf_counter() > deadline:
-                raise TransferTimeout(f"request {handle.request_id!r}: local copy from {handle.agent!r} "
-                                      f"not done within {timeout_s}s ({i}/{len(runs)} ranges copied)")
-            dst[r.local_offset:r.local_offset + r.nbytes].copy_(src[r.remote_offset:r.remote_offset + r.nbytes])
+                raise TransferTimeout(
+                    f"request {handle.request_id!r}: local copy from {handle.agent!r} "
+                    f"not done within {timeout_s}s ({i}/{len(runs)} ranges copied)"
+                )
+            dst[r.local_offset : r.local_offset + r.nbytes].copy_(src[r.remote_offset : r.remote_offset + r.nbytes])
         if dst.is_cuda:
             torch.cuda.synchronize(dst.device)
         seconds = time.perf_counter() - t0
-        return TransferStats.build(handle.request_id, self.backend, len(local_blocks) * self.layout.block_bytes,
-                                   len(runs), seconds)
+        return TransferStats.build(
+            handle.request_id, self.backend, len(local_blocks) * self.layout.block_bytes, len(runs), seconds
+        )
 
     def notify(self, peer_agent: str, request_id: str) -> None:
         self._check_open()

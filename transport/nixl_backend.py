@@ -21,6 +21,7 @@ Settings, measured on a 2-core CPU host with two processes moving 256 MB host-to
   reach ~8-9 GB/s on 2 cores; the agent runs in RW thread-sync mode so those threads are safe.
   GPU pools use one stream: the copy engine, not a CPU thread, moves the bytes there.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from transport.base import Transport, TransferTimeout, TransportError
+from transport.base import TransferTimeout, Transport, TransportError
 from transport.coalesce import Run, check_blocks, coalesce, split_for_streams
 from transport.wire import KVHandle, KVLayout, PeerInfo, TransferStats
 
@@ -52,8 +53,7 @@ def _create_agent(name: str, progress_thread: bool, workers: int):
     """A NIXL agent with the UCX backend. The Python wrapper hard-codes the progress thread's
     poll delay to 0 (busy spin); the native config has the field, so it is set on its way in."""
     nixl_agent, nixl_agent_config, sync = _nixl()
-    cfg = nixl_agent_config(enable_prog_thread=progress_thread, backends=[],
-                            sync_mode=sync.NIXL_THREAD_SYNC_RW)
+    cfg = nixl_agent_config(enable_prog_thread=progress_thread, backends=[], sync_mode=sync.NIXL_THREAD_SYNC_RW)
     bind = sys.modules[nixl_agent.__module__].nixlBind
     real = bind.nixlAgent
 
@@ -99,8 +99,9 @@ class NixlTransport(Transport):
             raise TransportError(f"agent {self.agent!r} already registered a pool")
         want = (layout.num_blocks, layout.block_bytes)
         if pool.dtype != torch.uint8 or tuple(pool.shape) != want or not pool.is_contiguous():
-            raise ValueError(f"pool must be a contiguous uint8 tensor of shape {want}, got "
-                             f"{pool.dtype} {tuple(pool.shape)}")
+            raise ValueError(
+                f"pool must be a contiguous uint8 tensor of shape {want}, got {pool.dtype} {tuple(pool.shape)}"
+            )
         self._mem_type = "VRAM" if pool.is_cuda else "DRAM"
         self._reg = self._agent.register_memory(pool)
         self._pool, self.layout = pool, layout
@@ -111,9 +112,15 @@ class NixlTransport(Transport):
         self._check_open()
         if self._pool is None:
             raise TransportError("register() the KV pool before describe()")
-        return PeerInfo(agent=self.agent, backend=self.backend, layout=self.layout,
-                        metadata=self._agent.get_agent_metadata(), base_addr=self._pool.data_ptr(),
-                        device_id=max(self._pool.get_device(), 0), mem_type=self._mem_type)
+        return PeerInfo(
+            agent=self.agent,
+            backend=self.backend,
+            layout=self.layout,
+            metadata=self._agent.get_agent_metadata(),
+            base_addr=self._pool.data_ptr(),
+            device_id=max(self._pool.get_device(), 0),
+            mem_type=self._mem_type,
+        )
 
     def connect(self, peer: PeerInfo) -> None:
         self._check_open()
@@ -137,13 +144,16 @@ class NixlTransport(Transport):
         whole = [(peer.base_addr, peer.layout.pool_bytes, peer.device_id)]
         if not self._agent.check_remote_metadata(name, self._agent.get_xfer_descs(whole, peer.mem_type)):
             self._agent.remove_remote_agent(name)
-            raise TransportError(f"peer {peer.agent!r} does not expose its KV pool "
-                                 f"({peer.layout.pool_bytes} bytes at {peer.base_addr:#x}); closed?")
+            raise TransportError(
+                f"peer {peer.agent!r} does not expose its KV pool "
+                f"({peer.layout.pool_bytes} bytes at {peer.base_addr:#x}); closed?"
+            )
         self._peers[peer.agent] = peer
 
     # ---- transfer -----------------------------------------------------------------------------
-    def read(self, handle: KVHandle, local_blocks: list[int], timeout_s: float = 30.0,
-             coalesced: bool = True) -> TransferStats:
+    def read(
+        self, handle: KVHandle, local_blocks: list[int], timeout_s: float = 30.0, coalesced: bool = True
+    ) -> TransferStats:
         """Pull the handle's blocks into `local_blocks`. `coalesced=False` posts one descriptor
         per block (benchmark baseline only)."""
         self._check_read(handle)
@@ -159,39 +169,44 @@ class NixlTransport(Transport):
         else:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self.streams, thread_name_prefix=f"nixl-{self.agent}")
-            futures = [self._executor.submit(self._read_group, peer, g, deadline, handle.request_id)
-                       for g in groups]
+            futures = [self._executor.submit(self._read_group, peer, g, deadline, handle.request_id) for g in groups]
             errors = [f.exception() for f in futures]  # waits for all: no handle outlives read()
             first = next((e for e in errors if e is not None), None)
             if first is not None:
                 raise first
         seconds = time.perf_counter() - t0
         nbytes = len(local_blocks) * self.layout.block_bytes
-        return TransferStats.build(handle.request_id, self.backend, nbytes,
-                                   sum(len(g) for g in groups), seconds)
+        return TransferStats.build(handle.request_id, self.backend, nbytes, sum(len(g) for g in groups), seconds)
 
     def _read_group(self, peer: PeerInfo, runs: list[Run], deadline: float, request_id: str) -> None:
         base = self._pool.data_ptr()
         dev = max(self._pool.get_device(), 0)
         local = np.array([(base + r.local_offset, r.nbytes, dev) for r in runs], dtype=np.uint64)
-        remote = np.array([(peer.base_addr + r.remote_offset, r.nbytes, peer.device_id) for r in runs],
-                          dtype=np.uint64)
+        remote = np.array([(peer.base_addr + r.remote_offset, r.nbytes, peer.device_id) for r in runs], dtype=np.uint64)
         try:
-            xfer = self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, self._mem_type),
-                                               self._agent.get_xfer_descs(remote, peer.mem_type), peer.agent)
+            xfer = self._agent.initialize_xfer(
+                "READ",
+                self._agent.get_xfer_descs(local, self._mem_type),
+                self._agent.get_xfer_descs(remote, peer.mem_type),
+                peer.agent,
+            )
             state = self._agent.transfer(xfer)
         except Exception as e:
-            raise TransportError(f"request {request_id!r}: cannot start a READ from {peer.agent!r} "
-                                 f"(peer dead or unreachable?): {e}") from e
+            raise TransportError(
+                f"request {request_id!r}: cannot start a READ from {peer.agent!r} (peer dead or unreachable?): {e}"
+            ) from e
         try:
             while state == "PROC":
                 if time.perf_counter() > deadline:
-                    raise TransferTimeout(f"request {request_id!r}: READ from {peer.agent!r} not done "
-                                          f"within its timeout; transfer released")
+                    raise TransferTimeout(
+                        f"request {request_id!r}: READ from {peer.agent!r} not done "
+                        f"within its timeout; transfer released"
+                    )
                 state = self._agent.check_xfer_state(xfer)
             if state != "DONE":
-                raise TransportError(f"request {request_id!r}: READ from {peer.agent!r} failed "
-                                     f"(state {state}): peer dead or unreachable")
+                raise TransportError(
+                    f"request {request_id!r}: READ from {peer.agent!r} failed (state {state}): peer dead or unreachable"
+                )
         finally:
             try:
                 xfer.release()  # cancels an in-flight transfer (timeout) before the handle goes

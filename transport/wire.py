@@ -3,6 +3,7 @@
 Typed, frozen dataclasses (pickled by Ray, JSON-able for logs). The router passes them from
 prefill to decode without looking inside.
 """
+
 from __future__ import annotations
 
 import base64
@@ -37,7 +38,7 @@ class PeerInfo:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "PeerInfo":
+    def from_dict(cls, d: dict) -> PeerInfo:
         d = dict(d)
         d["layout"] = d["layout"] if isinstance(d["layout"], KVLayout) else KVLayout.from_dict(d["layout"])
         d["metadata"] = base64.b64decode(d.get("metadata", ""))
@@ -68,7 +69,7 @@ class KVHandle:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "KVHandle":
+    def from_dict(cls, d: dict) -> KVHandle:
         d = dict(d)
         d["source"] = PeerInfo.from_dict(d["source"])
         d["block_ids"] = tuple(d["block_ids"])
@@ -91,9 +92,15 @@ class TransferStats:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
     @classmethod
-    def build(cls, request_id: str, backend: str, nbytes: int, descriptors: int, seconds: float) -> "TransferStats":
-        return cls(request_id, backend, nbytes, descriptors, seconds,
-                   {name: nbytes / (gbps * 1e9) * 1e3 for name, gbps in LINKS_GBPS.items()})
+    def build(cls, request_id: str, backend: str, nbytes: int, descriptors: int, seconds: float) -> TransferStats:
+        return cls(
+            request_id,
+            backend,
+            nbytes,
+            descriptors,
+            seconds,
+            {name: nbytes / (gbps * 1e9) * 1e3 for name, gbps in LINKS_GBPS.items()},
+        )
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -20,12 +20,14 @@ every section, so a run cut short still leaves its numbers):
 All timings are CUDA events after warm-up; ratios compare numbers measured in the same run.
 Random weights (seeded); KV pages hold random bytes (timing does not depend on their values).
 """
+
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -91,8 +93,10 @@ def check_targets(res: dict) -> list[dict]:
     hf = s.get("hf", {}).get("decode_tokens_per_s")
     got["decode_b32_vs_hf"] = d32["tokens_per_s"] / hf if d32 and hf else None
     got["transfer_671mb_copy_fraction"] = s.get("transfer", {}).get("cuda_ipc", {}).get("copy_fraction")
-    return [{"target": k, "want_at_least": TARGETS[k], "measured": v,
-             "pass": None if v is None else v >= TARGETS[k]} for k, v in got.items()]
+    return [
+        {"target": k, "want_at_least": TARGETS[k], "measured": v, "pass": None if v is None else v >= TARGETS[k]}
+        for k, v in got.items()
+    ]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -106,11 +110,19 @@ def main(args: argparse.Namespace) -> int:
     bad = [x for x in sections if x not in SECTIONS] + [m for m in models if m not in PRESETS]
     if bad or not models:
         raise CliError(f"unknown section/model {bad}; sections: {', '.join(SECTIONS)}; models: {', '.join(PRESETS)}")
-    batches, lens, sms = _ints(args.batches, "--batches"), _ints(args.prefill_lens, "--prefill-lens"), \
-        _ints(args.green_sms, "--green-sms")
+    batches, lens, sms = (
+        _ints(args.batches, "--batches"),
+        _ints(args.prefill_lens, "--prefill-lens"),
+        _ints(args.green_sms, "--green-sms"),
+    )
     budget = Budget(args.budget_s)
-    res: dict[str, Any] = {"targets": TARGETS, "sections": {}, "errors": {},
-                           "device": torch.cuda.get_device_name(0), "source_commit": args.git_commit}
+    res: dict[str, Any] = {
+        "targets": TARGETS,
+        "sections": {},
+        "errors": {},
+        "device": torch.cuda.get_device_name(0),
+        "source_commit": args.git_commit,
+    }
     config = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     out_dir = Path(args.out_dir) if args.out_dir else None
 
@@ -144,6 +156,7 @@ def main(args: argparse.Namespace) -> int:
     need_runner = {"decode", "prefill", "green"} & set(sections)
     runner = graphs = None
     if need_runner:
+
         def decode_first(cap):
             nonlocal runner, graphs
             r, fit, init_s = build_runner(first, batches, extra_blocks=max(lens) // 16 if lens else 0, reserve_gb=12)
@@ -152,9 +165,12 @@ def main(args: argparse.Namespace) -> int:
             graphs = d.pop("_graphs", None)
             d.update(init_s=init_s, num_blocks=r.cache_cfg.num_blocks)
             res["sections"].setdefault("decode", {})[first] = d
+
         run(f"decode:{first}", 150, decode_first)
     if runner is not None and "prefill" in sections:
-        res["sections"]["prefill"] = {first: run(f"prefill:{first}", 60, lambda cap: bench_prefill(runner, lens, fp8_peak, cap))}
+        res["sections"]["prefill"] = {
+            first: run(f"prefill:{first}", 60, lambda cap: bench_prefill(runner, lens, fp8_peak, cap))
+        }
     if runner is not None and graphs is not None and "green" in sections:
         res["sections"]["green"] = run("green", 100, lambda cap: bench_green(runner, graphs, sms, cap))
     runner = graphs = None
@@ -163,15 +179,18 @@ def main(args: argparse.Namespace) -> int:
         res["sections"]["hf"] = run("hf", 100, lambda cap: bench_hf(first, cap))
         _free_cuda()
     if "transfer" in sections:
-        res["sections"]["transfer"] = run("transfer", 60, lambda cap: bench_transfer(
-            ceil["copy"]["copy_GBps_one_way"] if ceil else None, cap))
+        res["sections"]["transfer"] = run(
+            "transfer", 60, lambda cap: bench_transfer(ceil["copy"]["copy_GBps_one_way"] if ceil else None, cap)
+        )
     for m in rest if "decode" in sections else []:
+
         def decode_more(cap, m=m):
             r, fit, init_s = build_runner(m, [b for b in batches if b <= 64], extra_blocks=0, reserve_gb=6)
             d = bench_decode(r, fit, copy_bw, cap)
             d.pop("_graphs", None)
             d.update(init_s=init_s, num_blocks=r.cache_cfg.num_blocks)
             res["sections"].setdefault("decode", {})[m] = d
+
         run(f"decode:{m}", 150, decode_more)
         _free_cuda()
     res["target_check"] = check_targets(res)
@@ -185,25 +204,37 @@ def print_summary(res: dict) -> None:
     print(f"\n== bench gpu on {res['device']} ==")
     if "ceilings" in s:
         c = s["ceilings"]
-        print(f"copy {c['copy']['copy_GBps_read_plus_write']:.0f} GB/s (read+write); "
-              f"best _scaled_mm {c['fp8_peak_TFLOPs'] or float('nan'):.0f} TFLOP/s")
+        print(
+            f"copy {c['copy']['copy_GBps_read_plus_write']:.0f} GB/s (read+write); "
+            f"best _scaled_mm {c['fp8_peak_TFLOPs'] or float('nan'):.0f} TFLOP/s"
+        )
     for m, d in s.get("decode", {}).items():
         for r in d.get("rows", []):
-            print(f"decode {m:14s} B={r['batch']:4d} step {r['step_ms']:7.2f} ms  floor {r['floor_ms']:7.2f} ms "
-                  f"({r['floor_fraction']:.0%})  {r['tokens_per_s']:9.0f} tok/s")
+            print(
+                f"decode {m:14s} B={r['batch']:4d} step {r['step_ms']:7.2f} ms  floor {r['floor_ms']:7.2f} ms "
+                f"({r['floor_fraction']:.0%})  {r['tokens_per_s']:9.0f} tok/s"
+            )
     for m, rows in (s.get("prefill") or {}).items():
         for r in rows or []:
-            print(f"prefill {m:13s} T={r['tokens']:6d} {r['ms']:8.1f} ms  {r['TFLOPs']:6.0f} TFLOP/s "
-                  f"({(r['fraction_of_fp8_peak'] or 0):.0%} of FP8 peak)")
+            print(
+                f"prefill {m:13s} T={r['tokens']:6d} {r['ms']:8.1f} ms  {r['TFLOPs']:6.0f} TFLOP/s "
+                f"({(r['fraction_of_fp8_peak'] or 0):.0%} of FP8 peak)"
+            )
     for r in (s.get("green") or {}).get("rows", []):
-        print(f"itl {r['mode']:13s} sms={r['decode_sms']}: p50 {r['itl_p50_ms']:.2f} p99 {r['itl_p99_ms']:.2f} ms, "
-              f"prefill {r['prefill_tokens_per_s']:.0f} tok/s")
+        print(
+            f"itl {r['mode']:13s} sms={r['decode_sms']}: p50 {r['itl_p50_ms']:.2f} p99 {r['itl_p99_ms']:.2f} ms, "
+            f"prefill {r['prefill_tokens_per_s']:.0f} tok/s"
+        )
     if s.get("hf"):
-        print(f"transformers: prefill 4k {s['hf'].get('prefill_4k_ms', float('nan')):.1f} ms, "
-              f"decode B=32 {s['hf'].get('decode_tokens_per_s', float('nan')):.0f} tok/s")
+        print(
+            f"transformers: prefill 4k {s['hf'].get('prefill_4k_ms', float('nan')):.1f} ms, "
+            f"decode B=32 {s['hf'].get('decode_tokens_per_s', float('nan')):.0f} tok/s"
+        )
     ipc = (s.get("transfer") or {}).get("cuda_ipc")
     if ipc:
-        print(f"671 MB CUDA IPC: {ipc['GBps']:.0f} GB/s ({(ipc['copy_fraction'] or 0):.0%} of copy), verified={ipc['verified']}")
+        print(
+            f"671 MB CUDA IPC: {ipc['GBps']:.0f} GB/s ({(ipc['copy_fraction'] or 0):.0%} of copy), verified={ipc['verified']}"
+        )
     for t in res.get("target_check", []):
         verdict = "n/a" if t["pass"] is None else ("PASS" if t["pass"] else "FAIL")
         m = "-" if t["measured"] is None else f"{t['measured']:.2f}"

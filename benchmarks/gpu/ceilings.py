@@ -1,5 +1,6 @@
 """`bench gpu` ceilings: device-to-device copy bandwidth and `_scaled_mm` FP8 TFLOP/s at the
 model's GEMM shapes for M = 16 .. 16k (the two roofs the other sections are measured against)."""
+
 from __future__ import annotations
 
 import time
@@ -36,6 +37,15 @@ def bench_ceilings(cfgs, cap_s: float) -> dict:
                 sx = torch.rand(M, 1, device="cuda") + 0.5
                 fn = lambda: torch._scaled_mm(x, w.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16)  # noqa: E731
                 s = cuda_time(fn, reps=5, inner=max(1, 4096 // M))
-                rows.append({"model": cfg.name, "gemm": name, "M": M, "K": K, "N": N, "seconds": s,
-                             "TFLOPs": 2 * M * N * K / s / 1e12})
+                rows.append(
+                    {
+                        "model": cfg.name,
+                        "gemm": name,
+                        "M": M,
+                        "K": K,
+                        "N": N,
+                        "seconds": s,
+                        "TFLOPs": 2 * M * N * K / s / 1e12,
+                    }
+                )
     return {"copy": copy, "scaled_mm": rows, "fp8_peak_TFLOPs": max((r["TFLOPs"] for r in rows), default=None)}

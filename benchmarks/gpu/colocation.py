@@ -1,5 +1,6 @@
 """`bench gpu` green section: decode ITL while long prefills run on the same card (decode alone,
 colocated on one stream, two streams time-sharing the card, green-context SM splits)."""
+
 from __future__ import annotations
 
 import threading
@@ -12,8 +13,9 @@ from benchmarks.gpu.timing import CTX, cuda_time, pct
 
 
 # ---- single-GPU disaggregation: decode ITL under prefill pressure ----------------------------
-def bench_green(runner, graphs, sm_list: list[int], cap_s: float, B: int = 32, P: int = 8192,
-                mode_s: float = 6.0) -> dict:
+def bench_green(
+    runner, graphs, sm_list: list[int], cap_s: float, B: int = 32, P: int = 8192, mode_s: float = 6.0
+) -> dict:
     from engine.gpu.green_contexts import SmPartition, green_contexts_supported  # noqa: PLC0415
     from engine.model_runner import StepItem  # noqa: PLC0415
 
@@ -64,11 +66,17 @@ def bench_green(runner, graphs, sm_list: list[int], cap_s: float, B: int = 32, P
         if th is not None:
             th.join(60)
         ms = [x * 1e3 for x in itl[1:]]
-        return {"mode": mode, "decode_sms": part.decode_sms if part and part.partitioned else None,
-                "prefill_sms": part.prefill_sms if part and part.partitioned else None,
-                "itl_p50_ms": pct(ms, 0.5), "itl_p90_ms": pct(ms, 0.9), "itl_p99_ms": pct(ms, 0.99),
-                "decode_tokens_per_s": B * len(ms) / (sum(ms) / 1e3) if ms else None,
-                "prefill_tokens_per_s": done[0] * P / mode_s, "steps": len(ms)}
+        return {
+            "mode": mode,
+            "decode_sms": part.decode_sms if part and part.partitioned else None,
+            "prefill_sms": part.prefill_sms if part and part.partitioned else None,
+            "itl_p50_ms": pct(ms, 0.5),
+            "itl_p90_ms": pct(ms, 0.9),
+            "itl_p99_ms": pct(ms, 0.99),
+            "decode_tokens_per_s": B * len(ms) / (sum(ms) / 1e3) if ms else None,
+            "prefill_tokens_per_s": done[0] * P / mode_s,
+            "steps": len(ms),
+        }
 
     rows = [measure("decode_alone", None), measure("colocated", None), measure("two_streams", SmPartition.shared())]
     out: dict[str, Any] = {"batch": B, "context": CTX, "prefill_tokens": P, "rows": rows}
@@ -86,9 +94,15 @@ def bench_green(runner, graphs, sm_list: list[int], cap_s: float, B: int = 32, P
             with torch.cuda.stream(part.prefill_stream):  # does the split bind? a GEMM slows ~ SM ratio
                 slow_p = cuda_time(lambda: a @ a, reps=3) / full
             with torch.cuda.stream(part.decode_stream):
-                probe.append({"decode_sms": part.decode_sms, "prefill_sms": part.prefill_sms, "how": part.how,
-                              "decode_gemm_slowdown": cuda_time(lambda: a @ a, reps=3) / full,
-                              "prefill_gemm_slowdown": slow_p})
+                probe.append(
+                    {
+                        "decode_sms": part.decode_sms,
+                        "prefill_sms": part.prefill_sms,
+                        "how": part.how,
+                        "decode_gemm_slowdown": cuda_time(lambda: a @ a, reps=3) / full,
+                        "prefill_gemm_slowdown": slow_p,
+                    }
+                )
                 decode()  # graph replay on a green stream, checked before it is timed
             torch.cuda.synchronize()
             rows.append(measure("green", part))

@@ -1,5 +1,6 @@
 """`bench gpu` engine sections: pdserve's CUDA-graph decode step against the memory floor, prefill
 against the measured FP8 rate, and transformers' LlamaForCausalLM as the baseline."""
+
 from __future__ import annotations
 
 import statistics
@@ -77,8 +78,18 @@ def bench_decode(runner, fit: list[int], copy_bw: float, cap_s: float) -> dict:
         t = cuda_time(graphs.graphs[B].replay, reps=10, warmup=2)
         kv = B * CTX * runner.layout.bytes_per_token
         floor = (wbytes + kv) / copy_bw  # copy_bw: bytes read + written per second, the DRAM traffic rate
-        rows.append({"batch": B, "step_ms": t * 1e3, "tokens_per_s": B / t, "weight_bytes": wbytes, "kv_bytes": kv,
-                     "floor_ms": floor * 1e3, "floor_fraction": floor / t, "achieved_GBps": (wbytes + kv) / t / 1e9})
+        rows.append(
+            {
+                "batch": B,
+                "step_ms": t * 1e3,
+                "tokens_per_s": B / t,
+                "weight_bytes": wbytes,
+                "kv_bytes": kv,
+                "floor_ms": floor * 1e3,
+                "floor_fraction": floor / t,
+                "achieved_GBps": (wbytes + kv) / t / 1e9,
+            }
+        )
     eager = None
     if 64 in fit and time.perf_counter() < end:  # what the same step costs without graphs (host included)
         items = [StepItem([1], CTX - 1, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(64)]
@@ -105,8 +116,15 @@ def bench_prefill(runner, lens: list[int], fp8_peak: float | None, cap_s: float)
         ids, pos, meta = runner._metadata([item])  # host-side preparation kept out of the GPU timing
         t = cuda_time(lambda: runner.model(ids, pos, runner.backend, runner.cache, meta), reps=3, warmup=1)
         fl = prefill_flops(runner.model_cfg, T)
-        rows.append({"tokens": T, "ms": t * 1e3, "tokens_per_s": T / t, "TFLOPs": fl / t / 1e12,
-                     "fraction_of_fp8_peak": (fl / t / 1e12 / fp8_peak) if fp8_peak else None})
+        rows.append(
+            {
+                "tokens": T,
+                "ms": t * 1e3,
+                "tokens_per_s": T / t,
+                "TFLOPs": fl / t / 1e12,
+                "fraction_of_fp8_peak": (fl / t / 1e12 / fp8_peak) if fp8_peak else None,
+            }
+        )
     return rows
 
 
@@ -129,8 +147,12 @@ def bench_hf(preset: str, cap_s: float, B: int = 32) -> dict:
     finally:
         torch.set_default_dtype(prev)
     torch.cuda.synchronize()
-    out: dict[str, Any] = {"transformers": transformers.__version__, "init_s": time.perf_counter() - t0,
-                           "attn_implementation": "sdpa", "dtype": "bf16"}
+    out: dict[str, Any] = {
+        "transformers": transformers.__version__,
+        "init_s": time.perf_counter() - t0,
+        "attn_implementation": "sdpa",
+        "dtype": "bf16",
+    }
     with torch.inference_mode():
         ids = torch.randint(0, 1000, (1, CTX), device="cuda")
         t = cuda_time(lambda: model(ids, use_cache=False, logits_to_keep=1), reps=3, warmup=1)
@@ -148,6 +170,7 @@ def bench_hf(preset: str, cap_s: float, B: int = 32) -> dict:
             torch.cuda.synchronize()
             steps.append(time.perf_counter() - t0)
         step = statistics.median(steps[2:])
-        out.update({"decode_batch": B, "decode_context": CTX, "decode_step_ms": step * 1e3,
-                    "decode_tokens_per_s": B / step})
+        out.update(
+            {"decode_batch": B, "decode_context": CTX, "decode_step_ms": step * 1e3, "decode_tokens_per_s": B / step}
+        )
     return out

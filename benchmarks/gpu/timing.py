@@ -1,8 +1,10 @@
 """Timing helpers shared by the `bench gpu` sections: CUDA-event medians and percentiles."""
+
 from __future__ import annotations
 
 import statistics
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -1,5 +1,6 @@
 """`bench gpu` transfer section: the 671 MB KV transfer between two processes on the card, against
 the copy ceiling (NIXL when importable, else CUDA IPC through torch.multiprocessing)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -26,6 +27,7 @@ def bench_transfer(copy_one_way: float | None, cap_s: float) -> dict:
         import nixl  # noqa: F401,PLC0415
 
         from transport import nixl_backend  # noqa: F401,PLC0415
+
         out["nixl"] = "importable, but the device-memory NIXL run is not wired into this script yet"
     except ImportError as e:
         out["nixl"] = f"skipped: {e} (nixl is not on the device image; carry nixl-cu13 wheels to measure it)"
@@ -38,9 +40,13 @@ def bench_transfer(copy_one_way: float | None, cap_s: float) -> dict:
         local = torch.empty_like(remote)
         t = cuda_time(lambda: local.copy_(remote), reps=10, warmup=2)
         ok = bool(torch.equal(local, remote))
-        out["cuda_ipc"] = {"seconds": t, "GBps": KV_TRANSFER_BYTES / t / 1e9, "verified": ok,
-                           "copy_fraction": (KV_TRANSFER_BYTES / t / 1e9) / copy_one_way if copy_one_way else None,
-                           "how": "torch.multiprocessing CUDA IPC handle, device-to-device copy from a second process"}
+        out["cuda_ipc"] = {
+            "seconds": t,
+            "GBps": KV_TRANSFER_BYTES / t / 1e9,
+            "verified": ok,
+            "copy_fraction": (KV_TRANSFER_BYTES / t / 1e9) / copy_one_way if copy_one_way else None,
+            "how": "torch.multiprocessing CUDA IPC handle, device-to-device copy from a second process",
+        }
         del remote
     finally:
         release.put(1)

@@ -14,6 +14,7 @@ Semantics match the reference: every query sees exactly the keys at positions <=
 the values the pool holds. Differences are only in float rounding order (online softmax in the
 kernel, bf16 probabilities in the P.V product), covered by the tolerances in the tests.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,8 +41,9 @@ class CudaAttention(AttentionBackend):
     def forward(self, layer, q, k, v, cache, meta: AttentionMetadata, scale):
         cache.write(layer, meta.slot_mapping, k, v)
         if meta.is_decode_only:  # the hot path, and the only one inside CUDA graphs
-            return paged_decode(q, cache, layer, meta.block_tables, meta.context_lens_t, scale,
-                                num_splits=self.decode_splits)
+            return paged_decode(
+                q, cache, layer, meta.block_tables, meta.context_lens_t, scale, num_splits=self.decode_splits
+            )
         out = torch.empty_like(q)
         starts, decode_rows, decode_seqs = [], [], []
         pos = 0
@@ -54,16 +56,23 @@ class CudaAttention(AttentionBackend):
         if decode_rows:  # mixed batch (colocated chunked prefill): decode rows in one launch
             rows = torch.tensor(decode_rows, device=q.device)
             seqs = torch.tensor(decode_seqs, device=q.device)
-            out[rows] = paged_decode(q[rows], cache, layer, meta.block_tables[seqs], meta.context_lens_t[seqs],
-                                     scale, num_splits=self.decode_splits)
+            out[rows] = paged_decode(
+                q[rows],
+                cache,
+                layer,
+                meta.block_tables[seqs],
+                meta.context_lens_t[seqs],
+                scale,
+                num_splits=self.decode_splits,
+            )
         group = q.shape[1] // k.shape[1]
         for i, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
             if qlen == 1:
                 continue
             s = starts[i]
-            qi = q[s:s + qlen].transpose(0, 1)  # [Hq, qlen, D]
+            qi = q[s : s + qlen].transpose(0, 1)  # [Hq, qlen, D]
             if ctx == qlen:  # nothing cached before: plain causal attention over this step's K/V
-                ki, vi = as_read_back(cache, k[s:s + qlen]), as_read_back(cache, v[s:s + qlen])
+                ki, vi = as_read_back(cache, k[s : s + qlen]), as_read_back(cache, v[s : s + qlen])
                 mask, causal = None, True
             else:  # chunked prefill: cached prefix + this chunk, read back from the pages
                 ki, vi = cache.gather(layer, meta.block_tables[i], ctx, out_dtype=q.dtype)
@@ -73,5 +82,5 @@ class CudaAttention(AttentionBackend):
             ki = ki.transpose(0, 1).repeat_interleave(group, dim=0)
             vi = vi.transpose(0, 1).repeat_interleave(group, dim=0)
             oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=causal, scale=scale)
-            out[s:s + qlen] = oi.transpose(0, 1)
+            out[s : s + qlen] = oi.transpose(0, 1)
         return out

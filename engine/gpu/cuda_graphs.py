@@ -15,6 +15,7 @@ that one slot, so they never touch a live sequence.
 `DecodeGraphRunner` wraps a `ModelRunner` and can stand in for it (LLMEngine calls `forward`):
 decode-only batches that fit a graph replay it; anything else runs eagerly.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,8 +27,9 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 
 
 class DecodeGraphRunner:
-    def __init__(self, runner: ModelRunner, max_context: int, pad_block: int,
-                 batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES):
+    def __init__(
+        self, runner: ModelRunner, max_context: int, pad_block: int, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
+    ):
         if runner.device.type != "cuda" or not torch.cuda.is_available():
             raise RuntimeError("CUDA graphs need a CUDA device (the runner is on %s)" % runner.device)
         if not 0 <= pad_block < runner.cache_cfg.num_blocks:
@@ -53,8 +55,13 @@ class DecodeGraphRunner:
 
     def _meta(self, B: int) -> AttentionMetadata:
         # Python lists are placeholders: the decode path reads only the device tensors.
-        return AttentionMetadata(slot_mapping=self.slots[:B], query_lens=[1] * B, context_lens=[1] * B,
-                                 block_tables=self.tables[:B], context_lens_t=self.ctx[:B])
+        return AttentionMetadata(
+            slot_mapping=self.slots[:B],
+            query_lens=[1] * B,
+            context_lens=[1] * B,
+            block_tables=self.tables[:B],
+            context_lens_t=self.ctx[:B],
+        )
 
     def _run(self, B: int) -> torch.Tensor:
         r = self.runner
@@ -99,12 +106,14 @@ class DecodeGraphRunner:
         n = input_ids.shape[0]
         B = self.graph_size(n)
         if B is None or block_tables.shape[1] > self.max_blocks:
-            raise ValueError(f"batch {n} x {block_tables.shape[1]} blocks exceeds the captured graphs "
-                             f"({max(self.batch_sizes)} x {self.max_blocks})")
+            raise ValueError(
+                f"batch {n} x {block_tables.shape[1]} blocks exceeds the captured graphs "
+                f"({max(self.batch_sizes)} x {self.max_blocks})"
+            )
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.tables[:n, : block_tables.shape[1]].copy_(block_tables)
-        self.tables[:n, block_tables.shape[1]:].fill_(self.pad_block)
+        self.tables[:n, block_tables.shape[1] :].fill_(self.pad_block)
         rows = torch.arange(n, device=positions.device)
         self.slots[:n].copy_(self.tables[rows, positions // self.bs] * self.bs + positions % self.bs)
         self.ctx[:n].copy_(positions + 1)
@@ -116,8 +125,12 @@ class DecodeGraphRunner:
     def forward(self, items: list[StepItem]) -> torch.Tensor:
         """Drop-in for ModelRunner.forward: graphs for decode-only batches that fit, else eager."""
         n = len(items)
-        fits = (n > 0 and all(len(it.token_ids) == 1 and it.want_logits for it in items)
-                and self.graph_size(n) is not None and max(len(it.block_table) for it in items) <= self.max_blocks)
+        fits = (
+            n > 0
+            and all(len(it.token_ids) == 1 and it.want_logits for it in items)
+            and self.graph_size(n) is not None
+            and max(len(it.block_table) for it in items) <= self.max_blocks
+        )
         if not fits or not self.graphs:
             return self.runner.forward(items)
         dev = self.runner.device

@@ -19,13 +19,14 @@ The torch API changed between releases (create(num_sms, device_id) -> keyword ar
 make_current/pop_current -> set_context/pop_context; Stream() added later); `_green_stream`
 copes with each and says which it used.
 """
+
 from __future__ import annotations
 
 import copy
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -58,8 +59,8 @@ def _green_stream(num_sms: int, device: int) -> tuple[object, torch.cuda.Stream,
     if hasattr(ctx, "Stream"):
         return ctx, ctx.Stream(), "GreenContext.Stream()"
     # No Stream(): create a stream while the green context is current, so it belongs to it.
-    enter = getattr(ctx, "set_context", None) or getattr(ctx, "make_current")
-    leave = getattr(ctx, "pop_context", None) or getattr(ctx, "pop_current")
+    enter = getattr(ctx, "set_context", None) or ctx.make_current
+    leave = getattr(ctx, "pop_context", None) or ctx.pop_current
     enter()
     try:
         s = torch.cuda.Stream(device=device)
@@ -110,10 +111,12 @@ class SmPartition:
     _contexts: list = field(default_factory=list, repr=False)  # keep the contexts alive
 
     @classmethod
-    def create(cls, decode_sms: int, prefill_sms: int | None = None, device: int = 0) -> "SmPartition":
+    def create(cls, decode_sms: int, prefill_sms: int | None = None, device: int = 0) -> SmPartition:
         if not green_contexts_supported():
-            raise RuntimeError("CUDA green contexts need a CUDA build of torch with green-context support "
-                               "(torch.cuda.green_contexts.SUPPORTED) and a driver >= 12.8")
+            raise RuntimeError(
+                "CUDA green contexts need a CUDA build of torch with green-context support "
+                "(torch.cuda.green_contexts.SUPPORTED) and a driver >= 12.8"
+            )
         total = torch.cuda.get_device_properties(device).multi_processor_count
         prefill_sms = total - decode_sms if prefill_sms is None else prefill_sms
         if decode_sms < 1 or prefill_sms < 1 or decode_sms + prefill_sms > total:
@@ -132,7 +135,7 @@ class SmPartition:
         return cls(ps, ds, prefill_sms, decode_sms, total, True, how, [pc, dc])
 
     @classmethod
-    def shared(cls, device: int = 0) -> "SmPartition":
+    def shared(cls, device: int = 0) -> SmPartition:
         total = torch.cuda.get_device_properties(device).multi_processor_count
         return cls(torch.cuda.Stream(device), torch.cuda.Stream(device), total, total, total, False, "two streams")
 
@@ -150,13 +153,20 @@ class SingleGpuDisagg:
     """Drives a prefill-only engine and a decode engine side by side, each in its own thread
     and stream. `on_token` receives every TokenEvent (from either thread)."""
 
-    def __init__(self, prefill: LLMEngine, decode: LLMEngine, partition: SmPartition | None = None,
-                 on_token: Callable[[TokenEvent], None] | None = None):
+    def __init__(
+        self,
+        prefill: LLMEngine,
+        decode: LLMEngine,
+        partition: SmPartition | None = None,
+        on_token: Callable[[TokenEvent], None] | None = None,
+    ):
         if not prefill.prefill_only:
             raise ValueError("the prefill engine must be built with prefill_only=True")
         if prefill.runner.layout.compat_hash != decode.runner.layout.compat_hash:
-            raise ValueError("prefill and decode pools have different KV layouts: "
-                             + "; ".join(prefill.runner.layout.differences(decode.runner.layout)))
+            raise ValueError(
+                "prefill and decode pools have different KV layouts: "
+                + "; ".join(prefill.runner.layout.differences(decode.runner.layout))
+            )
         self.prefill, self.decode = prefill, decode
         self.partition = partition or SmPartition.shared()
         self.on_token = on_token or (lambda e: None)
@@ -188,8 +198,13 @@ class SingleGpuDisagg:
 
     @property
     def idle(self) -> bool:
-        return (self._incoming.empty() and self._handoff.empty() and not self._waiting_blocks
-                and not self.prefill.has_work and not self.decode.has_work)
+        return (
+            self._incoming.empty()
+            and self._handoff.empty()
+            and not self._waiting_blocks
+            and not self.prefill.has_work
+            and not self.decode.has_work
+        )
 
     def _guard(self, fn) -> None:
         try:
@@ -232,8 +247,9 @@ class SingleGpuDisagg:
         """Copy handed-off sequences into the decode pool (FIFO; the head waits for blocks)."""
         while self._waiting_blocks:
             src, done = self._waiting_blocks[0]
-            if not self.decode.blocks.can_allocate(self.decode.blocks.blocks_for(
-                    len(src.prompt_ids) + src.params.max_tokens)):
+            if not self.decode.blocks.can_allocate(
+                self.decode.blocks.blocks_for(len(src.prompt_ids) + src.params.max_tokens)
+            ):
                 return
             self._waiting_blocks.pop(0)
             blocks = self.decode.reserve(len(src.prompt_ids), src.params.max_tokens)
@@ -245,8 +261,9 @@ class SingleGpuDisagg:
             self.decode.runner.cache.raw[dst_idx] = self.prefill.runner.cache.raw[src_idx]
             torch.cuda.current_stream().synchronize()  # the prefill side may reuse its blocks now
             self._released.put(src.seq_id)
-            seq = Sequence(src.seq_id, list(src.prompt_ids), src.params, output_ids=list(src.output_ids),
-                           block_table=blocks)
+            seq = Sequence(
+                src.seq_id, list(src.prompt_ids), src.params, output_ids=list(src.output_ids), block_table=blocks
+            )
             self.decode.add_prefilled(seq)
             if seq.finish_reason is not None:  # finished on its first token
                 self.on_token(TokenEvent(seq.seq_id, seq.output_ids[-1], 0, True, seq.finish_reason))

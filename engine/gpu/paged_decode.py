@@ -17,6 +17,7 @@ Work split ("flash decoding"): program (b, h, s) handles sequence b, KV head h a
 byte is loaded once per group). Partial (max, sum, acc) are combined in `paged_decode`. Splits
 keep the GPU busy when B * Hkv is small (batch 1 has only Hkv = 8 programs otherwise).
 """
+
 from __future__ import annotations
 
 import os
@@ -35,15 +36,28 @@ def _paged_decode_kernel(
     scale_ptr,  # pool viewed as fp32 (fp8 pages only; else any pointer)
     tables_ptr,  # [B, max_blocks] int64 block tables
     ctx_ptr,  # [B] int32 context lengths (tokens visible, the new one included)
-    m_ptr, l_ptr,  # [B, Hq, S] fp32 partial running max / sum
+    m_ptr,
+    l_ptr,  # [B, Hq, S] fp32 partial running max / sum
     acc_ptr,  # [B, Hq, S, D] fp32 partial numerators
-    stride_qb, stride_qh,
+    stride_qb,
+    stride_qh,
     stride_tb,
-    page_stride, kv_off, kv_stride, tok_stride,  # in page-dtype elements
-    s_page_stride, s_off, s_kv_stride,  # in fp32 elements
+    page_stride,
+    kv_off,
+    kv_stride,
+    tok_stride,  # in page-dtype elements
+    s_page_stride,
+    s_off,
+    s_kv_stride,  # in fp32 elements
     sm_scale,
-    BLOCK_SIZE: tl.constexpr, H_KV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    H_KV: tl.constexpr,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    IS_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -58,8 +72,9 @@ def _paged_decode_kernel(
     offs_d = tl.arange(0, D)
     g_ok = offs_g < G
     q_heads = h * G + offs_g  # [G_PAD]
-    q = tl.load(q_ptr + b * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_ok[:, None], other=0.0)  # [G_PAD, D]
+    q = tl.load(
+        q_ptr + b * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :], mask=g_ok[:, None], other=0.0
+    )  # [G_PAD, D]
 
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
@@ -107,9 +122,16 @@ def num_splits_for(batch: int, num_kv_heads: int, max_context: int, block_n: int
     return max(1, min(want, cap, 64))
 
 
-def paged_decode(q: torch.Tensor, cache: KVCache, layer: int, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
-                 block_n: int | None = None) -> torch.Tensor:
+def paged_decode(
+    q: torch.Tensor,
+    cache: KVCache,
+    layer: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
     """q [B, Hq, D] (one new token per sequence, its K/V already in the pool) -> out [B, Hq, D].
 
     block_tables [B, max_blocks] (long, padded with any valid block id), context_lens [B] int32.
@@ -142,13 +164,33 @@ def paged_decode(q: torch.Tensor, cache: KVCache, layer: int, block_tables: torc
     lsum = torch.empty_like(m)
     acc = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(B, H, S)](
-        q, page_view, scale_view, block_tables, context_lens, m, lsum, acc,
-        q.stride(0), q.stride(1), block_tables.stride(0),
-        layout.block_bytes // elem, kv_off, kv_stride, tok_stride,
-        layout.block_bytes // 4, s_off, s_kv_stride,
+        q,
+        page_view,
+        scale_view,
+        block_tables,
+        context_lens,
+        m,
+        lsum,
+        acc,
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        layout.block_bytes // elem,
+        kv_off,
+        kv_stride,
+        tok_stride,
+        layout.block_bytes // 4,
+        s_off,
+        s_kv_stride,
         scale,
-        BLOCK_SIZE=bs, H_KV=H, G=G, G_PAD=max(16, _next_pow2(G)), D=D, BLOCK_N=block_n,
-        NUM_SPLITS=S, IS_FP8=cache.is_fp8,
+        BLOCK_SIZE=bs,
+        H_KV=H,
+        G=G,
+        G_PAD=max(16, _next_pow2(G)),
+        D=D,
+        BLOCK_N=block_n,
+        NUM_SPLITS=S,
+        IS_FP8=cache.is_fp8,
     )
     # combine the splits: softmax over all tokens = weighted sum of per-split softmaxes
     m_all = m.amax(dim=-1, keepdim=True)  # [B, Hq, 1]; finite: split 0 always has a token
