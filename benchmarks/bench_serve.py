@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.serve_client import ClientConfig, ClientError, run_requests
+from cli import CliError
 from costmodel.provenance import write_result
 from costmodel.serve_metrics import Dist, RequestRecord, ServeMetrics, compute_metrics
 from costmodel.workloads import RequestSpec, WorkloadConfig, build_workload
@@ -228,8 +229,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    from cli import CliError  # local: keeps this module importable without the CLI
-
     config = config_from_args(args)
     try:
         config.workload.validate()

@@ -288,10 +288,10 @@ def _print_table(rows: list[Row], memcpy_ref: float, skipped: list) -> None:
 
 
 def _plot(rows: list[Row], memcpy: dict, path: Path) -> Path:
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 - only when plotting
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - after use("Agg")
 
     fig, ax = plt.subplots(figsize=(11, 5.5))
     # colour: backend; line: coalescing (solid on, dotted off); marker: block size

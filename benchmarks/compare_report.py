@@ -466,7 +466,8 @@ def write_report(result: dict[str, Any], out_dir: Path, name: str, result_path: 
         lines += [
             f"Predictions are **simulated**: the discrete-event simulator (`costmodel/sim_engine.py`) run on the same "
             f"requests, with step times from the cost model on a calibrated device: {ps['source']}. "
-            f"Device model: {ps['mem_bw_gbps']:.1f} GB/s, {', '.join(f'{v:.3f} TFLOP/s {k}' for k, v in ps['peak_tflops'].items())} "
+            f"Device model: {ps['mem_bw_gbps']:.1f} GB/s, "
+            f"{', '.join(f'{v:.3f} TFLOP/s {k}' for k, v in ps['peak_tflops'].items())} "
             f"peak at MFU {ps['mfu']:.2f}, decode step overhead {ps['decode_step_overhead_ms']:.1f} ms, "
             f"per prefill/chunk overhead {ps['prefill_overhead_ms']:.1f} ms; KV link: {ps['link']['label']}. "
             "Metrics are computed from the simulated token times with the same formulas as the measured ones.",

@@ -111,7 +111,7 @@ def probe_device(
     n_elem = copy_mib * 2**20 // 4
     src = torch.rand(n_elem, device=device)
     dst = torch.empty_like(src)
-    t_copy = measure(lambda: dst.copy_(src), device, repeats, warmup=2).median_s
+    t_copy = measure(lambda: dst.copy_(src), device, repeats, warmup=2).median_s  # noqa: F821 - ruff misreads the later `del`
     del src, dst
     try:
         fn = _gemm_fn(gemm_n, gemm_dtype, device)

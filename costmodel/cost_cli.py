@@ -70,7 +70,7 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
         raise CliError(str(e)) from None
     if cal:
         hw = cal.apply(hw)
-        links = [cal.link(l) for l in links]
+        links = [cal.link(link) for link in links]
     mfu = args.mfu if args.mfu is not None else (cal.effective_mfu(hw, cm.ARTICLE_MFU) if cal else cm.ARTICLE_MFU)
     if not 0 < mfu <= 1:
         raise CliError(f"--mfu must be in (0, 1], got {mfu}")
@@ -150,13 +150,13 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
         ],
         "link_table": [
             {
-                "link": l.name,
-                "label": l.label,
-                "gbytes_per_s": l.bw / cm.GB,
-                "ms": cm.transfer_seconds(doc_bytes, l) * 1e3,
-                "share_of_prefill": cm.transfer_seconds(doc_bytes, l) / doc_prefill.time_s,
+                "link": link.name,
+                "label": link.label,
+                "gbytes_per_s": link.bw / cm.GB,
+                "ms": cm.transfer_seconds(doc_bytes, link) * 1e3,
+                "share_of_prefill": cm.transfer_seconds(doc_bytes, link) / doc_prefill.time_s,
             }
-            for l in links
+            for link in links
         ],
     }
 
@@ -174,7 +174,8 @@ def render(r: dict[str, Any]) -> str:
     out = [
         f"{r['model']} on {r['hardware']}, {r['mfu']:.0%} MFU, {r['weight_dtype']} weights, {r['kv_dtype']} KV",
         f"  params {r['params'] / 1e9:.2f} B, weights {r['weight_bytes'] / 1e9:.1f} GB, "
-        f"KV {r['kv_bytes_per_token'] / 1024:g} KiB/token, a {ctx:,}-token prompt's KV {r['prompt_kv_bytes'] / 1e6:.0f} MB",
+        f"KV {r['kv_bytes_per_token'] / 1024:g} KiB/token, "
+        f"a {ctx:,}-token prompt's KV {r['prompt_kv_bytes'] / 1e6:.0f} MB",
         "",
         f"Decode step (memory floor vs FLOPs) @ {ctx:,} ctx",
         _table(
@@ -240,8 +241,8 @@ def render(r: dict[str, Any]) -> str:
         _table(
             ["link", "GB/s", "ms", "% of prefill"],
             [
-                [l["label"], f"{l['gbytes_per_s']:g}", f"{l['ms']:.1f}", f"{l['share_of_prefill']:.1%}"]
-                for l in r["link_table"]
+                [row["label"], f"{row['gbytes_per_s']:g}", f"{row['ms']:.1f}", f"{row['share_of_prefill']:.1%}"]
+                for row in r["link_table"]
             ],
         ),
     ]

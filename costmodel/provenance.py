@@ -38,7 +38,7 @@ def device_description() -> dict[str, Any]:
     """The accelerator if torch sees one, else the CPU."""
     info: dict[str, Any] = {"kind": "cpu", "name": _cpu_model(), "cores": os.cpu_count()}
     try:
-        import torch  # local import: provenance must not force torch on pure-Python tools
+        import torch  # noqa: PLC0415 - provenance must not force torch on pure-Python tools
 
         if torch.cuda.is_available():
             info = {

@@ -191,7 +191,7 @@ class Sim:
         """Run until every request is done, or until simulated time `horizon` (endless streams)."""
         wl = self.wl
         doc_rng = random.Random(f"{wl.seed}-docs")  # documents identical across modes
-        for i in range(wl.streams):  # streams start staggered over the first second
+        for _ in range(wl.streams):  # streams start staggered over the first second
             self.new_request("chat", self.chat_rng.random(), self.chat_rng)
         for t in _times(wl.chat_rate, wl.duration, self.chat_rng, "poisson"):
             self.new_request("chat", t, self.chat_rng)

@@ -17,10 +17,10 @@ def plot_timelines(
 ) -> Path:
     """Each dot row is one chat stream in flight when the document arrived; a gap in a row is a
     stall. The shaded span is the document's prefill (arrival to its first token)."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 - only when plotting
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - after use("Agg")
 
     fig, axes = plt.subplots(len(sims), 1, figsize=(10, 2.2 * len(sims) + 0.6), sharex=True, squeeze=False)
     for ax, sim in zip(axes[:, 0], sims):

@@ -16,7 +16,9 @@ from typing import Any
 
 from cli import CliError
 from costmodel import cost_model as cm
+from costmodel.provenance import RESULTS_DIR, write_result
 from costmodel.sim_engine import MODES, Request, Sim, SimConfig, StepModel, Workload, simulate
+from costmodel.sim_plot import plot_timelines
 
 # ----------------------------------------------------------------------------- metrics
 
@@ -54,7 +56,7 @@ def _doc_stalls(docs: list[Request], streams: list[Request]) -> list[float]:
 
 
 def summarize(sim: Sim, warmup: float, slo: dict[str, float | None]) -> dict[str, Any]:
-    wl, end = sim.wl, sim.wl.duration
+    end = sim.wl.duration
     window = end - warmup
     measured = [r for r in sim.requests if warmup <= r.arrival < end]
     done = [r for r in measured if r.done]
@@ -288,8 +290,6 @@ def render_capacity(rows: list[dict[str, Any]]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from costmodel.provenance import RESULTS_DIR, write_result
-
     steps, link = _steps(args)
     out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
     config = {k: v for k, v in vars(args).items() if not k.startswith("_")}
@@ -331,8 +331,6 @@ def main(args: argparse.Namespace) -> int:
     results = [summarize(s, args.warmup, slo) for s in sims]
     payload: dict[str, Any] = {"simulated": True, "slo": slo, "results": results}
     if not args.no_png:
-        from costmodel.sim_plot import plot_timelines
-
         png = Path(args.png) if args.png else out_dir / f"{args.name}.png"
         payload["png"] = str(plot_timelines(sims, png, args.warmup))
     path = write_result(args.name, payload, config, out_dir)

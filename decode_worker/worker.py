@@ -215,7 +215,8 @@ class DecodeWorker(EngineLoop):
             self.transport.notify(handle.agent, req.request_id)
         except Exception as e:  # noqa: BLE001 - reported to the router as this request's error
             log.warning("KV pull for %s failed: %s", req.request_id, e)
-            self.call(lambda: self._fail_admission(req.request_id, blocks, f"KV transfer failed: {e}"), None)
+            message = f"KV transfer failed: {e}"  # `e` is unbound once the except block ends
+            self.call(lambda: self._fail_admission(req.request_id, blocks, message), None)
             return
         self.call(lambda: self._admit(req, result, blocks, stats), None)
 

@@ -14,11 +14,11 @@ def make_transport(backend: str, agent: str, **options: Any) -> Transport:
     """A transport endpoint named `agent`. `options` go to the backend's constructor
     (nixl: progress_thread=True|False, streams=N)."""
     if backend == "nixl":
-        from transport.nixl_backend import NixlTransport  # imports NIXL only when used
+        from transport.nixl_backend import NixlTransport  # noqa: PLC0415 - imports NIXL only when used
 
         return NixlTransport(agent, **options)
     if backend == "local":
-        from transport.local_backend import LocalTransport
+        from transport.local_backend import LocalTransport  # noqa: PLC0415 - imports torch only when used
 
         if options:
             raise TypeError(f"the local transport takes no options, got {sorted(options)}")

@@ -48,7 +48,7 @@ def coalesce(
     runs: list[Run] = []
     start_r = start_l = prev_r = prev_l = -1
     count = 0
-    for r, l in zip(remote_blocks, local_blocks):
+    for r, l in zip(remote_blocks, local_blocks):  # noqa: E741 - r/l: remote/local, as in start_r/start_l
         if enabled and count and r == prev_r + 1 and l == prev_l + 1:
             count += 1
         else:

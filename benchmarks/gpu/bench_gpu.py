@@ -233,7 +233,8 @@ def print_summary(res: dict) -> None:
     ipc = (s.get("transfer") or {}).get("cuda_ipc")
     if ipc:
         print(
-            f"671 MB CUDA IPC: {ipc['GBps']:.0f} GB/s ({(ipc['copy_fraction'] or 0):.0%} of copy), verified={ipc['verified']}"
+            f"671 MB CUDA IPC: {ipc['GBps']:.0f} GB/s ({(ipc['copy_fraction'] or 0):.0%} of copy), "
+            f"verified={ipc['verified']}"
         )
     for t in res.get("target_check", []):
         verdict = "n/a" if t["pass"] is None else ("PASS" if t["pass"] else "FAIL")

@@ -38,7 +38,7 @@ def bench_transfer(copy_one_way: float | None, cap_s: float) -> dict:
     try:
         remote = q.get(timeout=cap_s)  # a tensor in the child's memory, opened via cudaIpcOpenMemHandle
         local = torch.empty_like(remote)
-        t = cuda_time(lambda: local.copy_(remote), reps=10, warmup=2)
+        t = cuda_time(lambda: local.copy_(remote), reps=10, warmup=2)  # noqa: F821 - ruff misreads the later `del`
         ok = bool(torch.equal(local, remote))
         out["cuda_ipc"] = {
             "seconds": t,

@@ -31,7 +31,7 @@ class DecodeGraphRunner:
         self, runner: ModelRunner, max_context: int, pad_block: int, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     ):
         if runner.device.type != "cuda" or not torch.cuda.is_available():
-            raise RuntimeError("CUDA graphs need a CUDA device (the runner is on %s)" % runner.device)
+            raise RuntimeError(f"CUDA graphs need a CUDA device (the runner is on {runner.device})")
         if not 0 <= pad_block < runner.cache_cfg.num_blocks:
             raise ValueError(f"pad_block {pad_block} is outside the pool of {runner.cache_cfg.num_blocks} blocks")
         self.runner = runner
