@@ -1,8 +1,9 @@
 # Two commands do everything on a fresh machine:
 #   make demo   the main job: colocated vs chunked vs disaggregated serving of the tiny model on a
 #               local Ray cluster (`pdserve bench compare`, a few minutes on 2 CPU cores)
-#   make test   the test suite
-# Both create .venv and install pdserve with what it needs. Other targets: make serve, make generate.
+#   make test   the checks (make lint), then the test suite
+# Both create .venv and install pdserve with what it needs. Other targets: make lint, make format,
+# make serve, make generate.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -11,7 +12,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: demo test install serve generate clean
+.PHONY: demo test lint format install serve generate clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,7 +26,19 @@ install: $(BIN)/.installed
 demo: install
 	$(BIN)/pdserve bench compare
 
-test: install
+# ruff (lint + format check), the import contracts in pyproject.toml (layers, no cycles, no torch in
+# the router process), and mypy over the packages listed under [tool.mypy]
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+	$(BIN)/mypy
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+test: lint
 	$(BIN)/python -m pytest -q tests
 
 serve: install

@@ -186,6 +186,8 @@ class DecodeWorker(EngineLoop):
     def _transfer(self, req: GenerateRequest, result: PrefillResult, blocks: list[int]) -> None:
         """Transfer thread: pull, notify, then hand the sequence to the loop thread."""
         handle = result.handle
+        transport = self.transport
+        assert transport is not None  # disaggregated decode workers always have one
         try:
             # The prefill side frees these blocks at its lease deadline, and may reuse them at once:
             # a pull is only valid if it finishes before then (same clock on one node; NTP across).
@@ -194,11 +196,9 @@ class DecodeWorker(EngineLoop):
                 raise LeaseExpired(
                     f"the KV lease on {handle.agent} expired {-left:.2f} s before the pull started; raise --lease-s"
                 )
-            self.transport.connect(handle.source)
+            transport.connect(handle.source)
             try:
-                stats = self.transport.read(
-                    handle, blocks[: len(handle.block_ids)], min(self.cfg.transfer_timeout_s, left)
-                )
+                stats = transport.read(handle, blocks[: len(handle.block_ids)], min(self.cfg.transfer_timeout_s, left))
             except TransferTimeout:
                 if left >= self.cfg.transfer_timeout_s:
                     raise
@@ -212,7 +212,7 @@ class DecodeWorker(EngineLoop):
                     f"the pull from {handle.agent} finished {late:.2f} s after the KV lease "
                     "ran out, so its blocks may hold another prompt; raise --lease-s"
                 )
-            self.transport.notify(handle.agent, req.request_id)
+            transport.notify(handle.agent, req.request_id)
         except Exception as e:  # noqa: BLE001 - reported to the router as this request's error
             log.warning("KV pull for %s failed: %s", req.request_id, e)
             message = f"KV transfer failed: {e}"  # `e` is unbound once the except block ends

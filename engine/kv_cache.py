@@ -50,7 +50,7 @@ class KVCache:
         bs = self.layout.block_size
         blk, off = slots // bs, slots % bs
         for kv_index, x in ((0, k), (1, v)):
-            if self.is_fp8:
+            if self.scales is not None:  # fp8 pages
                 q, s = quantize_fp8(x)
                 self.data[blk, layer, kv_index, off] = q
                 self.scales[blk, layer, kv_index, off] = s
@@ -66,7 +66,7 @@ class KVCache:
         H, D = self.layout.num_kv_heads, self.layout.head_dim
         # [n_blocks, 2, bs, H, D] -> [2, n_blocks*bs, H, D]
         pages = self.data[blocks, layer].transpose(0, 1).reshape(2, -1, H, D)[:, :length].to(out_dtype)
-        if self.is_fp8:
+        if self.scales is not None:  # fp8 pages
             s = self.scales[blocks, layer].transpose(0, 1).reshape(2, -1, H)[:, :length]
             pages = pages * s.unsqueeze(-1).to(out_dtype)
         return pages[0], pages[1]

@@ -20,6 +20,9 @@ def quantize_weight_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Fp8Linear(nn.Module):
+    weight: torch.Tensor  # [out, in] float8_e4m3fn (buffer)
+    weight_scale: torch.Tensor  # [out] float32 (buffer)
+
     def __init__(self, in_features: int, out_features: int, device: torch.device | str = "cpu"):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -53,6 +56,8 @@ class Fp8Linear(nn.Module):
 
 
 class DenseLinear(nn.Module):
+    weight: torch.Tensor  # [out, in] (buffer)
+
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -71,7 +76,7 @@ WEIGHT_DTYPES = ("fp8", "bf16", "fp32")
 
 def make_linear(
     in_features: int, out_features: int, weight_dtype: str, device: torch.device | str = "cpu"
-) -> nn.Module:
+) -> Fp8Linear | DenseLinear:
     if weight_dtype == "fp8":
         return Fp8Linear(in_features, out_features, device)
     if weight_dtype == "bf16":

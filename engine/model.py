@@ -8,6 +8,7 @@ Hq/Hkv for query/KV heads and D for head_dim. Projections are fused (qkv, gate_u
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 
 class Rotary(nn.Module):
+    inv_freq: torch.Tensor  # [D/2] (buffer)
+
     def __init__(self, cfg: ModelConfig, device=None):
         super().__init__()
         inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -139,6 +142,10 @@ class LlamaModel(nn.Module):
                 torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=act_dtype, device=device), requires_grad=False
             )
         )
+
+    def layer(self, i: int) -> DecoderLayer:
+        """Decoder layer i, typed (a type checker sees nn.ModuleList items as plain Modules)."""
+        return cast(DecoderLayer, self.layers[i])
 
     @torch.inference_mode()
     def forward(

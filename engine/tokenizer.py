@@ -10,8 +10,11 @@ from engine.config import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB
 
 
 class Tokenizer(Protocol):
-    bos_id: int | None
-    eos_id: int | None
+    @property
+    def bos_id(self) -> int | None: ...
+
+    @property
+    def eos_id(self) -> int | None: ...
 
     def encode(self, text: str) -> list[int]: ...
 

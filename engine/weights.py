@@ -34,8 +34,8 @@ def init_random(model: LlamaModel, seed: int = 0) -> None:
     gen.manual_seed(seed)
     h = cfg.hidden_size
     model.embed_tokens.copy_(_randn(model.embed_tokens.shape, 1.0, gen, device))
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
+    for i in range(cfg.num_layers):
+        attn, mlp = model.layer(i).self_attn, model.layer(i).mlp
         attn.qkv_proj.load(_randn((cfg.q_size + 2 * cfg.kv_size, h), h**-0.5, gen, device))
         attn.o_proj.load(_randn((h, cfg.q_size), cfg.q_size**-0.5 / 2, gen, device))
         mlp.gate_up_proj.load(_randn((2 * cfg.intermediate_size, h), h**-0.5, gen, device))
@@ -130,7 +130,7 @@ def _flush_layer(model: LlamaModel, i: int, pending: dict[int, dict[str, torch.T
     if not all(k in p for k in _PARTS):
         return
     dev = model.embed_tokens.device
-    layer = model.layers[i]
+    layer = model.layer(i)
     qkv = torch.cat([p["self_attn.q_proj"], p["self_attn.k_proj"], p["self_attn.v_proj"]]).to(dev, torch.float32)
     layer.self_attn.qkv_proj.load(qkv)
     layer.self_attn.o_proj.load(p["self_attn.o_proj"].to(dev, torch.float32))

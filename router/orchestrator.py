@@ -228,6 +228,7 @@ class Orchestrator:
                 self._replacing[w.name] = asyncio.create_task(self._replace_worker(w, pool))
 
     async def _replace_worker(self, dead: WorkerHandle, pool: list[WorkerHandle]) -> None:
+        assert self._replace is not None  # only scheduled when there is one
         try:
             new = await self._replace(dead)
             if new is not None and dead in pool:

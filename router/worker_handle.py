@@ -97,8 +97,8 @@ class WorkerHandle:
             return await method.remote(*args, **kwargs)  # type: ignore[attr-defined]  # an ActorMethod
         except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
             self.alive = False
-            cause = next((ln.strip() for ln in reversed(str(e).splitlines()) if "Error" in ln), type(e).__name__)
-            raise WorkerDied(f"{self.role} worker {self.name} died: {cause}") from None
+            reason = next((ln.strip() for ln in reversed(str(e).splitlines()) if "Error" in ln), type(e).__name__)
+            raise WorkerDied(f"{self.role} worker {self.name} died: {reason}") from None
         except ray.exceptions.RayTaskError as e:
             # Re-raise the worker's own exception: str() of Ray's wrapper is the whole remote
             # traceback, which would reach the client as the error message.

@@ -101,9 +101,10 @@ class Transport(ABC):
     def _check_open(self) -> None:
         """Raise TransportError if close() has run."""
 
-    def _check_read(self, handle: KVHandle) -> None:
+    def _check_read(self, handle: KVHandle) -> KVLayout:
         """The preconditions every backend's read() shares: still open, a pool registered, and a
-        handle made for a pool of this layout (the hash is cheap; connect() diffs the full layout)."""
+        handle made for a pool of this layout (the hash is cheap; connect() diffs the full layout).
+        Returns the registered layout."""
         self._check_open()
         if not self.registered:
             raise TransportError("register() the KV pool before read()")
@@ -113,6 +114,7 @@ class Transport(ABC):
                 f"handle {handle.request_id!r} has layout hash {handle.layout_hash}, "
                 f"this pool {self.layout.compat_hash}"
             )
+        return self.layout
 
     def check_layout(self, peer: PeerInfo) -> None:
         assert self.layout is not None, "register() first"

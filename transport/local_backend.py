@@ -52,7 +52,7 @@ class LocalTransport(Transport):
 
     def describe(self) -> PeerInfo:
         self._check_open()
-        if self._pool is None:
+        if self._pool is None or self.layout is None:
             raise TransportError("register() the KV pool before describe()")
         return PeerInfo(
             agent=self.agent,
@@ -74,11 +74,12 @@ class LocalTransport(Transport):
     def read(
         self, handle: KVHandle, local_blocks: list[int], timeout_s: float = 30.0, coalesced: bool = True
     ) -> TransferStats:
-        self._check_read(handle)
+        layout = self._check_read(handle)
+        assert self._pool is not None  # registered, as _check_read found
         self.connect(handle.source)
         remote, remote_layout = self._remote_pool(handle.agent)
-        check_blocks(handle.block_ids, local_blocks, remote_layout.num_blocks, self.layout.num_blocks)
-        runs = coalesce(handle.block_ids, local_blocks, self.layout.block_bytes, enabled=coalesced)
+        check_blocks(handle.block_ids, local_blocks, remote_layout.num_blocks, layout.num_blocks)
+        runs = coalesce(handle.block_ids, local_blocks, layout.block_bytes, enabled=coalesced)
         src, dst = remote.view(-1), self._pool.view(-1)
         deadline = time.perf_counter() + timeout_s
         t0 = time.perf_counter()
@@ -95,7 +96,7 @@ class LocalTransport(Transport):
             torch.cuda.synchronize(dst.device)
         seconds = time.perf_counter() - t0
         return TransferStats.build(
-            handle.request_id, self.backend, len(local_blocks) * self.layout.block_bytes, len(runs), seconds
+            handle.request_id, self.backend, len(local_blocks) * layout.block_bytes, len(runs), seconds
         )
 
     def notify(self, peer_agent: str, request_id: str) -> None:

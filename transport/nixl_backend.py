@@ -110,7 +110,7 @@ class NixlTransport(Transport):
 
     def describe(self) -> PeerInfo:
         self._check_open()
-        if self._pool is None:
+        if self._pool is None or self.layout is None:
             raise TransportError("register() the KV pool before describe()")
         return PeerInfo(
             agent=self.agent,
@@ -156,11 +156,11 @@ class NixlTransport(Transport):
     ) -> TransferStats:
         """Pull the handle's blocks into `local_blocks`. `coalesced=False` posts one descriptor
         per block (benchmark baseline only)."""
-        self._check_read(handle)
+        layout = self._check_read(handle)
         self.connect(handle.source)
         peer = self._peers[handle.agent]
-        check_blocks(handle.block_ids, local_blocks, peer.layout.num_blocks, self.layout.num_blocks)
-        runs = coalesce(handle.block_ids, local_blocks, self.layout.block_bytes, enabled=coalesced)
+        check_blocks(handle.block_ids, local_blocks, peer.layout.num_blocks, layout.num_blocks)
+        runs = coalesce(handle.block_ids, local_blocks, layout.block_bytes, enabled=coalesced)
         groups = split_for_streams(runs, self.streams)
         deadline = time.perf_counter() + timeout_s
         t0 = time.perf_counter()
@@ -175,10 +175,11 @@ class NixlTransport(Transport):
             if first is not None:
                 raise first
         seconds = time.perf_counter() - t0
-        nbytes = len(local_blocks) * self.layout.block_bytes
+        nbytes = len(local_blocks) * layout.block_bytes
         return TransferStats.build(handle.request_id, self.backend, nbytes, sum(len(g) for g in groups), seconds)
 
     def _read_group(self, peer: PeerInfo, runs: list[Run], deadline: float, request_id: str) -> None:
+        assert self._pool is not None  # only called by read(), after _check_read
         base = self._pool.data_ptr()
         dev = max(self._pool.get_device(), 0)
         local = np.array([(base + r.local_offset, r.nbytes, dev) for r in runs], dtype=np.uint64)

@@ -18,6 +18,8 @@ decode-only batches that fit a graph replay it; anything else runs eagerly.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from engine.attention import AttentionMetadata
@@ -48,7 +50,7 @@ class DecodeGraphRunner:
         self.ctx = torch.ones(bmax, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # static outputs [B, vocab] fp32
-        self.pool = None
+        self.pool: Any = None  # the graphs' shared memory pool (torch's handle type is private)
 
     def __getattr__(self, name):  # stand in for the ModelRunner (model_cfg, cache_cfg, cache, ...)
         return getattr(self.runner, name)

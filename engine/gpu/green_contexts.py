@@ -27,6 +27,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -52,10 +53,12 @@ def _green_stream(num_sms: int, device: int) -> tuple[object, torch.cuda.Stream,
     """A green context with `num_sms` SMs and a torch stream whose kernels run on them."""
     from torch.cuda.green_contexts import GreenContext  # noqa: PLC0415
 
+    # Any: this code spans torch versions whose GreenContext API differs (checked at run time below)
+    green: Any = GreenContext
     try:
-        ctx = GreenContext.create(num_sms=num_sms, device_id=device)
+        ctx = green.create(num_sms=num_sms, device_id=device)
     except TypeError:  # older positional signature
-        ctx = GreenContext.create(num_sms, device)
+        ctx = green.create(num_sms, device)
     if hasattr(ctx, "Stream"):
         return ctx, ctx.Stream(), "GreenContext.Stream()"
     # No Stream(): create a stream while the green context is current, so it belongs to it.
