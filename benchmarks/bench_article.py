@@ -13,7 +13,6 @@ so the prediction reads 4-byte weights and uses the fp32 GEMM rate as the peak.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -25,6 +24,7 @@ from tqdm import tqdm
 
 from benchmarks import timing as eb
 from cli import CliError
+from cli.output import emit_json
 from costmodel import cost_model as cm
 from costmodel.provenance import RESULTS_DIR, write_result
 from engine.model_runner import StepItem
@@ -303,7 +303,7 @@ def main(args: argparse.Namespace) -> int:
         r["files"] = {"plot": str(out_dir / f"{name}.png")}
     path = write_result(name, r, config=eb.config_record(args), out_dir=out_dir)
     if args.json:
-        print(json.dumps({**r, "result": str(path)}, indent=2, default=str))
+        emit_json({**r, "result": str(path)})
     else:
         print(render(r))
         print(f"results: {path}" + "".join(f"\n{k}: {v}" for k, v in r.get("files", {}).items()))

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from benchmarks import timing as eb
 from benchmarks.timing import measure, time_call
 from cli import CliError
+from cli.output import emit_json
 from costmodel import cost_model as cm
 from costmodel.provenance import RESULTS_DIR, write_result
 from engine.model_runner import StepItem
@@ -342,7 +343,7 @@ def main(args: argparse.Namespace) -> int:
     r["files"] = files
     path = write_result(name, r, config=eb.config_record(args), out_dir=out_dir)
     if args.json:
-        print(json.dumps({**r, "result": str(path)}, indent=2, default=str))
+        emit_json({**r, "result": str(path)})
     else:
         print(render(r))
         print(f"results: {path}" + "".join(f"\n{k}: {v}" for k, v in files.items()))

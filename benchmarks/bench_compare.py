@@ -28,6 +28,8 @@ from typing import Any
 from benchmarks.bench_serve import BenchConfig, run_benchmark
 from benchmarks.compare_report import pack
 from benchmarks.serve_client import ClientConfig
+from cli.output import emit_json
+from costmodel.provenance import OUT_DIR_HELP
 from costmodel.workloads import RequestSpec, WorkloadConfig, build_workload
 
 # The CPU-sized default: 8 chats decoding 400 tokens while three 2048-token documents arrive.
@@ -164,7 +166,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     o.add_argument("--duration-limit-s", type=float, default=300.0, help="per timed run")
     o.add_argument("--out", default=None, help="result name (default compare-<model>-<device>)")
-    o.add_argument("--out-dir", default=None, help="default benchmarks/results")
+    o.add_argument("--out-dir", default=None, help=OUT_DIR_HELP)
     o.add_argument("--json", action="store_true", help="print the result summary as JSON instead of the table")
     o.add_argument("--no-progress", action="store_true")
     o.add_argument(
@@ -380,14 +382,18 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def find_calibration(given: str | None, out_dir: Path, model: str, device_kind: str) -> Path:
-    """--calibration, else `bench chunks`' file for this model and device in --out-dir, else in results/."""
+    """--calibration, else `bench chunks`' file for this model and device in --out-dir, else in
+    benchmarks/results/local/, else the committed one in benchmarks/results/."""
     from costmodel import compare_predict as cp  # noqa: PLC0415
-    from costmodel.provenance import RESULTS_DIR  # noqa: PLC0415
+    from costmodel.provenance import REFERENCE_RESULTS_DIR, RESULTS_DIR  # noqa: PLC0415
 
     if given:
         return Path(given)
-    here = cp.default_calibration_path(out_dir, Path(model).name, device_kind)
-    return here if here.is_file() else cp.default_calibration_path(RESULTS_DIR, Path(model).name, device_kind)
+    candidates = [
+        cp.default_calibration_path(d, Path(model).name, device_kind)
+        for d in (out_dir, RESULTS_DIR, REFERENCE_RESULTS_DIR)
+    ]
+    return next((c for c in candidates if c.is_file()), candidates[-1])
 
 
 def _default_device() -> str:
@@ -489,17 +495,14 @@ def main(args: argparse.Namespace) -> int:
     files = rep.write_report(result, out_dir, name, result_path=path)
     table = rep.format_table(result)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "result_file": str(path),
-                    "report": str(files.markdown),
-                    "plots": [str(p) for p in files.plots],
-                    "equality": result["equality"],
-                    "summary": rep.summary_rows(result),
-                },
-                indent=2,
-            )
+        emit_json(
+            {
+                "result_file": str(path),
+                "report": str(files.markdown),
+                "plots": [str(p) for p in files.plots],
+                "equality": result["equality"],
+                "summary": rep.summary_rows(result),
+            }
         )
     else:
         print(table)

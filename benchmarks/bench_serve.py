@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as _dt
-import json
 import math
 import sys
 import time
@@ -21,6 +20,7 @@ from typing import Any
 
 from benchmarks.serve_client import ClientConfig, ClientError, run_requests
 from cli import CliError
+from cli.output import emit_json
 from costmodel.provenance import write_result
 from costmodel.serve_metrics import Dist, RequestRecord, ServeMetrics, compute_metrics
 from costmodel.workloads import RequestSpec, WorkloadConfig, build_workload
@@ -186,7 +186,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--slo-ttft-ms", type=float, default=None)
     o.add_argument("--slo-tpot-ms", type=float, default=None)
     o.add_argument("--json", action="store_true", help="print the metrics as JSON instead of the table")
-    o.add_argument("--out", default=None, help="result name under benchmarks/results/ (default: timestamped)")
+    o.add_argument("--out", default=None, help="result name under benchmarks/results/local/ (default: timestamped)")
     o.add_argument("--results-dir", default=None, help=argparse.SUPPRESS)
 
 
@@ -246,7 +246,7 @@ def main(args: argparse.Namespace) -> int:
         Path(args.results_dir) if args.results_dir else None,
     )
     if args.json:
-        print(json.dumps({"result_file": str(path), "model": result.model, "metrics": payload["metrics"]}, indent=2))
+        emit_json({"result_file": str(path), "model": result.model, "metrics": payload["metrics"]})
     else:
         print(format_table(result))
         print(f"results: {path}")

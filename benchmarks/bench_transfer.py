@@ -19,7 +19,6 @@ The "local" backend copies inside one process (colocated mode), so both its pool
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import statistics
 import sys
@@ -31,7 +30,8 @@ import torch
 from tqdm import tqdm
 
 from cli import CliError
-from costmodel.provenance import RESULTS_DIR, write_result
+from cli.output import emit_json
+from costmodel.provenance import OUT_DIR_HELP, RESULTS_DIR, write_result
 from transport import LINKS_GBPS, make_transport
 from transport.wire import KVHandle, KVLayout
 
@@ -126,8 +126,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="where both pools live (default: cuda if available; GPU path not yet measured)",
     )
     p.add_argument("--json", action="store_true", help="print the result object as JSON instead of the table")
-    p.add_argument("--name", default="transfer", help="result file name under benchmarks/results/")
-    p.add_argument("--out-dir", default=None, help="directory for the JSON and PNG (default benchmarks/results)")
+    p.add_argument("--name", default="transfer", help="result file name under --out-dir")
+    p.add_argument("--out-dir", default=None, help=OUT_DIR_HELP)
     p.add_argument("--no-plot", action="store_true")
 
 
@@ -253,7 +253,7 @@ def main(args: argparse.Namespace) -> int:
     path = write_result(args.name, result, config=config, out_dir=out_dir)
     png = None if args.no_plot else _plot(rows, memcpy_med, out_dir / f"{args.name}.png")
     if args.json:
-        print(json.dumps(result, indent=2))
+        emit_json(result)
     else:
         _print_table(rows, memcpy_ref, skipped)
         print(f"\nwrote {path}" + (f" and {png}" if png else ""))

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from costmodel.provenance import OUT_DIR_HELP
+
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -208,7 +210,11 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--peak-tflops", type=float, default=None, help="override the peak used for predictions and MFU")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, help="result name under --out-dir (default: <bench>-<model>-<device>)")
-    o.add_argument("--out-dir", default=None, help="default benchmarks/results/")
+    o.add_argument(
+        "--out-dir",
+        default=None,
+        help=OUT_DIR_HELP,
+    )
     o.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
     o.add_argument("--no-plot", action="store_true")
     o.add_argument("--no-progress", action="store_true")

@@ -13,6 +13,8 @@ import argparse
 import importlib
 import sys
 
+from cli.output import stdout_reserved_for_json
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("engine.generate_cli", "generate tokens from one prompt with the local engine"),
@@ -69,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if getattr(args, "json", False):  # stdout is the JSON document's alone (cli/output.py)
+            with stdout_reserved_for_json():
+                return int(args._main(args) or 0)
         return int(args._main(args) or 0)
     except CliError as e:
         print(f"pdserve {args.command}: error: {e}", file=sys.stderr)

@@ -6,11 +6,11 @@ With no arguments it prints the article's tables (Llama-3.1-70B FP8 on one H100 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from typing import Any
 
 from cli import CliError
+from cli.output import emit_json
 from costmodel import cost_model as cm
 
 
@@ -251,5 +251,8 @@ def render(r: dict[str, Any]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     result = compute(args)
-    print(json.dumps(result, indent=2) if args.json else render(result))
+    if args.json:
+        emit_json(result)
+    else:
+        print(render(result))
     return 0

@@ -11,7 +11,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+# Committed reference results (written only when asked: `--out-dir benchmarks/results`)...
+REFERENCE_RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+# ...and where every run writes by default: ignored by git, so running a benchmark (or `make demo`)
+# never dirties the checkout.
+RESULTS_DIR = REFERENCE_RESULTS_DIR / "local"
+OUT_DIR_HELP = (
+    "default benchmarks/results/local/, ignored by git (--out-dir benchmarks/results: the committed reference)"
+)
 
 
 def _git(*args: str) -> str | None:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import json
 from pathlib import Path
 from typing import Any
 
 from cli import CliError
+from cli.output import emit_json
 from costmodel import cost_model as cm
-from costmodel.provenance import RESULTS_DIR, write_result
+from costmodel.provenance import OUT_DIR_HELP, RESULTS_DIR, write_result
 from costmodel.sim_engine import MODES, Request, Sim, SimConfig, StepModel, Workload, simulate
 from costmodel.sim_plot import plot_timelines
 
@@ -230,7 +230,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--png", default=None, help="timeline plot path (default: results/<name>.png)")
     g.add_argument("--no-png", action="store_true")
     g.add_argument("--name", default="simulate", help="result file name under --out-dir")
-    g.add_argument("--out-dir", default=None, help="default benchmarks/results")
+    g.add_argument(
+        "--out-dir",
+        default=None,
+        help=OUT_DIR_HELP,
+    )
 
 
 def _steps(args: argparse.Namespace) -> tuple[StepModel, cm.Link]:
@@ -302,8 +306,11 @@ def main(args: argparse.Namespace) -> int:
         fixed = StepModel(steps.model, steps.hw, steps.mfu, fixed_ctx=args.fixed_ctx or args.doc_prompt[0])
         rows = capacity_special_case(fixed, rates, prompt=args.doc_prompt[0], batch=args.streams or 32)
         path = write_result(args.name, {"simulated": True, "capacity_table": rows}, config, out_dir)
-        print(json.dumps(rows, indent=2) if args.json else render_capacity(rows))
-        print(f"(simulated; result: {path})")
+        if args.json:
+            emit_json(rows)
+        else:
+            print(render_capacity(rows))
+            print(f"(simulated; result: {path})")
         return 0
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if args.warmup >= args.duration:
@@ -335,7 +342,7 @@ def main(args: argparse.Namespace) -> int:
         payload["png"] = str(plot_timelines(sims, png, args.warmup))
     path = write_result(args.name, payload, config, out_dir)
     if args.json:
-        print(json.dumps(payload, indent=2))
+        emit_json(payload)
     else:
         print(
             f"simulated: {steps.model.name} on {steps.hw.name} at {steps.mfu:.0%} MFU; {args.streams} streams, "

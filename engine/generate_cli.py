@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 from cli import CliError
+from cli.output import emit_json
 from engine.config import PRESETS, CacheConfig, is_checkpoint_dir, read_generation_eos, resolve_model_config
 from engine.gguf_file import GGUFError
 from engine.llm_engine import LLMEngine
@@ -140,7 +140,7 @@ def main(args: argparse.Namespace) -> int:
         },
     }
     if args.json:
-        print(json.dumps(result))
+        emit_json(result, indent=None)
     else:
         print(result["text"])
         t = result["timings"]

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from cli import CliError
+from cli.output import emit_json
 from engine.model_registry import MODELS, PullError, cache_root, is_pulled, model_dir, pull
 
 
@@ -52,7 +52,7 @@ def main(args: argparse.Namespace) -> int:
                 for m in MODELS.values()
             ]
             if args.json:
-                print(json.dumps({"cache": str(cache_root()), "models": rows}))
+                emit_json({"cache": str(cache_root()), "models": rows}, indent=None)
                 return 0
             print(f"{'name':<24} {'package':<22} {'size':>8}  {'pulled':<6}  description")
             for r in rows:

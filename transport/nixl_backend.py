@@ -24,6 +24,7 @@ Settings, measured on a 2-core CPU host with two processes moving 256 MB host-to
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -46,7 +47,16 @@ def _nixl():
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t  # noqa: PLC0415 - a clear error if absent
     except ImportError as e:  # pragma: no cover - nixl is a dependency
         raise TransportError(f"NIXL is not importable ({e}); install the nixl package") from e
+    _nixl_logs_to_stderr()
     return nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+
+def _nixl_logs_to_stderr() -> None:
+    """NIXL's Python package logs INFO lines ("Initialized NIXL agent", ...) to stdout; stdout is
+    for results (tables, `--json` documents), so its handlers write to stderr instead."""
+    for handler in logging.getLogger("nixl").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
 
 
 def _create_agent(name: str, progress_thread: bool, workers: int):

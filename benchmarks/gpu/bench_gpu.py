@@ -36,6 +36,7 @@ from benchmarks.gpu.colocation import bench_green
 from benchmarks.gpu.model_bench import bench_decode, bench_hf, bench_prefill, build_runner
 from benchmarks.gpu.transfer import bench_transfer
 from cli import CliError
+from costmodel.provenance import OUT_DIR_HELP
 
 SECTIONS = ("ceilings", "decode", "prefill", "green", "hf", "transfer")
 TARGETS = {  # issue 7
@@ -53,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", default="1,8,32,64,128,256")
     p.add_argument("--prefill-lens", default="1024,2048,4096,8192,16384,32768")
     p.add_argument("--green-sms", default="16,32,64", help="decode SM counts to try for the green split")
-    p.add_argument("--out-dir", default=None, help="results folder (default benchmarks/results)")
+    p.add_argument("--out-dir", default=None, help=OUT_DIR_HELP)
     p.add_argument("--git-commit", default=None, help="record this commit (when .git is not on the machine)")
 
 

@@ -27,7 +27,7 @@ if [[ "${1:-}" != "--on-device" ]]; then
     exit 0
 fi
 commit="${2:-unknown}"
-out="${OUT:-benchmarks/results}"
+out="${OUT:-benchmarks/results/local}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 {

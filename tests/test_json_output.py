@@ -1,0 +1,139 @@
+"""Every `--json` command writes exactly one JSON document to stdout (`pdserve ... --json | jq`).
+
+Each command runs as a real process through the console script, the way a user pipes it, and
+stdout must parse with `json.loads` as a whole: no NIXL/UCX/Ray log line, progress bar or trailing
+"result: ..." line may reach it (they belong on stderr). The first test keeps this list complete:
+a new command with `--json` fails it until it is added here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli import BENCH_COMMANDS, COMMANDS, build_parser
+from tests.fakes import FakeCompletionsServer, FakeScript
+
+ROOT = Path(__file__).resolve().parent.parent
+REFERENCE_COMPARE = ROOT / "benchmarks/results/compare-tiny-cpu.json"
+ENGINE = ["--model", "tiny", "--device", "cpu", "--no-progress", "--threads", "1"]
+
+# command words -> extra arguments (a tiny, fast configuration); {tmp} is a scratch directory
+CASES: dict[tuple[str, ...], list[str]] = {
+    ("cost",): ["--config", "llama-3.1-70b"],
+    ("simulate",): ["--duration", "6", "--warmup", "1", "--doc-rate", "0.5", "--no-png", "--out-dir", "{tmp}"],
+    ("generate",): ["--model", "tiny", "--prompt-ids", "1,2,3", "--max-tokens", "4", "--temperature", "0"],
+    ("model", "list"): [],
+    ("bench", "transfer"): [
+        "--size-mb",
+        "1",
+        "--block-tokens",
+        "16",
+        "--repeats",
+        "1",
+        "--no-plot",
+        "--out-dir",
+        "{tmp}",
+    ],
+    ("bench", "chunks"): [
+        *ENGINE,
+        "--decode-batch",
+        "2",
+        "--context",
+        "32",
+        "--prompt-len",
+        "64",
+        "--chunks",
+        "32",
+        "--repeats",
+        "1",
+        "--decode-repeats",
+        "1",
+        "--out-dir",
+        "{tmp}",
+    ],
+    ("bench", "article"): [
+        *ENGINE,
+        "--batches",
+        "1",
+        "--ctx",
+        "32",
+        "--contexts",
+        "32",
+        "--decode-repeats",
+        "1",
+        "--prefill-repeats",
+        "1",
+        "--out-dir",
+        "{tmp}",
+    ],
+    # against a scripted OpenAI-compatible server (tests/fakes.py); the real server is covered by
+    # `bench compare` in test_bench_compare.py
+    ("bench", "serve"): [
+        "--base-url",
+        "{server}",
+        "--num-requests",
+        "2",
+        "--random-input-len",
+        "8",
+        "--random-output-len",
+        "3",
+        "--no-progress",
+        "--results-dir",
+        "{tmp}",
+    ],
+    # redraws the committed reference result (the measured run itself is test_bench_compare.py's)
+    ("bench", "compare"): ["--from-json", str(REFERENCE_COMPARE), "--out-dir", "{tmp}"],
+}
+
+
+def _json_commands(parser: argparse.ArgumentParser, words: tuple[str, ...] = ()) -> set[tuple[str, ...]]:
+    found = {words} if any("--json" in a.option_strings for a in parser._actions) else set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found |= _json_commands(sub, (*words, name))
+    return found
+
+
+def test_every_json_command_is_covered():
+    found: set[tuple[str, ...]] = set()
+    for name in COMMANDS:
+        found |= {c for c in _json_commands(build_parser([name])) if c[:1] == (name,)}
+    for name in BENCH_COMMANDS:
+        found |= {c for c in _json_commands(build_parser(["bench", name])) if c[:2] == ("bench", name)}
+    assert found == set(CASES), f"add the missing --json commands to CASES: {found ^ set(CASES)}"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with FakeCompletionsServer(FakeScript()) as srv:
+        yield srv
+
+
+def _pdserve() -> list[str]:
+    script = Path(sys.executable).with_name("pdserve")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "cli"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("words", list(CASES), ids=" ".join)
+def test_json_stdout_is_one_document(words, tmp_path, server):
+    args = [a.format(tmp=tmp_path, server=server.base_url) for a in CASES[words]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [*_pdserve(), *words, *args, "--json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=170
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    try:
+        json.loads(proc.stdout)
+    except json.JSONDecodeError as e:
+        pytest.fail(
+            f"stdout of `pdserve {' '.join(words)} --json` is not one JSON document ({e}):\n{proc.stdout[:2000]}"
+        )
