@@ -1,7 +1,7 @@
 """Golden tests: every number of the article's tables, at the precision the article prints.
 
 Where the article's prose disagrees with its own arithmetic, the test asserts the arithmetic and
-names the erratum (see README "Errata").
+names the erratum (see docs/benchmarks.md, "Errata").
 """
 
 from __future__ import annotations
