@@ -7,6 +7,7 @@ import time
 
 from cli import CliError
 from cli.output import emit_json
+from engine.chat_template import ChatTemplateError
 from engine.config import PRESETS, CacheConfig, is_checkpoint_dir, read_generation_eos, resolve_model_config
 from engine.gguf_file import GGUFError
 from engine.llm_engine import LLMEngine
@@ -28,6 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    p.add_argument(
+        "--raw",
+        action="store_true",
+        help="send --prompt as plain text (default: as one user message through the model's own chat "
+        "template, if it has one)",
+    )
     p.add_argument("--max-tokens", type=int, default=16, help="tokens to generate (default 16)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
@@ -83,7 +90,16 @@ def main(args: argparse.Namespace) -> int:
         raise CliError(f"--model {args.model!r}: cannot read config.json: {e!r}") from None
     ckpt = args.model if args.model not in PRESETS else None
     tok = load_tokenizer(args.model, cfg.bos_token_id, cfg.eos_token_id)
-    ids = _parse_ids(args.prompt_ids, cfg.vocab_size) if args.prompt_ids else tok.encode(args.prompt)
+    chat = tok.chat_template is not None and not args.raw and not args.prompt_ids
+    if args.prompt_ids:
+        ids = _parse_ids(args.prompt_ids, cfg.vocab_size)
+    elif chat and args.prompt:
+        try:
+            ids = tok.encode(tok.chat_template.render([{"role": "user", "content": args.prompt}]), add_bos=False)
+        except ChatTemplateError as e:
+            raise CliError(str(e)) from None
+    else:
+        ids = tok.encode(args.prompt)
     if not ids:
         raise CliError("--prompt is empty")
     total = len(ids) + args.max_tokens
@@ -102,6 +118,7 @@ def main(args: argparse.Namespace) -> int:
             top_p=args.top_p,
             seed=args.seed,
             ignore_eos=args.ignore_eos,
+            stop_token_ids=tok.end_of_turn_ids if chat else (),
         )
     except ValueError as e:
         raise CliError(str(e)) from None
@@ -129,6 +146,7 @@ def main(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "kv_dtype": kv_dtype,
         "device": args.device,
+        "chat_template": chat,
         "prompt_tokens": len(ids),
         "token_ids": seq.output_ids,
         "text": tok.decode(seq.output_ids),

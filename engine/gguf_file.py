@@ -229,6 +229,8 @@ def write_hf_metadata(g: GGUFFile, directory: Path) -> None:
     (directory / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     (directory / "tokenizer.json").write_text(g.tokenizer_json())
     (directory / "tokenizer_config.json").write_text(json.dumps(g.tokenizer_config(), indent=2) + "\n")
+    if g.chat_template:  # where transformers >= 4.47 looks for it
+        (directory / "chat_template.jinja").write_text(g.chat_template)
 
 
 __all__ = ["GGUFError", "GGUFFile", "SUPPORTED_TYPES", "is_gguf", "unpermute_rows", "write_hf_metadata"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
+from engine.chat_template import ChatTemplate, chat_template_from_config
 from engine.config import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB
 
 
@@ -16,7 +17,15 @@ class Tokenizer(Protocol):
     @property
     def eos_id(self) -> int | None: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        """The checkpoint's own; None = pdserve's simple template."""
+
+    @property
+    def end_of_turn_ids(self) -> tuple[int, ...]:
+        """Chat completions stop at these."""
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -26,8 +35,10 @@ class ByteTokenizer:
 
     bos_id = BYTE_BOS_ID
     eos_id = BYTE_EOS_ID
+    chat_template = None
+    end_of_turn_ids: tuple[int, ...] = ()
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
@@ -50,11 +61,19 @@ class HFTokenizer:
 
         self._tok = _T.from_str(json_str) if json_str is not None else _T.from_file(str(path))
         self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
+        self.chat_template: ChatTemplate | None = None
+        self.end_of_turn_ids: tuple[int, ...] = ()
 
-    def encode(self, text: str) -> list[int]:
-        """Special-token text (e.g. a chat template's <|im_start|>) becomes its special id."""
+    def set_chat_template(self, template: ChatTemplate | None) -> None:
+        self.chat_template = template
+        ids = [self.token_id(t) for t in template.end_of_turn_tokens()] if template else []
+        self.end_of_turn_ids = tuple(sorted({i for i in ids if i is not None}))
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """Special-token text (e.g. a chat template's <|im_start|>) becomes its special id.
+        add_bos=False for text that already carries its bos (a rendered chat template)."""
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        return ([self.bos_id] if self.add_bos and self.bos_id is not None else []) + ids
+        return ([self.bos_id] if add_bos and self.add_bos and self.bos_id is not None else []) + ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
@@ -90,11 +109,15 @@ def load_tokenizer(model: str, bos_id: int | None, eos_id: int | None) -> Tokeni
         from engine.gguf_file import GGUFFile  # noqa: PLC0415
 
         g = GGUFFile(p)
-        return HFTokenizer(None, bos_id, eos_id, add_bos=g.add_bos, json_str=g.tokenizer_json())
+        tok = HFTokenizer(None, bos_id, eos_id, add_bos=g.add_bos, json_str=g.tokenizer_json())
+        tok.set_chat_template(chat_template_from_config(g.tokenizer_config()))
+        return tok
     f = p / "tokenizer.json"
     if p.is_dir() and f.is_file():
-        add_bos = read_tokenizer_config(model).get("add_bos_token", True)
-        return HFTokenizer(f, bos_id, eos_id, add_bos=bool(add_bos))
+        tok_cfg = read_tokenizer_config(model)
+        tok = HFTokenizer(f, bos_id, eos_id, add_bos=bool(tok_cfg.get("add_bos_token", True)))
+        tok.set_chat_template(chat_template_from_config(tok_cfg))
+        return tok
     return ByteTokenizer()
 
 

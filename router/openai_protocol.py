@@ -14,11 +14,12 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from engine.chat_template import ChatTemplateError
 from engine.sequence import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -190,11 +191,25 @@ def message_text(msg: ChatMessage, i: int) -> str:
 
 
 def render_chat(messages: list[ChatMessage]) -> str:
-    """The one chat template pdserve uses, for every tokenizer: a line per message, then the
-    assistant's cue. Random-weight models have no template of their own; checkpoints' Jinja
-    templates are not applied (documented in the README)."""
+    """pdserve's simple chat template, for models without one of their own (random-weight
+    presets): a line per message, then the assistant's cue."""
     lines = [f"{m.role}: {message_text(m, i)}\n" for i, m in enumerate(messages)]
     return "".join(lines) + "assistant: "
+
+
+def chat_prompt_ids(messages: list[ChatMessage], tok: Tokenizer) -> list[int]:
+    """The conversation as prompt ids: the checkpoint's own Jinja template when it has one
+    (with the assistant's generation prompt, as transformers' apply_chat_template renders it),
+    else the simple template."""
+    template = getattr(tok, "chat_template", None)
+    if template is None:
+        return tok.encode(render_chat(messages))
+    msgs = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(messages)]
+    try:
+        text = template.render(msgs, add_generation_prompt=True)
+    except ChatTemplateError as e:
+        raise bad(f"The model's chat template rejected these messages: {e}", param="messages") from None
+    return tok.encode(text, add_bos=False)  # the template writes its own bos, if it wants one
 
 
 def _stop_strings(stop: Any) -> tuple[str, ...]:
@@ -281,7 +296,9 @@ def _prepare(
     max_tokens: int | None,
     max_param: str,
     lim: Limits,
+    stop_ids: tuple[int, ...] = (),
 ) -> Prepared:
+    """stop_ids: token ids that end generation besides the request's own (a chat's end of turn)."""
     if req.model is not None and req.model not in lim.accepted_names:
         raise OpenAIError(
             404,
@@ -301,6 +318,8 @@ def _prepare(
     # OpenAI's defaults: 16 tokens for completions, "as many as fit" for chat.
     default_max = 16 if kind == "completion" else None
     params = _sampling(req, max_tokens, len(ids), lim, default_max, max_param)
+    if stop_ids:
+        params = replace(params, stop_token_ids=tuple(dict.fromkeys(params.stop_token_ids + stop_ids)))
     return Prepared(
         kind,
         lim.model_name,
@@ -333,8 +352,8 @@ def prepare_chat(body: Any, tok: Tokenizer, lim: Limits) -> Prepared:
         if req.max_completion_tokens is not None
         else (req.max_tokens, "max_tokens")
     )
-    ids = tok.encode(render_chat(req.messages))
-    return _prepare("chat", req, ids, mt, param, lim)
+    ids = chat_prompt_ids(req.messages, tok)
+    return _prepare("chat", req, ids, mt, param, lim, stop_ids=tuple(getattr(tok, "end_of_turn_ids", ())))
 
 
 # ------------------------------------------------------------------------------ stop strings

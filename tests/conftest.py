@@ -123,10 +123,27 @@ def smollm2() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf(smollm2):
+def smollm2_gguf_only(smollm2, tmp_path_factory) -> Path:
+    """A directory holding only the GGUF (a link): transformers then reads config, tokenizer and
+    template from the GGUF itself, not from the files pdserve wrote beside it."""
+    d = tmp_path_factory.mktemp("smollm2-gguf")
+    (d / "model.gguf").symlink_to(smollm2 / "model.gguf")
+    return d
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf_only):
     """transformers' own LlamaForCausalLM from the same GGUF (its own dequantization and Q/K
     un-permutation), fp32: the independent reference for the real model."""
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
-    return AutoModelForCausalLM.from_pretrained(smollm2, gguf_file="model.gguf", dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(smollm2_gguf_only, gguf_file="model.gguf", dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(smollm2_gguf_only):
+    """transformers' tokenizer (and chat template) built from the GGUF's metadata."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    return AutoTokenizer.from_pretrained(smollm2_gguf_only, gguf_file="model.gguf")

@@ -70,7 +70,17 @@ def test_gguf_file_as_model(smollm2, tmp_path):
     gguf = tmp_path / "smol.gguf"
     os.symlink(smollm2 / "model.gguf", gguf)
     p = _run(
-        ["generate", "--model", str(gguf), "--prompt", "The capital of France is", "--max-tokens", "4", "--json"],
+        [
+            "generate",
+            "--model",
+            str(gguf),
+            "--raw",
+            "--prompt",
+            "The capital of France is",
+            "--max-tokens",
+            "4",
+            "--json",
+        ],
         tmp_path,
     )
     assert p.returncode == 0, p.stderr
