@@ -90,12 +90,13 @@ def main(args: argparse.Namespace) -> int:
         raise CliError(f"--model {args.model!r}: cannot read config.json: {e!r}") from None
     ckpt = args.model if args.model not in PRESETS else None
     tok = load_tokenizer(args.model, cfg.bos_token_id, cfg.eos_token_id)
-    chat = tok.chat_template is not None and not args.raw and not args.prompt_ids
+    template = None if args.raw or args.prompt_ids else tok.chat_template
+    chat = template is not None
     if args.prompt_ids:
         ids = _parse_ids(args.prompt_ids, cfg.vocab_size)
-    elif chat and args.prompt:
+    elif template is not None and args.prompt:
         try:
-            ids = tok.encode(tok.chat_template.render([{"role": "user", "content": args.prompt}]), add_bos=False)
+            ids = tok.encode(template.render([{"role": "user", "content": args.prompt}]), add_bos=False)
         except ChatTemplateError as e:
             raise CliError(str(e)) from None
     else:
