@@ -21,7 +21,7 @@ from typing import Any
 from benchmarks.serve_client import ClientConfig, ClientError, run_requests
 from cli import CliError
 from cli.output import emit_json
-from costmodel.provenance import write_result
+from costmodel.provenance import OUT_DIR_HELP, write_result
 from costmodel.serve_metrics import Dist, RequestRecord, ServeMetrics, compute_metrics
 from costmodel.workloads import RequestSpec, WorkloadConfig, build_workload
 
@@ -186,8 +186,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--slo-ttft-ms", type=float, default=None)
     o.add_argument("--slo-tpot-ms", type=float, default=None)
     o.add_argument("--json", action="store_true", help="print the metrics as JSON instead of the table")
-    o.add_argument("--out", default=None, help="result name under benchmarks/results/local/ (default: timestamped)")
-    o.add_argument("--results-dir", default=None, help=argparse.SUPPRESS)
+    o.add_argument("--out", default=None, help="result name under --out-dir (default: timestamped)")
+    o.add_argument("--out-dir", "--results-dir", dest="results_dir", metavar="DIR", default=None, help=OUT_DIR_HELP)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:

@@ -169,11 +169,11 @@ def summarize(values: Sequence[float], scale: float = 1.0) -> Dist:
 
 
 def benchmark_duration(records: Sequence[RequestRecord]) -> float:
-    sent = [r for r in records if r.send_s is not None]
+    sent = [(r, r.send_s) for r in records if r.send_s is not None]
     if not sent:
         return 0.0
-    ends = [r.end_s if r.end_s is not None else (r.chunk_times_s[-1] if r.chunk_times_s else r.send_s) for r in sent]
-    return max(ends) - min(r.send_s for r in sent)  # type: ignore[type-var, misc]
+    ends = [r.end_s if r.end_s is not None else (r.chunk_times_s[-1] if r.chunk_times_s else t) for r, t in sent]
+    return max(ends) - min(t for _, t in sent)
 
 
 def meets_slo(r: RequestRecord, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:

@@ -150,6 +150,8 @@ class Sim:
         self.requests: list[Request] = []
         self.finished: list[Request] = []
         self.chat_rng = random.Random(f"{wl.seed}-chat")
+        self.prefill: list[Worker]
+        self.decode: list[Worker]  # DecodeWorkers, or ColocatedWorkers that also prefill
         if cfg.mode == "disagg":
             self.prefill = [PrefillWorker(self, f"P{i}") for i in range(cfg.prefill_workers)]
             self.decode = [DecodeWorker(self, f"D{i}") for i in range(cfg.decode_workers)]
@@ -182,6 +184,7 @@ class Sim:
 
     def send_kv(self, r: Request) -> None:
         dw = min(self.decode, key=lambda w: w.load)
+        assert isinstance(dw, DecodeWorker)  # KV is only sent in disaggregated mode
         start = max(self.now, dw.link_free)
         dw.link_free = start + self.steps.transfer(r.prompt, self.cfg.link)
         dw.inflight += 1
@@ -280,7 +283,8 @@ class ColocatedWorker(Worker):
                 r.prefilled = r.prompt
                 return steps.prefill(r.prompt), r.prompt, 0, lambda: self._prefilled(r)
             return self._decode_step() if self.running else None
-        batch, parts, budget = list(self.running), [], cfg.chunk
+        batch, budget = list(self.running), cfg.chunk
+        parts: list[tuple[Request, int, int]] = []  # (request, chunk start, chunk tokens)
         for r in self.queue:
             if budget == 0 or len(batch) + len(parts) >= cfg.max_batch:
                 break

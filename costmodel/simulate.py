@@ -28,7 +28,7 @@ def percentiles(xs: list[float], ps: tuple[int, ...] = (50, 90, 99)) -> dict[str
     if not xs:
         return {f"p{p}": None for p in ps}
     s = sorted(xs)
-    out = {}
+    out: dict[str, float | None] = {}
     for p in ps:
         k = (len(s) - 1) * p / 100
         i = int(k)
