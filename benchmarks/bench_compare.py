@@ -25,12 +25,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks import demo_samples
 from benchmarks.bench_serve import BenchConfig, run_benchmark
 from benchmarks.compare_report import pack
 from benchmarks.serve_client import ClientConfig
 from cli.output import emit_json
 from costmodel.provenance import OUT_DIR_HELP
 from costmodel.workloads import RequestSpec, WorkloadConfig, build_workload
+from engine.config import PRESETS
 
 # The CPU-sized default: 8 chats decoding 400 tokens while three 2048-token documents arrive.
 # On the 2-core dev machine with the tiny model a 2048-token prefill takes ~0.6 s and a decode
@@ -79,6 +81,7 @@ class ModeRun:
     bench: Any  # BenchResult of the timed run
     error: str | None = None
     load_average: list[float] | None = None  # 1/5/15-min load after the run: a busy machine shows here
+    samples: list[dict[str, Any]] | None = None  # a real model's answers to a few questions (demo_samples)
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -133,7 +136,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunk-sizes", default="32,128", help="one chunked run per size (tokens)")
     g.add_argument("--prefill", type=int, default=1, metavar="N", help="disagg prefill workers")
     g.add_argument("--decode", type=int, default=1, metavar="M", help="decode (and colocated) workers")
-    g.add_argument("--model", default="tiny", help="preset or checkpoint directory")
+    g.add_argument(
+        "--model",
+        default="tiny",
+        help="preset, registry model (e.g. smollm2-135m-instruct: pulled on first use; the report then "
+        "shows its answers to a few questions), checkpoint directory or .gguf file",
+    )
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     g.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per worker")
     g.add_argument("--max-num-seqs", type=int, default=64)
@@ -251,10 +259,14 @@ def run_mode(
         startup = time.perf_counter() - t0
         _log(f"  up in {startup:.1f} s at {srv.base_url}; equality pass ({len(specs)} requests at once)")
         ids, transfers = asyncio.run(equality_pass(srv.base_url, cfg.model_name, specs))
+        samples = None
+        if cfg.model not in PRESETS:  # a real model: a few answers a person can read
+            _log("  real outputs (a few chat questions)")
+            samples = demo_samples.ask(srv.base_url, cfg.model_name)
         _log("  timed run (arrivals on schedule, streamed)")
         client = replace(bench.client, base_url=srv.base_url, model=cfg.model_name)
         result = asyncio.run(run_benchmark(replace(bench, client=client), specs))
-    return ModeRun(spec, cfg.to_dict(), startup, ids, transfers, result, load_average=_load())
+    return ModeRun(spec, cfg.to_dict(), startup, ids, transfers, result, load_average=_load(), samples=samples)
 
 
 def _load() -> list[float] | None:
@@ -424,6 +436,7 @@ def _payload(args, device, wl, specs, runs, predictions, setup, setup_error, cal
             "serve_config": r.serve_config,
             "startup_s": r.startup_s,
             "load_average": r.load_average,
+            "samples": r.samples,
         }
         if r.bench is not None:
             entry["metrics"] = asdict(r.bench.metrics)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks import demo_samples
+
 
 def pack(times: list[float]) -> str:
     """Timestamps as one string of space-separated seconds, to 0.01 ms: with the JSON indented
@@ -455,6 +457,7 @@ def write_report(result: dict[str, Any], out_dir: Path, name: str, result_path: 
         f"Method: {eq.get('how', '-')}. The streamed text of the timed runs was "
         f"{'identical too' if eq.get('timed_text_identical') else 'NOT identical'} across modes.",
         "",
+        *demo_samples.report_section(result["modes"]),
         "## Stall per document",
         "",
         *_documents_section(result),
@@ -492,11 +495,12 @@ def write_report(result: dict[str, Any], out_dir: Path, name: str, result_path: 
         lines += [
             "## On this machine",
             "",
-            f"This is a {cores}-core CPU run of the tiny model. Disaggregation cannot give the decode pool its "
-            "own hardware here: the prefill and decode actors are separate processes competing for the same "
-            "cores, so a document's prefill still slows the decode steps that run beside it (by CPU contention, "
-            "not by the scheduler). On GPUs each pool gets its own device. The absolute numbers are CPU "
-            "numbers; the shape (a freeze when a long prompt is prefilled in a decode step) is the article's.",
+            f"This is a {cores}-core CPU run of the {result['model']} model. Disaggregation cannot give the "
+            "decode pool its own hardware here: the prefill and decode actors are separate processes competing "
+            "for the same cores, so a document's prefill still slows the decode steps that run beside it "
+            "(by CPU contention, not by the scheduler). On GPUs each pool gets its own device. The absolute "
+            "numbers are CPU numbers; the shape (a freeze when a long prompt is prefilled in a decode step) "
+            "is the article's.",
             "",
         ]
     if files.plots:

@@ -31,6 +31,10 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("benchmarks.bench_compare", "colocated vs chunked vs disaggregated on the same workload"),
     "chunks": ("benchmarks.bench_chunks", "prefill throughput and decode ITL against prefill chunk size"),
     "article": ("benchmarks.bench_article", "measure the article's decode and prefill tables on this device"),
+    "quality": (
+        "benchmarks.bench_quality",
+        "real-model perplexity and greedy agreement: fp32/bf16/FP8 vs transformers",
+    ),
     "gpu": ("benchmarks.gpu.bench_gpu", "GPU ceilings, decode/prefill vs roofline, transformers baseline"),
 }
 

@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
-from engine.sequence import SamplingParams
+from engine.sequence import SamplingParams, TokenLogprob
 from transport.wire import KVHandle, PeerInfo, TransferStats
 
 
@@ -32,6 +32,8 @@ class PrefillResult:
     handle: KVHandle
     timings: dict[str, float]  # queue_ms, prefill_ms, prefill_start (unix), prefill_end (unix)
     worker: str = ""
+    first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when it asked for prompt logprobs (echo)
 
 
 @dataclass
@@ -48,6 +50,8 @@ class StreamEvent:
     transfer: TransferStats | None = None  # on "admitted" in disaggregated mode
     error: str | None = None
     timings: dict[str, float] | None = None  # colocated, on token 0: queue_ms, prefill_ms
+    logprob: TokenLogprob | None = None  # on "token", when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on token 0, when it asked for prompt logprobs
 
 
 @dataclass

@@ -274,6 +274,14 @@ class DecodeWorker(EngineLoop):
                 t_first = t_first or t_submit
                 ev.timings = {"queue_ms": (t_first - t_submit) * 1e3, "prefill_ms": (ev.t - t_first) * 1e3}
 
+    def _attach_prompt_logprobs(self, events: list[StreamEvent]) -> None:
+        """Colocated echo: the prompt's logprobs travel on the first token's event."""
+        for ev in events:
+            if ev.index == 0 and ev.request_id in self._prefill_clock:
+                seq = self._prefill_clock[ev.request_id][0]
+                if seq.params.prompt_logprobs is not None:
+                    ev.prompt_logprobs = seq.prompt_logprobs
+
     def _forget_old_aborts(self) -> None:
         cutoff = time.time() - ABORT_MEMORY_S
         while self._aborted:
@@ -292,8 +300,11 @@ class DecodeWorker(EngineLoop):
         events = self.engine.step()
         t = time.time()
         out = [
-            StreamEvent(ev.seq_id, "token", ev.token_id, ev.index, ev.finished, ev.finish_reason, t) for ev in events
+            StreamEvent(ev.seq_id, "token", ev.token_id, ev.index, ev.finished, ev.finish_reason, t, logprob=ev.logprob)
+            for ev in events
         ]
+        if self.colocated:
+            self._attach_prompt_logprobs(out)
         if self._prefill_clock:
             self._stamp_prefills(out, t_start)
         self._emit(out)

@@ -19,10 +19,13 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
 from engine.block_manager import BlockManager
+from engine.logprobs import token_logprobs
 from engine.model_runner import ModelRunner, StepItem
 from engine.sampler import sample
-from engine.sequence import Sequence, Status
+from engine.sequence import Sequence, Status, TokenLogprob
 
 
 @dataclass
@@ -32,6 +35,7 @@ class TokenEvent:
     index: int  # 0 for the first generated token
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | None
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
 
 
 @dataclass
@@ -161,12 +165,16 @@ class LLMEngine:
                     seq.num_cached,
                     seq.block_table,
                     want_logits=done,
+                    all_logits=seq.params.prompt_logprobs is not None,
                 )
             )
         if not items:
             self.last_step = None  # nothing could run (idle, or every waiting prompt lacks blocks)
             return []
         logits = self.runner.forward(items)
+        for i, all_logits in self.runner.last_all_logits.items():  # echo: prompt logprobs, chunk by chunk
+            seq, _ = prefill[i - len(decode)]
+            _record_prompt_logprobs(seq, all_logits)
         # rows of `logits` follow items with want_logits: all decodes, then finished prefills
         sampled: list[Sequence] = list(decode)
         for seq, n in prefill:
@@ -174,8 +182,11 @@ class LLMEngine:
             if seq.num_cached == len(seq.prompt_ids):
                 sampled.append(seq)
         tokens = sample(logits, [s.params for s in sampled], [s.num_sampled for s in sampled])
+        logprobs = _logprobs(logits, sampled, tokens)
         events: list[TokenEvent] = []
-        for seq, tok in zip(sampled, tokens):
+        for seq, tok, lp in zip(sampled, tokens, logprobs):
+            if lp is not None:
+                seq.output_logprobs.append(lp)
             if seq.status == Status.WAITING:
                 self.waiting.remove(seq)
                 seq.status = Status.RUNNING
@@ -187,10 +198,10 @@ class LLMEngine:
             if self.prefill_only:
                 seq.finish_reason = "prefilled"
                 self.parked[seq.seq_id] = seq
-                events.append(TokenEvent(seq.seq_id, tok, 0, False, None))
+                events.append(TokenEvent(seq.seq_id, tok, 0, False, None, lp))
                 continue
             finished = self._finish_if_done(seq)
-            events.append(TokenEvent(seq.seq_id, tok, len(seq.output_ids) - 1, finished, seq.finish_reason))
+            events.append(TokenEvent(seq.seq_id, tok, len(seq.output_ids) - 1, finished, seq.finish_reason, lp))
         self.last_step = StepStats(sum(n for _, n in prefill), len(decode), time.perf_counter() - t0)
         return events
 
@@ -214,3 +225,35 @@ class LLMEngine:
             seq.block_table = []
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+
+
+def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprob | None]:
+    """Each sampled token's logprob (+ top k) for the sequences that asked; None for the rest."""
+    asked = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    out: list[TokenLogprob | None] = [None] * len(seqs)
+    if not asked:
+        return out
+    rows = torch.tensor(asked, device=logits.device)
+    k = max(seqs[i].params.logprobs or 0 for i in asked)
+    chosen_t, ids_t, lps_t = token_logprobs(
+        logits[rows], torch.tensor([tokens[i] for i in asked], device=logits.device), k
+    )
+    chosen, top_ids, top_lp = chosen_t.tolist(), ids_t.tolist(), lps_t.tolist()  # one host copy per tensor
+    for j, i in enumerate(asked):
+        n = seqs[i].params.logprobs or 0
+        out[i] = TokenLogprob(tokens[i], chosen[j], tuple(zip(top_ids[j][:n], top_lp[j][:n])))
+    return out
+
+
+def _record_prompt_logprobs(seq: Sequence, logits: torch.Tensor) -> None:
+    """logits [n, V] of one prefill chunk: row r predicts prompt token start + r + 1."""
+    start = len(seq.prompt_logprobs) - 1 if seq.prompt_logprobs else 0
+    if not seq.prompt_logprobs:
+        seq.prompt_logprobs.append(None)  # the first prompt token has no context to be predicted from
+    targets = seq.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
+    if not targets:
+        return
+    k = seq.params.prompt_logprobs or 0
+    chosen, top_ids, top_lp = token_logprobs(logits[: len(targets)], torch.tensor(targets, device=logits.device), k)
+    for t, c, ids, lps in zip(targets, chosen.tolist(), top_ids.tolist(), top_lp.tolist()):
+        seq.prompt_logprobs.append(TokenLogprob(t, c, tuple(zip(ids, lps))))

@@ -28,6 +28,7 @@ class StepItem:
     start_pos: int  # tokens of this sequence already cached (position of token_ids[0])
     block_table: list[int]  # must already cover start_pos + len(token_ids) tokens
     want_logits: bool = True  # logits of the last new token (False for non-final prefill chunks)
+    all_logits: bool = False  # also the logits of every new token (prompt logprobs), in `last_all_logits`
 
 
 class ModelRunner:
@@ -47,6 +48,7 @@ class ModelRunner:
         self.layout = KVLayout.build(model_cfg, cache_cfg)
         self.cache = KVCache(self.layout, self.device)
         self.backend = backend or default_backend(self.device)
+        self.last_all_logits: dict[int, torch.Tensor] = {}  # forward(): items with all_logits -> [n, vocab]
 
     def _metadata(self, items: list[StepItem]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.cache_cfg.block_size
@@ -83,4 +85,10 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.backend, self.cache, meta)  # [T, hidden]
         last = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1  # last new token of each item
         want = torch.tensor([it.want_logits for it in items], device=self.device)
+        # Side output, rare (echo with logprobs): item index -> logits [n_new, vocab] on the device.
+        self.last_all_logits = {}
+        for i, it in enumerate(items):
+            if it.all_logits:
+                end = int(last[i]) + 1
+                self.last_all_logits[i] = self.model.compute_logits(hidden[end - len(it.token_ids) : end])
         return self.model.compute_logits(hidden[last[want]]).cpu()

@@ -14,6 +14,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: each generated token's logprob + its top k
+    prompt_logprobs: int | None = None  # the same for every prompt token (the first has none)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -22,6 +24,16 @@ class SamplingParams:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log probability under the model, and the `top` alternatives (id, logprob),
+    most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class Status(str, Enum):
@@ -40,6 +52,8 @@ class Sequence:
     num_cached: int = 0  # tokens whose K/V is in the pool
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # params.prompt_logprobs; [0] is None
 
     @property
     def all_ids(self) -> list[int]:

@@ -44,6 +44,9 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < BYTE_VOCAB).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if 0 <= token_id < BYTE_VOCAB else b""
+
 
 class HFTokenizer:
     """A Hugging Face `tokenizers` tokenizer. `add_bos`: prepend bos to every encoded text, as the

@@ -129,6 +129,8 @@ class PrefillWorker(EngineLoop):
                     first_token=ev.token_id,
                     handle=handle,
                     worker=self.name,
+                    first_logprob=ev.logprob,
+                    prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
                     timings={
                         "queue_ms": (t_first - t_enq) * 1e3,
                         "prefill_ms": (t_end - t_first) * 1e3,

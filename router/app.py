@@ -26,7 +26,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from contracts.worker import GenerateRequest, WorkerError
+from engine.sequence import TokenLogprob
 from engine.tokenizer import Detokenizer, Tokenizer
+from router import logprobs_format as lpf
 from router import openai_protocol as oa
 from router.config import ServeConfig
 from router.metrics import ServeMetrics
@@ -95,6 +97,10 @@ class _Run:
         self.closed = False
         self.orch_done = False  # the orchestrator delivered the last token: nothing to abort
         self.pump: asyncio.Task | None = None
+        self.logprobs: list[TokenLogprob] = []  # of the generated tokens, when asked
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs
+        self._lp_sent = 0  # logprobs already put in a response chunk
+        self._text_sent = 0  # characters of text (echoed prompt included) already sent: text offsets
 
     async def _pump(self) -> None:
         try:
@@ -125,6 +131,10 @@ class _Run:
             if item.kind != "token":
                 continue
             self.token_times.append(time.perf_counter())
+            if item.logprob is not None:
+                self.logprobs.append(item.logprob)
+            if item.prompt_logprobs is not None:
+                self.prompt_logprobs = item.prompt_logprobs
             text = stops.push(detok.push(item.token_id))
             if item.finished and not stops.stopped:
                 text += stops.push(detok.flush())
@@ -162,6 +172,25 @@ class _Run:
         self.orch_done = True  # abort once
         self.st.spawn(abort(), f"abort of {rid}")
 
+    def take_logprobs(self, text: str, first: bool) -> dict[str, Any] | None:
+        """The logprobs object for a response (or chunk) carrying `text`: the tokens received since
+        the last call, and on the first call the echoed prompt's. None when not asked."""
+        p, tok = self.p, self.st.tokenizer
+        if p.logprobs is None:
+            return None
+        new, self._lp_sent = self.logprobs[self._lp_sent :], len(self.logprobs)
+        if p.kind == "chat":
+            return lpf.chat_logprobs(list(new), tok)
+        out = lpf.completion_logprobs(list(new), tok)
+        if first and p.echo and self.prompt_logprobs:
+            echoed = lpf.merge_completion(
+                lpf.first_prompt_entry(p.prompt_ids, tok), lpf.completion_logprobs(self.prompt_logprobs[1:], tok)
+            )
+            out = lpf.merge_completion(echoed, out)
+        out["text_offset"] = list(_offsets(out["tokens"], self._text_sent))
+        self._text_sent += len(text)
+        return out
+
     @property
     def completion_tokens(self) -> int:
         return len(self.token_times)
@@ -187,6 +216,14 @@ class _Run:
         )
 
 
+def _offsets(tokens: list[str], start: int) -> list[int]:
+    out = []
+    for t in tokens:
+        out.append(start)
+        start += len(t)
+    return out
+
+
 class _ClosingStream(StreamingResponse):
     """Calls `on_close` when the response is over, even if its body generator never started
     (a client that left before the first byte)."""
@@ -208,7 +245,9 @@ async def _sse_events(run: _Run, request: Request) -> AsyncIterator[str]:
     first = True
     try:
         async for text in run.pieces():
-            yield oa.sse(oa.stream_chunk(p, rid, created, text, None, first))
+            if first and p.echo:
+                text = p.prompt_text + text
+            yield oa.sse(oa.stream_chunk(p, rid, created, text, None, first, logprobs=run.take_logprobs(text, first)))
             first = False
         if run.finish_reason is None:  # the client left; nobody to tell
             return
@@ -248,8 +287,16 @@ async def _complete(run: _Run, request: Request) -> Response:
         run.close()
     if run.finish_reason is None:  # the client left
         return Response(status_code=499)
+    full_text = run.p.prompt_text + text if run.p.echo else text
     body = oa.full_response(
-        run.p, run.rid, run.created, text, run.finish_reason, run.usage(), run.st.orch().timeline(run.rid)
+        run.p,
+        run.rid,
+        run.created,
+        text,
+        run.finish_reason,
+        run.usage(),
+        run.st.orch().timeline(run.rid),
+        logprobs=run.take_logprobs(full_text, True),
     )
     return JSONResponse(body, headers={"X-Request-Id": run.rid})
 

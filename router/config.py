@@ -13,7 +13,7 @@ from typing import Any
 
 from contracts.worker import WorkerConfig
 from engine.config import KV_DTYPE_BYTES, PRESETS, is_checkpoint_dir
-from engine.model_registry import MODELS
+from engine.model_registry import DEFAULT_MODEL, MODELS
 
 MODES = ("disagg", "colocated")
 POLICIES = ("round_robin", "least_loaded")
@@ -28,7 +28,7 @@ class ConfigError(ValueError):
 @dataclass
 class ServeConfig:
     mode: str = "disagg"  # "disagg": separate prefill/decode pools | "colocated": decode workers prefill too
-    model: str = "tiny"  # preset, registry model (pulled on first use), checkpoint directory or .gguf file
+    model: str = DEFAULT_MODEL  # registry model (pulled on first use), preset, checkpoint directory or .gguf file
     dtype: str = "fp8"  # weights
     kv_dtype: str = "fp8"
     device: str = "cpu"

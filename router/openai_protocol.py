@@ -4,8 +4,9 @@ rule can be unit tested (tests/test_router_protocol.py).
 
 Unknown request fields are ignored, as vLLM and SGLang do, so clients that send extensions
 (`ignore_eos`, `stop_token_ids`) or fields we do not use (`user`) keep working; fields we would
-have to ignore *silently* in a way that changes the answer (`n` > 1, `logprobs`, `echo`,
-penalties) are refused with a 400 instead.
+have to ignore *silently* in a way that changes the answer (`n` > 1, penalties, `best_of`,
+`suffix`) are refused with a 400 instead. Log probabilities (completions `logprobs` + `echo`, chat
+`logprobs` + `top_logprobs`) are served; router/logprobs_format.py shapes them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from engine.sequence import SamplingParams
 from engine.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20  # top alternatives per token, as vLLM and the OpenAI chat API allow
 INT64 = 1 << 63
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -129,6 +131,9 @@ class Prepared:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # top alternatives per generated token; None = no logprobs
+    echo: bool = False  # completions: the prompt (and its logprobs, with logprobs) come first
+    prompt_text: str = ""  # what echo prepends
 
 
 def parse_json(raw: bytes) -> Any:
@@ -232,19 +237,19 @@ def _check_unsupported(req: _Common) -> None:
         if getattr(req, name) not in (None, 0, 0.0):
             raise bad(f"'{name}' is not supported; omit it or send 0.", param=name, code="unsupported_parameter")
     if isinstance(req, CompletionRequest):
-        if req.logprobs is not None:
-            raise bad("'logprobs' is not supported.", param="logprobs", code="unsupported_parameter")
-        if req.echo:
-            raise bad("'echo' is not supported.", param="echo", code="unsupported_parameter")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise bad(f"'logprobs' must be between 0 and {MAX_LOGPROBS} (got {req.logprobs}).", param="logprobs")
         if req.best_of not in (None, 1):
             raise bad("Only best_of=1 is supported.", param="best_of", code="unsupported_value")
         if req.suffix:
             raise bad("'suffix' is not supported.", param="suffix", code="unsupported_parameter")
-    if isinstance(req, ChatCompletionRequest):
-        if req.logprobs:
-            raise bad("'logprobs' is not supported.", param="logprobs", code="unsupported_parameter")
-        if req.top_logprobs is not None:
-            raise bad("'top_logprobs' is not supported.", param="top_logprobs", code="unsupported_parameter")
+    if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise bad(
+                f"'top_logprobs' must be between 0 and {MAX_LOGPROBS} (got {req.top_logprobs}).", param="top_logprobs"
+            )
 
 
 def _sampling(
@@ -320,6 +325,11 @@ def _prepare(
     params = _sampling(req, max_tokens, len(ids), lim, default_max, max_param)
     if stop_ids:
         params = replace(params, stop_token_ids=tuple(dict.fromkeys(params.stop_token_ids + stop_ids)))
+    if isinstance(req, ChatCompletionRequest):
+        logprobs, echo = ((req.top_logprobs or 0) if req.logprobs else None), False
+    else:
+        logprobs, echo = req.logprobs, bool(req.echo)  # type: ignore[attr-defined]
+    params = replace(params, logprobs=logprobs, prompt_logprobs=logprobs if echo else None)
     return Prepared(
         kind,
         lim.model_name,
@@ -328,13 +338,19 @@ def _prepare(
         stop,
         bool(req.stream),
         bool(req.stream and req.stream_options and req.stream_options.include_usage),
+        logprobs=logprobs,
+        echo=echo,
     )
 
 
 def prepare_completion(body: Any, tok: Tokenizer, lim: Limits) -> Prepared:
     req: CompletionRequest = _model_validate(CompletionRequest, body)
     ids = completion_prompt_ids(req.prompt, tok)
-    return _prepare("completion", req, ids, req.max_tokens, "max_tokens", lim)
+    p = _prepare("completion", req, ids, req.max_tokens, "max_tokens", lim)
+    if p.echo:
+        text = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and not _is_ids(req.prompt) else req.prompt
+        p = replace(p, prompt_text=text if isinstance(text, str) else tok.decode(ids))
+    return p
 
 
 def prepare_chat(body: Any, tok: Tokenizer, lim: Limits) -> Prepared:
@@ -429,15 +445,27 @@ def _head(p: Prepared, rid: str, created: int, chunk: bool) -> dict[str, Any]:
 
 
 def full_response(
-    p: Prepared, rid: str, created: int, text: str, finish_reason: str, use: dict[str, int], timeline: dict | None
+    p: Prepared,
+    rid: str,
+    created: int,
+    text: str,
+    finish_reason: str,
+    use: dict[str, int],
+    timeline: dict | None,
+    logprobs: dict | None = None,
 ) -> dict[str, Any]:
     if p.kind == "completion":
-        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": p.prompt_text + text if p.echo else text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
     else:
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
     return {
@@ -456,16 +484,18 @@ def stream_chunk(
     finish_reason: str | None,
     first: bool = False,
     timeline: dict | None = None,
+    logprobs: dict | None = None,
 ) -> dict[str, Any]:
     """One SSE chunk: a token's text (possibly empty), or the final chunk with finish_reason (which
-    carries the timeline when no usage chunk follows, so clients never see an extra chunk)."""
+    carries the timeline when no usage chunk follows, so clients never see an extra chunk).
+    `logprobs`: those of the tokens this chunk carries (echo: the prompt's on the first chunk)."""
     if p.kind == "completion":
-        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text or finish_reason is None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     out = {**_head(p, rid, created, True), "choices": [choice]}
     if timeline is not None:
         out["pdserve"] = {"timeline": json_safe(timeline)}

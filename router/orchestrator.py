@@ -113,7 +113,15 @@ class Orchestrator:
         try:
             if prefill is not None:
                 result: PrefillResult = await prefill.prefill(req)
-                first = StreamEvent(rid, "token", result.first_token, 0, t=time.time())
+                first = StreamEvent(
+                    rid,
+                    "token",
+                    result.first_token,
+                    0,
+                    t=time.time(),
+                    logprob=result.first_logprob,
+                    prompt_logprobs=result.prompt_logprobs,
+                )
                 tl.update(
                     queue_ms=result.timings["queue_ms"],
                     prefill_ms=result.timings["prefill_ms"],

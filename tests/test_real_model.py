@@ -85,3 +85,35 @@ def test_fp8_next_token_matches_transformers(smollm2, smollm2_hf):
     with torch.no_grad():
         ref = smollm2_hf(torch.tensor([ids])).logits[0, -1]
     assert seq.output_ids == [int(ref.argmax())]
+
+
+def test_logprobs_equal_transformers_fp32_whole_and_chunked(smollm2, smollm2_hf):
+    """Prompt logprobs (echo) and generated-token logprobs of the fp32 engine against
+    transformers' log_softmax, for whole-prompt and chunked prefill (chunks of 5: the chunk
+    boundaries must not shift which token each row predicts)."""
+    cfg = resolve_model_config(str(smollm2))
+    tok = load_tokenizer(str(smollm2), cfg.bos_token_id, cfg.eos_token_id)
+    ids = tok.encode(PROMPTS[2])
+    n_new = 6
+    for chunk in (None, 5):
+        runner = ModelRunner(
+            cfg, CacheConfig(block_size=16, num_blocks=8, kv_dtype="fp32"), "fp32", checkpoint_dir=str(smollm2)
+        )
+        engine = LLMEngine(runner, chunk_size=chunk)
+        seq = Sequence("a", ids, SamplingParams(max_tokens=n_new, ignore_eos=True, logprobs=3, prompt_logprobs=2))
+        engine.add_request(seq)
+        while engine.has_work:
+            engine.step()
+        full = ids + seq.output_ids
+        with torch.no_grad():
+            ref = torch.log_softmax(smollm2_hf(torch.tensor([full])).logits[0].float(), dim=-1)  # [T, V]
+        assert seq.prompt_logprobs[0] is None and len(seq.prompt_logprobs) == len(ids)
+        for j, e in enumerate(seq.prompt_logprobs[1:], start=1):
+            assert e.token_id == ids[j] and abs(e.logprob - float(ref[j - 1, ids[j]])) < 1e-3
+            assert [t for t, _ in e.top] == ref[j - 1].topk(2).indices.tolist()
+        assert len(seq.output_logprobs) == n_new
+        for j, e in enumerate(seq.output_logprobs):
+            row = ref[len(ids) - 1 + j]
+            assert e.token_id == seq.output_ids[j] and abs(e.logprob - float(row[e.token_id])) < 1e-3
+            assert e.top[0][0] == e.token_id  # greedy: the chosen token is the most likely one
+            assert len(e.top) == 3

@@ -25,7 +25,7 @@ TOK = ByteTokenizer()
 
 # ------------------------------------------------------------------------------ the app over a fake
 def make_app(orch=None, **cfg):
-    cfg = ServeConfig(**{"num_blocks": 64, "block_size": 16, **cfg})
+    cfg = ServeConfig(**{"model": "tiny", "num_blocks": 64, "block_size": 16, **cfg})
     orch = orch or FakeOrchestrator(PRESETS["tiny"])
     return create_app(orch, TOK, cfg), orch
 

@@ -149,8 +149,8 @@ def test_unknown_model_is_404():
         ({"top_p": -1}, "top_p", None),
         ({"n": 2}, "n", "unsupported_value"),
         ({"n": 0}, "n", "unsupported_value"),
-        ({"logprobs": 1}, "logprobs", "unsupported_parameter"),
-        ({"echo": True}, "echo", "unsupported_parameter"),
+        ({"logprobs": 21}, "logprobs", None),
+        ({"logprobs": -1}, "logprobs", None),
         ({"best_of": 3}, "best_of", "unsupported_value"),
         ({"suffix": "x"}, "suffix", "unsupported_parameter"),
         ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
@@ -191,14 +191,25 @@ def test_chat_template_and_content_parts():
         ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
-        ({"logprobs": True}, "logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"n": 3}, "n"),
     ],
 )
 def test_bad_chat_requests(body, param):
     e = error_of(chat, **body)
     assert (e.status, e.param) == (400, param)
+
+
+def test_logprobs_settings():
+    p = completion(logprobs=3, echo=True, prompt="hi")
+    assert (p.logprobs, p.echo, p.prompt_text, p.params.logprobs, p.params.prompt_logprobs) == (3, True, "hi", 3, 3)
+    p = completion(logprobs=0)
+    assert (p.params.logprobs, p.params.prompt_logprobs, p.echo) == (0, None, False)
+    assert completion(echo=True, prompt=[104, 105]).prompt_text == "hi"  # ids echo as their text
+    assert completion().params.logprobs is None
+    assert chat(logprobs=True, top_logprobs=2).params.logprobs == 2
+    assert chat(logprobs=True).params.logprobs == 0 and chat(logprobs=False).params.logprobs is None
 
 
 def test_max_completion_tokens_wins():
@@ -280,8 +291,9 @@ def test_config_yaml_then_flags(tmp_path):
     assert (cfg.mode, cfg.chunk_size, cfg.decode, cfg.port) == ("colocated", 64, 2, 9100)
     assert cfg.decode_resources == {"decode_node": 1}
     wc = cfg.worker_config()
-    assert (wc.chunk_size, wc.model, wc.num_blocks) == (64, "tiny", 1024)
-    assert cfg.model_name == "tiny" and ServeConfig(served_model_name="m").model_name == "m"
+    assert (wc.chunk_size, wc.model, wc.num_blocks) == (64, "smollm2-135m-instruct", 1024)  # the real default
+    assert cfg.model_name == "smollm2-135m-instruct" and ServeConfig(served_model_name="m").model_name == "m"
+    assert ServeConfig(model="tiny").model_name == "tiny"
 
 
 @pytest.mark.parametrize(
