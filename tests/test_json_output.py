@@ -88,6 +88,8 @@ CASES: dict[tuple[str, ...], list[str]] = {
         "--results-dir",
         "{tmp}",
     ],
+    # the real model (pulled once per machine), one setting, a few tokens, no transformers reference
+    ("bench", "quality"): ["--tokens", "16", "--settings", "fp32", "--no-transformers", "--out-dir", "{tmp}"],
     # redraws the committed reference result (the measured run itself is test_bench_compare.py's)
     ("bench", "compare"): ["--from-json", str(REFERENCE_COMPARE), "--out-dir", "{tmp}"],
 }
