@@ -82,6 +82,7 @@ class ModeRun:
     error: str | None = None
     load_average: list[float] | None = None  # 1/5/15-min load after the run: a busy machine shows here
     samples: list[dict[str, Any]] | None = None  # a real model's answers to a few questions (demo_samples)
+    probes: list[dict[str, Any]] | None = None  # --link-gbps: each document alone (benchmarks/link_probe.py)
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -163,6 +164,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--doc-interval-s", type=float, default=None, help=f"default {DEFAULT_WORKLOAD['doc_interval_s']}")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--quick", action="store_true", help="tiny CI-sized workload (one short document)")
+    c = p.add_argument_group("on a cluster (e.g. `pdserve cluster up`; see docs/cluster.md)")
+    c.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: a local one)")
+    c.add_argument("--prefill-resources", default=None, metavar="JSON", help="as `pdserve serve`")
+    c.add_argument("--decode-resources", default=None, metavar="JSON", help="as `pdserve serve`")
+    c.add_argument(
+        "--link-gbps",
+        type=float,
+        default=None,
+        metavar="G",
+        help="the link between the pools: predictions price the KV at G Gbit/s, and each document "
+        "is probed alone (TTFT, time to 2nd token, decode wait, transfer, share of TTST)",
+    )
     o = p.add_argument_group("SLO, predictions and output")
     o.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     o.add_argument("--slo-tpot-ms", type=float, default=50.0)
@@ -205,13 +218,17 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
 # ----------------------------------------------------------------------------- one mode
 
 
-def ensure_ray() -> bool:
-    """Start one local Ray for every server of this run (servers reuse it). True if started here."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+def ensure_ray(address: str | None = None) -> bool:
+    """Start one local Ray for every server of this run (servers reuse it), or connect to the
+    cluster at `address`. True if started (or connected) here."""
     import ray  # noqa: PLC0415
 
     if ray.is_initialized():
         return False
+    if address:  # a cluster's own auth settings (RAY_AUTH_MODE=token on a rehearsal node) apply
+        ray.init(address=address, log_to_driver=False)
+        return True
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     temp = tempfile.mkdtemp(prefix="pdcmp", dir="/tmp")  # short: Ray's socket paths are length-limited
     ray.init(
         num_cpus=8,
@@ -247,7 +264,12 @@ async def equality_pass(base_url: str, model: str, specs: list[RequestSpec]) -> 
 
 
 def run_mode(
-    spec: ModeSpec, cfg_kw: dict[str, Any], bench: BenchConfig, specs: list[RequestSpec], timeout_s: float
+    spec: ModeSpec,
+    cfg_kw: dict[str, Any],
+    bench: BenchConfig,
+    specs: list[RequestSpec],
+    timeout_s: float,
+    probe: bool = False,
 ) -> ModeRun:
     from router.config import ServeConfig  # noqa: PLC0415
     from router.serve_cli import ServerThread  # noqa: PLC0415
@@ -266,7 +288,15 @@ def run_mode(
         _log("  timed run (arrivals on schedule, streamed)")
         client = replace(bench.client, base_url=srv.base_url, model=cfg.model_name)
         result = asyncio.run(run_benchmark(replace(bench, client=client), specs))
-    return ModeRun(spec, cfg.to_dict(), startup, ids, transfers, result, load_average=_load(), samples=samples)
+        probes = None
+        if probe:
+            from benchmarks.link_probe import probe_documents  # noqa: PLC0415 - --link-gbps only
+
+            _log("  link probe (each document alone)")
+            probes = probe_documents(srv.url, cfg.model_name, specs)
+    return ModeRun(
+        spec, cfg.to_dict(), startup, ids, transfers, result, load_average=_load(), samples=samples, probes=probes
+    )
 
 
 def _load() -> list[float] | None:
@@ -366,7 +396,12 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     )
     gpus = 0.0 if device == "cpu" else None
     cfg_kw = dict(model=args.model, device=device, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs)
-    started_ray = ensure_ray()
+    from benchmarks.link_probe import cluster_kwargs, rehearsal_link  # noqa: PLC0415 - keeps this file short
+
+    cfg_kw.update(cluster_kwargs(args))
+    if setup is not None and args.link_gbps:
+        setup = replace(setup, link=rehearsal_link(args.link_gbps))
+    started_ray = ensure_ray(args.ray_address)
     runs: list[ModeRun] = []
     try:
         for i, m in enumerate(modes, 1):
@@ -374,7 +409,7 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
             workers = m.prefill + m.decode if m.mode == "disagg" else m.decode
             kw = dict(cfg_kw, gpus_per_worker=gpus if gpus is not None else min(1.0, _gpu_count() / workers))
             try:
-                runs.append(run_mode(m, kw, bench, specs, args.startup_timeout_s))
+                runs.append(run_mode(m, kw, bench, specs, args.startup_timeout_s, probe=bool(args.link_gbps)))
             except Exception as e:  # noqa: BLE001 - one failed mode is reported; the others still run
                 _log(f"  FAILED: {type(e).__name__}: {e}")
                 runs.append(ModeRun(m, {}, 0.0, {}, [], None, f"{type(e).__name__}: {e}"))
@@ -390,6 +425,13 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
                 r.spec.mode, r.spec.chunk_size, r.spec.prefill, r.spec.decode, args.max_num_seqs, setup.link
             )
             predictions[r.spec.label] = cp.predict(r.spec.label, sc, setup, specs, args.slo_ttft_ms, args.slo_tpot_ms)
+            if r.probes is not None:
+                from benchmarks.link_probe import predict_documents  # noqa: PLC0415
+
+                r.probes = [
+                    {"measured": m, "simulated": p}
+                    for m, p in zip(r.probes, predict_documents(setup, sc, specs, args.link_gbps, r.probes))
+                ]
     return _payload(args, device, wl, specs, runs, predictions, setup, setup_error, cal, check_equality(runs))
 
 
@@ -446,6 +488,17 @@ def _payload(args, device, wl, specs, runs, predictions, setup, setup_error, cal
                 for x in r.bench.records
             ]
             entry["transfers"] = r.transfers
+            if r.probes is not None:
+                from benchmarks.link_probe import summary  # noqa: PLC0415
+
+                entry["link_probe"] = {
+                    "link_gbps": args.link_gbps,
+                    "documents": r.probes,
+                    "summary": summary(
+                        [x.get("measured", x) for x in r.probes],
+                        [x["simulated"] for x in r.probes if "simulated" in x] or None,
+                    ),
+                }
             entry["token_ids"] = {rid: " ".join(map(str, ids)) for rid, ids in r.token_ids.items()}
             p = predictions.get(r.spec.label)
             if p is not None:
@@ -519,6 +572,11 @@ def main(args: argparse.Namespace) -> int:
         )
     else:
         print(table)
+        from benchmarks.link_probe import format_table  # noqa: PLC0415
+
+        link_table = format_table(result)
+        if link_table:
+            print("\nEach document alone on the link (mean over documents):\n" + link_table)
         print(f"result: {path}\nreport: {files.markdown}\nplots:  " + ", ".join(str(p) for p in files.plots))
     eq = result["equality"]
     if eq.get("identical") is False:

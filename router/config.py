@@ -50,8 +50,11 @@ class ServeConfig:
     transfer_timeout_s: float = 30.0  # one KV pull; also capped by the lease time left
     max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
     served_model_name: str | None = None  # the name clients send as "model"; None = the model's name
-    prefill_resources: dict[str, float] = field(default_factory=dict)  # Ray custom resources per prefill actor
-    decode_resources: dict[str, float] = field(default_factory=dict)
+    # Ray custom resources per worker: one mapping for every worker of the pool, or a list with
+    # one mapping per worker (e.g. [{"node2": 1}, {"node3": 1}] spreads two decode workers).
+    prefill_resources: dict[str, float] | list[dict[str, float]] = field(default_factory=dict)
+    decode_resources: dict[str, float] | list[dict[str, float]] = field(default_factory=dict)
+    link_gbps: float | None = None  # nominal rate of the link between the pools, for the timeline
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -116,12 +119,20 @@ class ServeConfig:
             raise bad("--lease-s", "must be > 0 seconds")
         if self.transfer_timeout_s <= 0:
             raise bad("--transfer-timeout-s", "must be > 0 seconds")
-        for name in ("prefill_resources", "decode_resources"):
-            for k, v in getattr(self, name).items():
-                if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                    raise ConfigError(
-                        f"{name}: expected a mapping of resource name to a positive number, got {k!r}: {v!r}"
-                    )
+        if self.link_gbps is not None and self.link_gbps <= 0:
+            raise bad("--link-gbps", "must be > 0 Gbit/s")
+        for name, size in (("prefill_resources", self.prefill), ("decode_resources", self.decode)):
+            value = getattr(self, name)
+            if isinstance(value, list) and len(value) != size:
+                raise ConfigError(f"{name}: a list needs one mapping per worker ({size}), got {len(value)}")
+            for one in value if isinstance(value, list) else [value]:
+                if not isinstance(one, dict):
+                    raise ConfigError(f"{name}: expected a mapping (or a list of mappings), got {one!r}")
+                for k, v in one.items():
+                    if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                        raise ConfigError(
+                            f"{name}: expected a mapping of resource name to a positive number, got {k!r}: {v!r}"
+                        )
 
     # ------------------------------------------------------------------ views
     @property
@@ -136,6 +147,12 @@ class ServeConfig:
 
     def accepted_model_names(self) -> set[str]:
         return {self.model_name, self.model}
+
+    def resources_per_worker(self, role: str) -> list[dict[str, float]]:
+        """The Ray custom resources of each worker of a pool ("prefill" or "decode")."""
+        value = self.prefill_resources if role == "prefill" else self.decode_resources
+        size = self.prefill if role == "prefill" else self.decode
+        return [dict(v) for v in value] if isinstance(value, list) else [dict(value) for _ in range(size)]
 
     def worker_config(self) -> WorkerConfig:
         return WorkerConfig(
@@ -184,7 +201,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return out
 
 
-_OPTIONAL = {"chunk_size", "ray_address", "api_key", "served_model_name"}
+_OPTIONAL = {"chunk_size", "ray_address", "api_key", "served_model_name", "link_gbps"}
 
 
 def _check_types(cfg: ServeConfig) -> None:
@@ -195,7 +212,11 @@ def _check_types(cfg: ServeConfig) -> None:
             continue
         default = f.default
         if f.name in ("prefill_resources", "decode_resources"):
-            ok, want = isinstance(v, dict), "a mapping"
+            ok, want = isinstance(v, (dict, list)), "a mapping (or a list of mappings, one per worker)"
+        elif f.name == "link_gbps":
+            ok, want = isinstance(v, (int, float)) and not isinstance(v, bool), "a number"
+            if ok:
+                setattr(cfg, f.name, float(v))
         elif f.name in ("chunk_size",) or isinstance(default, int) and not isinstance(default, bool):
             ok, want = isinstance(v, int) and not isinstance(v, bool), "an integer"
         elif isinstance(default, float):

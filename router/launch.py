@@ -32,7 +32,7 @@ class PoolSpec:
     size: int
     worker_config: WorkerConfig
     gpus_per_worker: float = 0.0
-    resources: dict[str, float] = field(default_factory=dict)
+    resources: list[dict[str, float]] = field(default_factory=list)  # per worker (bundle); [] = none
 
 
 def _worker_args(spec: PoolSpec, name: str) -> tuple:
@@ -53,10 +53,13 @@ class RayPools:
         self.groups = {}
         self._serial = 0
         for s in specs:
-            bundle = {"CPU": 1.0, **({"GPU": s.gpus_per_worker} if s.gpus_per_worker else {}), **s.resources}
-            self.groups[s.role] = placement_group(
-                [dict(bundle) for _ in range(s.size)], strategy="PACK", name=f"pdserve-{s.role}-{os.getpid()}"
-            )
+            base = {"CPU": 1.0, **({"GPU": s.gpus_per_worker} if s.gpus_per_worker else {})}
+            bundles = [{**base, **self._custom(s, i)} for i in range(s.size)]
+            self.groups[s.role] = placement_group(bundles, strategy="PACK", name=f"pdserve-{s.role}-{os.getpid()}")
+
+    @staticmethod
+    def _custom(spec: PoolSpec, bundle: int) -> dict[str, float]:
+        return dict(spec.resources[bundle]) if spec.resources else {}
 
     async def wait_ready(self, timeout_s: float = 120.0) -> None:
         try:
@@ -85,7 +88,7 @@ class RayPools:
             max_restarts=0,
             num_cpus=1,
             num_gpus=spec.gpus_per_worker,
-            resources=spec.resources or None,
+            resources=self._custom(spec, bundle) or None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.groups[role], placement_group_bundle_index=bundle
             ),
@@ -151,10 +154,10 @@ def pool_specs(cfg: Any) -> list[PoolSpec]:
     """PoolSpecs from a router.config.ServeConfig."""
     wc = cfg.worker_config()
     if cfg.mode == "colocated":
-        return [PoolSpec("colocated", cfg.decode, wc, cfg.gpus_per_worker, dict(cfg.decode_resources or {}))]
+        return [PoolSpec("colocated", cfg.decode, wc, cfg.gpus_per_worker, cfg.resources_per_worker("decode"))]
     return [
-        PoolSpec("prefill", cfg.prefill, wc, cfg.gpus_per_worker, dict(cfg.prefill_resources or {})),
-        PoolSpec("decode", cfg.decode, wc, cfg.gpus_per_worker, dict(cfg.decode_resources or {})),
+        PoolSpec("prefill", cfg.prefill, wc, cfg.gpus_per_worker, cfg.resources_per_worker("prefill")),
+        PoolSpec("decode", cfg.decode, wc, cfg.gpus_per_worker, cfg.resources_per_worker("decode")),
     ]
 
 
@@ -221,6 +224,7 @@ async def build_orchestrator(cfg: Any) -> Orchestrator:
         eos,
         replace,
         on_shutdown,
+        link_gbps=getattr(cfg, "link_gbps", None),
     )
     await orch.start()
     return orch

@@ -23,6 +23,7 @@ from router.worker_handle import WorkerDied, WorkerHandle
 
 log = logging.getLogger("pdserve.router")
 TIMELINES_KEPT = 2048
+REPLACE_BACKOFF_MAX_S = 5.0  # between attempts to replace a dead worker whose node is still down
 
 # Called with a dead worker; returns its replacement (or None if it cannot be replaced).
 ReplaceFn = Callable[[WorkerHandle], Awaitable["WorkerHandle | None"]]
@@ -39,6 +40,7 @@ class Orchestrator:
         eos_ids: tuple[int, ...] = (),
         replace: ReplaceFn | None = None,
         on_shutdown: Callable[[list[WorkerHandle]], Awaitable[None]] | None = None,
+        link_gbps: float | None = None,
     ):
         if mode not in ("disagg", "colocated"):
             raise ValueError(f"mode must be disagg or colocated, got {mode!r}")
@@ -50,6 +52,7 @@ class Orchestrator:
         self.prefill, self.decode = prefill, decode
         self.eos_ids = set(eos_ids) | ({model_config.eos_token_id} if model_config.eos_token_id is not None else set())
         self._replace, self._on_shutdown = replace, on_shutdown
+        self.link_gbps = link_gbps  # nominal Gbit/s between the pools, shown beside each measured pull
         self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
         self._streams: dict[str, asyncio.Queue[StreamEvent]] = {}
         self._assigned: dict[str, tuple[WorkerHandle | None, WorkerHandle]] = {}
@@ -236,14 +239,27 @@ class Orchestrator:
                 self._replacing[w.name] = asyncio.create_task(self._replace_worker(w, pool))
 
     async def _replace_worker(self, dead: WorkerHandle, pool: list[WorkerHandle]) -> None:
+        """Start a replacement, retrying with backoff until one starts or the router shuts down: a
+        replacement fails while the dead worker's node is down (Ray can place it only on a node
+        with the pool's resources), and serving must resume by itself once the node is back."""
         assert self._replace is not None  # only scheduled when there is one
+        delay, attempts = 1.0, 0
         try:
-            new = await self._replace(dead)
-            if new is not None and dead in pool:
-                pool[pool.index(dead)] = new
-                log.warning("replaced dead %s worker %s with %s", dead.role, dead.name, new.name)
-                if new.role != "prefill":
-                    self._pumps[new.name] = asyncio.create_task(self._pump(new))
+            while not self._closed:
+                attempts += 1
+                new = await self._replace(dead)
+                if new is not None and dead in pool:
+                    pool[pool.index(dead)] = new
+                    log.warning(
+                        "replaced dead %s worker %s with %s (attempt %d)", dead.role, dead.name, new.name, attempts
+                    )
+                    if new.role != "prefill":
+                        self._pumps[new.name] = asyncio.create_task(self._pump(new))
+                    return
+                if new is not None or dead not in pool:
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, REPLACE_BACKOFF_MAX_S)
         finally:
             self._replacing.pop(dead.name, None)
 
@@ -286,7 +302,14 @@ class Orchestrator:
                 "ms": round(s.seconds * 1e3, 3),
                 "gbytes_per_s": round(s.gbytes_per_s, 3),
                 "link_ms": {k: round(v, 4) for k, v in s.link_ms.items()},
+                "gbits_per_s": round(s.gbytes_per_s * 8, 3),
             }
+            if self.link_gbps:  # the link this deployment runs on: measured beside nominal
+                tl["transfer"].update(
+                    link_gbits_per_s=self.link_gbps,
+                    link_nominal_ms=round(s.bytes * 8 / (self.link_gbps * 1e9) * 1e3, 3),
+                    rate_vs_link=round(s.gbytes_per_s * 8 / self.link_gbps, 3),
+                )
             if "prefill_end_ms" in tl:  # admission wait = time between prefill end and decode join, less the pull
                 tl["decode_wait_ms"] = round(tl["decode_admitted_ms"] - tl["prefill_end_ms"] - s.seconds * 1e3, 3)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import socket
 import threading
@@ -37,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "  pdserve serve --mode disagg --model tiny                      # 1 prefill + 1 decode worker\n"
         "  pdserve serve --mode colocated --chunk-size 128 --decode 2\n"
         "  pdserve serve --config serve.yaml --port 9000                # flags override the YAML\n"
+        "  pdserve serve --ray-address 198.18.K.1:6379 --prefill-resources '{\"node1\": 1}' \\\n"
+        "      --decode-resources '{\"node2\": 1}' --link-gbps 1         # on a cluster (docs/cluster.md)\n"
     )
     # Every default is None here: a flag that was not given must not override the YAML file.
     g = p.add_argument_group("pools")
@@ -103,6 +106,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"seconds one KV pull may take before the request fails (default {D.transfer_timeout_s:g})",
     )
     g.add_argument(
+        "--prefill-resources",
+        default=None,
+        metavar="JSON",
+        help="Ray custom resources of each prefill worker, e.g. '{\"node1\": 1}' (every worker) or "
+        '\'[{"node1": 1}, {"node2": 1}]\' (one per worker); pins the pool to labelled nodes',
+    )
+    g.add_argument(
+        "--decode-resources", default=None, metavar="JSON", help="the same for each decode (or colocated) worker"
+    )
+    g.add_argument(
+        "--link-gbps",
+        type=float,
+        default=None,
+        metavar="G",
+        help="nominal rate of the link between the pools in Gbit/s; each request's timeline then "
+        "shows the measured KV pull rate beside it (e.g. the rate of `pdserve cluster up`)",
+    )
+    g.add_argument(
         "--ray-address",
         default=None,
         help="an existing Ray cluster (e.g. auto or ray://host:10001); default: start a local one; "
@@ -144,6 +165,12 @@ _NOT_SETTINGS = {"config", "log_level", "command", "bench_command", "_main"}
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     flags = {k: v for k, v in vars(args).items() if k not in _NOT_SETTINGS}
+    for key in ("prefill_resources", "decode_resources"):
+        if flags.get(key) is not None:
+            try:
+                flags[key] = json.loads(flags[key])
+            except ValueError as e:
+                raise CliError(f"--{key.replace('_', '-')} {flags[key]!r}: not valid JSON ({e})") from None
     try:
         return ServeConfig.build(flags, args.config)
     except ConfigError as e:
