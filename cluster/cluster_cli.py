@@ -13,7 +13,6 @@ Needs root and Linux network namespaces; without them it says so in one line (ex
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import time
 import zlib
 
 from cli import CliError
+from cli.output import emit_json
 from cluster.layout import MAX_NODES, NAME_RE, ClusterLayout
 from cluster.netns import (
     ClusterError,
@@ -137,7 +137,7 @@ def _up(args: argparse.Namespace) -> int:
         remove_cluster(args.name)  # never leave half a cluster behind
         raise
     if args.json:
-        print(json.dumps({**lay.to_dict(), "up_seconds": round(time.monotonic() - t0, 2)}))
+        emit_json({**lay.to_dict(), "up_seconds": round(time.monotonic() - t0, 2)})
     else:
         print(
             f"pdserve cluster {lay.name}: {len(lay.nodes)} nodes up in {time.monotonic() - t0:.1f} s, "
@@ -160,9 +160,7 @@ def _restart_node(args: argparse.Namespace) -> int:
     start_node(lay, node)
     wait_joined(lay, [node.resource])
     if args.json:
-        print(
-            json.dumps({**lay.to_dict(), "restarted_node": node.index, "up_seconds": round(time.monotonic() - t0, 2)})
-        )
+        emit_json({**lay.to_dict(), "restarted_node": node.index, "up_seconds": round(time.monotonic() - t0, 2)})
     else:
         print(f"pdserve cluster {lay.name}: node {node.index} ({node.address}) back in {time.monotonic() - t0:.1f} s")
     return 0
@@ -174,7 +172,7 @@ def _down(args: argparse.Namespace) -> int:
     if left:
         raise CliError(f"cluster {args.name!r}: could not remove {', '.join(left)}")
     if args.json:
-        print(json.dumps({"name": args.name, "removed": removed}))
+        emit_json({"name": args.name, "removed": removed})
     else:
         n = len(removed["namespaces"])
         print(
