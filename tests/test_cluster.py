@@ -311,8 +311,10 @@ def test_node_loss_fails_its_requests_and_serving_resumes(cluster):
 
 @needs_root
 def test_down_leaves_nothing(cluster):
-    r = pdserve("cluster", "down", "--name", NAME, timeout=120)
+    r = pdserve("cluster", "down", "--name", NAME, "--json", timeout=120)
     assert r.returncode == 0, r.stderr
+    removed = json.loads(r.stdout)["removed"]  # stdout is exactly one JSON document
+    assert len(removed["namespaces"]) == 4 and removed["processes"]
     assert leftovers(NAME) == []
     own = [
         line

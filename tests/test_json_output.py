@@ -95,6 +95,14 @@ CASES: dict[tuple[str, ...], list[str]] = {
 }
 
 
+# --json commands whose one-document stdout is checked in their own test module, where the state
+# they need exists: `cluster up` builds (and `cluster down` removes) a root-only namespace cluster.
+COVERED_ELSEWHERE: dict[tuple[str, ...], str] = {
+    ("cluster", "up"): "tests/test_cluster.py: the module's cluster fixture parses its stdout",
+    ("cluster", "down"): "tests/test_cluster.py::test_down_leaves_nothing parses its stdout",
+}
+
+
 def _json_commands(parser: argparse.ArgumentParser, words: tuple[str, ...] = ()) -> set[tuple[str, ...]]:
     found = {words} if any("--json" in a.option_strings for a in parser._actions) else set()
     for action in parser._actions:
@@ -110,7 +118,8 @@ def test_every_json_command_is_covered():
         found |= {c for c in _json_commands(build_parser([name])) if c[:1] == (name,)}
     for name in BENCH_COMMANDS:
         found |= {c for c in _json_commands(build_parser(["bench", name])) if c[:2] == ("bench", name)}
-    assert found == set(CASES), f"add the missing --json commands to CASES: {found ^ set(CASES)}"
+    known = set(CASES) | set(COVERED_ELSEWHERE)
+    assert found == known, f"add the missing --json commands to CASES: {found ^ known}"
 
 
 @pytest.fixture(scope="module")
