@@ -1,0 +1,139 @@
+"""The rehearsal's link table, made physical: `bench compare --link-gbps` results at several rates.
+
+    python -m benchmarks.cluster_report benchmarks/results/cluster-*-1gbit.json \\
+        benchmarks/results/cluster-*-10gbit.json --out benchmarks/results/cluster-smollm2
+
+reads the link probes of each result (one per link rate) and writes one Markdown table and one
+plot: per link, each document's TTFT, time to second token, decode admission wait, transfer and
+max stall, measured beside the simulator's prediction for that link, and the transfer's share of
+time-to-second-token (and of the gap between the first and second token, where the pull sits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for r in results:
+        for m in r.get("modes", []):
+            lp = m.get("link_probe")
+            if not lp:
+                continue
+            s = lp["summary"]
+            stall = (m.get("predicted") or {}).get("compared", {}).get("stall_max_ms", {})
+            ttft, ttst, tx = s["ttft_ms"], s["ttst_ms"], s["transfer_ms"]
+
+            def gap_share(kind: str, ttft: dict = ttft, ttst: dict = ttst, tx: dict = tx) -> float | None:
+                a, b, t = ttft.get(kind), ttst.get(kind), tx.get(kind)
+                return t / (b - a) if None not in (a, b, t) and b > a else None
+
+            out.append(
+                {
+                    "mode": m["label"],
+                    "link_gbps": lp["link_gbps"],
+                    "model": r.get("model"),
+                    "documents": len(lp["documents"]),
+                    "prompt_len": lp["documents"][0]["measured"]["prompt_len"] if lp["documents"] else None,
+                    "ttft_ms": ttft,
+                    "ttst_ms": ttst,
+                    "decode_wait_ms": s["decode_wait_ms"],
+                    "transfer_ms": tx,
+                    "pull_gbits_per_s": s["transfer_gbits_per_s"]["measured"],
+                    "stall_max_ms": {"measured": stall.get("measured"), "simulated": stall.get("predicted")},
+                    "transfer_share_of_ttst": s["transfer_share_of_ttst"],
+                    "transfer_share_of_second_gap": {
+                        "measured": gap_share("measured"),
+                        "simulated": gap_share("simulated"),
+                    },
+                    "commit": (r.get("provenance") or {}).get("git_commit"),
+                }
+            )
+    return sorted(out, key=lambda x: (x["mode"], -x["link_gbps"]))
+
+
+def _f(x: float | None, fmt: str = "{:.1f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def markdown(table: list[dict[str, Any]]) -> str:
+    head = (
+        "| link | TTFT ms | 2nd token ms | decode wait ms | transfer ms | max stall ms | pull Gbit/s | "
+        "transfer / TTST | transfer / (TTST - TTFT) |\n|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for x in table:
+
+        def pair(d: dict, fmt: str = "{:.1f}") -> str:
+            return f"{_f(d.get('measured'), fmt)} ({_f(d.get('simulated'), fmt)})"
+
+        lines.append(
+            f"| {x['link_gbps']:g} Gbit/s | {pair(x['ttft_ms'])} | {pair(x['ttst_ms'])} | "
+            f"{_f(x['decode_wait_ms']['measured'])} | {pair(x['transfer_ms'])} | {pair(x['stall_max_ms'])} | "
+            f"{_f(x['pull_gbits_per_s'], '{:.2f}')} | {pair(x['transfer_share_of_ttst'], '{:.0%}')} | "
+            f"{pair(x['transfer_share_of_second_gap'], '{:.0%}')} |"
+        )
+    return (
+        head + "\n".join(lines) + "\n\nmeasured (simulated for that link); each document alone, mean over documents\n"
+    )
+
+
+def plot(table: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib  # noqa: PLC0415 - only when drawing
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    labels = [f"{x['link_gbps']:g} Gbit/s" for x in table]
+    pos = range(len(table))
+    parts = [("TTFT", "ttft_ms"), ("2nd token", "ttst_ms"), ("transfer", "transfer_ms")]
+    w = 0.13
+    for i, (name, key) in enumerate(parts):
+        a.bar([p + (2 * i - 2.5) * w for p in pos], [x[key]["measured"] or 0 for x in table], w, label=f"{name}")
+        a.bar(
+            [p + (2 * i - 1.5) * w for p in pos],
+            [x[key]["simulated"] or 0 for x in table],
+            w,
+            alpha=0.45,
+            hatch="//",
+            label=f"{name} (simulated)",
+        )
+    a.set_xticks(list(pos), labels)
+    a.set_ylabel("ms (one document alone)")
+    a.set_title("document latency on the rehearsal link")
+    a.legend(fontsize=7)
+    for key, name in (("transfer_share_of_ttst", "of TTST"), ("transfer_share_of_second_gap", "of TTST - TTFT")):
+        b.plot(labels, [100 * (x[key]["measured"] or 0) for x in table], "o-", label=f"measured, {name}")
+        b.plot(labels, [100 * (x[key]["simulated"] or 0) for x in table], "x--", label=f"simulated, {name}")
+    b.set_ylabel("KV transfer share (%)")
+    b.set_title("the transfer's share as the link narrows")
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cluster_report", description=__doc__.split("\n\n")[0])
+    p.add_argument("results", nargs="+", help="bench compare result JSONs run with --link-gbps")
+    p.add_argument("--out", required=True, help="output stem: writes STEM.md, STEM.png and STEM.json")
+    args = p.parse_args(argv)
+    table = rows([json.loads(Path(f).read_text()) for f in args.results])
+    if not table:
+        p.error("no link probes in these results (run bench compare with --link-gbps)")
+    out = Path(args.out)
+    md = markdown(table)
+    out.with_suffix(".md").write_text(md)
+    out.with_suffix(".json").write_text(json.dumps({"sources": args.results, "rows": table}, indent=1))
+    plot(table, out.with_suffix(".png"))
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
