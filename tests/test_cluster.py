@@ -31,9 +31,14 @@ LINK_GBPS = 1.0
 
 
 def _namespaces_work() -> bool:
+    """Root, iproute2, and a namespace can really be made (a container may list but not create)."""
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         return False
-    return subprocess.run(["ip", "netns", "list"], capture_output=True, timeout=10).returncode == 0
+    probe = f"pds-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, timeout=10).returncode == 0
+    if made:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=10)
+    return made
 
 
 needs_root = pytest.mark.skipif(not _namespaces_work(), reason="needs root and Linux network namespaces")
