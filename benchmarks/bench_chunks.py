@@ -34,6 +34,7 @@ from cli import CliError
 from cli.output import emit_json
 from costmodel import cost_model as cm
 from costmodel.provenance import RESULTS_DIR, write_result
+from costmodel.step_fit import StepCostFit, StepShape, fit
 from engine.model_runner import StepItem
 
 CPU_DEFAULTS = dict(
@@ -92,6 +93,28 @@ def _fit_overhead(points: list[ChunkPoint], flops_per_chunk: list[float]) -> tup
     return max(0.0, ys[0] - xs[0] / rate), rate
 
 
+def _fit_check(f: Any, points: list[ChunkPoint], P: int, B: int, C: int, decode_s: float) -> list[dict[str, Any]]:
+    """The step-cost fit against this sweep's own headline figures (predicted, measured, error)."""
+    whole = next((p for p in points if p.chunk == P), None)
+    rows = [("decode step", f.decode_seconds([C] * B), decode_s)]
+    for p in points:
+        starts = range(0, P, p.chunk)
+        alone = sum(f.seconds(StepShape.of((), [(s, min(p.chunk, P - s))])) for s in starts)
+        rows.append((f"prefill in chunks of {p.chunk}", alone, p.prefill_s))
+    if whole is not None:
+        rows.append(
+            (
+                "whole prompt + decode batch (stall)",
+                f.seconds(StepShape.of([C] * B, [(0, P)])),
+                whole.mixed_max_ms / 1e3,
+            )
+        )
+    return [
+        {"figure": name, "predicted_ms": pr * 1e3, "measured_ms": me * 1e3, "error": (pr - me) / me}
+        for name, pr, me in rows
+    ]
+
+
 def run_sweep(args: argparse.Namespace, h: eb.Harness, chunks: list[int]) -> dict[str, Any]:
     m = cm.ModelSpec.from_config(h.cfg)
     P, B, C = args.prompt_len, args.decode_batch, args.context
@@ -110,6 +133,11 @@ def run_sweep(args: argparse.Namespace, h: eb.Harness, chunks: list[int]) -> dic
     # Warm-up: both kinds of step at the largest shape before anything is timed.
     h.runner.forward(decode + [chunk_item(0, max(chunks))])
     d = measure(decode_step, h.device, repeats=args.decode_repeats, warmup=2)
+    # Every timed step also becomes a sample (shape, seconds) for the step-cost fit; a decode
+    # step of one sequence separates the per-sequence term from the per-step one.
+    d1 = measure(lambda: h.runner.forward(decode[:1]), h.device, repeats=max(3, args.decode_repeats // 2), warmup=1)
+    decode_shape = StepShape.of([C] * B)
+    samples: list[tuple[StepShape, float]] = [(decode_shape, d.median_s)] * 4 + [(StepShape.of([C]), d1.median_s)] * 2
     total = sum(-(-P // c) * args.repeats for c in chunks)
     bar = tqdm(total=total, desc="bench chunks", unit="step", file=sys.stderr, disable=args.no_progress)
     points, flops_chunk = [], []
@@ -131,6 +159,10 @@ def run_sweep(args: argparse.Namespace, h: eb.Harness, chunks: list[int]) -> dic
             mixed_runs.append(mx)
         alone_steps = [statistics.median(col) for col in zip(*alone_runs)]
         mixed = [statistics.median(col) for col in zip(*mixed_runs)]
+        for s, t_alone, t_mixed in zip(starts, alone_steps, mixed):
+            n = min(c, P - s)
+            samples.append((StepShape.of((), [(s, n)]), t_alone))
+            samples.append((StepShape.of([C] * B, [(s, n)]), t_mixed))
         alone = sum(alone_steps)
         ms = sorted(mixed)
         tf = (lin + att) / alone / 1e12
@@ -155,6 +187,7 @@ def run_sweep(args: argparse.Namespace, h: eb.Harness, chunks: list[int]) -> dic
 
     step_ms = d.median_s * 1e3
     overhead_s, rate = _fit_overhead(points, flops_chunk)
+    step_fit = fit(samples)
     spec = h.spec
     # The decode step the device spec predicts, before any calibrated overhead.
     raw = cm.decode_step(m, spec, B, C, args.mfu, h.compute_dtype, h.kv_dtype).time_s
@@ -167,6 +200,7 @@ def run_sweep(args: argparse.Namespace, h: eb.Harness, chunks: list[int]) -> dic
         decode_step_overhead_ms=max(0.0, d.median_s - raw) * 1e3,
         prefill_overhead_ms=overhead_s * 1e3,
         source=f"pdserve bench chunks ({h.cfg.name}, batch {B} @ {C} ctx, prompt {P})",
+        step_fit=step_fit.to_dict(),
     )
     hw_cal = cal.apply(spec)
     mfu_cal = cal.effective_mfu(hw_cal, args.mfu)
@@ -199,6 +233,8 @@ def run_sweep(args: argparse.Namespace, h: eb.Harness, chunks: list[int]) -> dic
         "points": [asdict(p) for p in points],
         "break_even_chunk": break_even,
         "prefill_fit": {"overhead_ms": overhead_s * 1e3, "tflops": rate / 1e12},
+        "step_fit": step_fit.to_dict(),
+        "step_fit_check": _fit_check(step_fit, points, P, B, C, d.median_s),
         "calibration": cal.to_dict(),
         **h.spec_record(),
     }
@@ -237,6 +273,15 @@ def render(r: dict[str, Any]) -> str:
         f"one decode step), {f(be['measured_mixed_2x'])} (mixed step = 2x decode)",
         f"prefill fit: {r['prefill_fit']['overhead_ms']:.2f} ms per chunk + FLOPs at "
         f"{r['prefill_fit']['tflops'] * 1e3:.1f} GFLOP/s; spec: {r['spec']['source']}",
+        f"step-cost fit ({r['step_fit']['samples']} timed steps, rms error "
+        f"{100 * (r['step_fit']['rms_rel_error'] or 0):.1f}%): " + StepCostFit.from_dict(r["step_fit"]).describe(),
+        eb.table(
+            ["figure", "predicted ms", "measured ms", "error"],
+            [
+                [c["figure"], f"{c['predicted_ms']:.1f}", f"{c['measured_ms']:.1f}", f"{100 * c['error']:+.1f}%"]
+                for c in r["step_fit_check"]
+            ],
+        ),
     ]
     return "\n".join(lines)
 

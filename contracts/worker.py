@@ -64,6 +64,9 @@ class WorkerStats:
     blocks_total: int
     blocks_free: int
     steps: int = 0
+    # the last steps this worker ran, oldest first: (step number, prefill tokens, attention pairs,
+    # decode sequences, seconds); the router refines its step-cost fit from them (--mode auto)
+    recent_steps: list[tuple[int, int, int, int, float]] = field(default_factory=list)
 
     @property
     def blocks_used(self) -> int:

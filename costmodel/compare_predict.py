@@ -44,6 +44,7 @@ class PredictionSetup:
             "kv_dtype": self.steps.kv_dtype,
             "decode_step_overhead_ms": hw.step_overhead_s * 1e3,
             "prefill_overhead_ms": hw.prefill_overhead_s * 1e3,
+            "step_fit": self.steps.fit.to_dict() if self.steps.fit is not None else None,
             "link": {"name": self.link.name, "label": self.link.label, "gbytes_per_s": self.link.bw / cm.GB},
         }
 
@@ -74,7 +75,7 @@ def setup_from_calibration(model: str, calibration: Path, kv_dtype: str = "fp8")
     else:
         link = cm.Link("host-memory", f"host memory copy at {hw.mem_bw / cm.GB:.1f} GB/s (calibrated)", hw.mem_bw)
     # On a CPU the weights are dequantized and the FLOPs run in the calibration's dtype (fp32).
-    steps = StepModel(spec, hw, mfu, weight_dtype=cal.dtype, kv_dtype=kv_dtype)
+    steps = StepModel(spec, hw, mfu, weight_dtype=cal.dtype, kv_dtype=kv_dtype, fit=cal.fitted_steps())
     return PredictionSetup(steps, link, f"{_shown(calibration)} ({cal.source or cal.device})")
 
 

@@ -158,6 +158,23 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
             }
             for link in links
         ],
+        "step_fit": _step_fit(cal, args),
+    }
+
+
+def _step_fit(cal: cm.Calibration | None, args: argparse.Namespace) -> dict[str, Any] | None:
+    """The calibration's measured step-cost terms and what they price (the FLOP tables above
+    stay the article's arithmetic on the calibrated spec)."""
+    f = cal.fitted_steps() if cal else None
+    if f is None:
+        return None
+    return {
+        "terms": f.to_dict(),
+        "formula": f.describe(),
+        "source": cal.source if cal else "",
+        "decode_ms": [{"batch": b, "ms": f.decode_seconds([args.ctx] * b) * 1e3} for b in args.batches],
+        "prefill_ms": [{"context": t, "ms": f.prefill_seconds(t) * 1e3} for t in args.contexts],
+        "chunk_ms": [{"chunk": c, "ms": f.prefill_seconds(c) * 1e3} for c in args.chunks],
     }
 
 
@@ -246,6 +263,22 @@ def render(r: dict[str, Any]) -> str:
             ],
         ),
     ]
+    sf = r.get("step_fit")
+    if sf:
+        t = sf["terms"]
+        err = t.get("rms_rel_error")
+        out += [
+            "",
+            f"Measured step cost (calibration step_fit, {t.get('samples', 0)} timed steps"
+            + (f", rms error {100 * err:.1f}%" if err is not None else "")
+            + f"; {sf['source']})",
+            f"  step = {sf['formula']}",
+            "  decode @ {:,} ctx: {}".format(
+                ctx, ", ".join(f"batch {d['batch']} {d['ms']:.1f} ms" for d in sf["decode_ms"])
+            ),
+            "  prefill alone: " + ", ".join(f"{p['context']:,} tok {p['ms']:,.1f} ms" for p in sf["prefill_ms"]),
+            "  first chunk alone: " + ", ".join(f"{c['chunk']:,} tok {c['ms']:.1f} ms" for c in sf["chunk_ms"]),
+        ]
     return "\n".join(out)
 
 

@@ -26,6 +26,12 @@ optional, a missing field keeps the datasheet value)::
       "decode_step_overhead_ms": 0.4,       # fixed cost per decode step (launches, sampling)
       "prefill_overhead_ms": 1.0,           # fixed cost per prefill / chunk
       "links_gbps": {"nvlink": 700.0},      # measured transfer bandwidth per link, GB/s
+      "step_fit": {                         # measured step cost (costmodel/step_fit.py), from
+        "fixed_ms": 5.2,                    #   every step `pdserve bench chunks` timed: per step,
+        "per_token_us": 95.0,               #   per new token, per attention pair (quadratic in
+        "attention_ns_per_pair": 0.03,      #   context), per decode sequence; when present it
+        "per_sequence_us": 900.0            #   prices steps instead of the FLOP/bandwidth terms
+      },
       "source": "pdserve bench gpu, commit abc123"
     }
 
@@ -43,6 +49,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from costmodel.step_fit import StepCostFit
 from engine.config import KV_DTYPE_BYTES, PRESETS, ModelConfig, resolve_model_config
 
 GB = 1e9
@@ -144,6 +151,7 @@ class Calibration:
     prefill_overhead_ms: float = 0.0
     links_gbps: dict[str, float] = field(default_factory=dict)
     source: str = ""
+    step_fit: dict[str, Any] | None = None  # StepCostFit.to_dict()
 
     SCHEMA = "pdserve.calibration/1"
 
@@ -163,7 +171,13 @@ class Calibration:
                 raise ValueError(f"calibration {k} must be positive, got {v}")
         if cal.mfu is not None and not 0 < cal.mfu <= 1:
             raise ValueError(f"calibration mfu must be in (0, 1], got {cal.mfu}")
+        if cal.step_fit is not None:
+            cal.fitted_steps()  # validates
         return cal
+
+    def fitted_steps(self) -> StepCostFit | None:
+        """The measured step-cost fit, if this calibration has one."""
+        return None if self.step_fit is None else StepCostFit.from_dict(self.step_fit)
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from costmodel import cost_model as cm
+from costmodel.step_fit import StepCostFit, StepShape
 
 MODES = ("colocated", "chunked", "disagg")
 
@@ -58,17 +59,35 @@ class StepModel:
     weight_dtype: str = "fp8"
     kv_dtype: str = "fp8"
     fixed_ctx: float | None = None
+    # A measured step-cost fit (costmodel/step_fit.py): when set it prices every step from its
+    # shape, and a colocated whole prompt runs *with* the decode batch, as the engine does.
+    fit: StepCostFit | None = None
+
+    def _ctx(self, r: Request) -> int:
+        return int(self.fixed_ctx) if self.fixed_ctx is not None else r.ctx
+
+    def step(self, batch: list[Request], parts: list[tuple[int, int]]) -> float:
+        """One engine step: the decode batch plus prompt chunks (start, n)."""
+        if self.fit is not None:
+            return self.fit.seconds(StepShape.of([self._ctx(r) for r in batch], parts))
+        return (self.decode(batch) if batch else 0.0) + sum(self.chunk(s, n) for s, n in parts)
 
     def decode(self, batch: list[Request]) -> float:
+        if self.fit is not None:
+            return self.fit.decode_seconds([self._ctx(r) for r in batch])
         kv = self.fixed_ctx * len(batch) if self.fixed_ctx is not None else sum(r.ctx for r in batch)
         return cm.decode_step_tokens(
             self.model, self.hw, len(batch), kv, self.mfu, self.weight_dtype, self.kv_dtype
         ).time_s
 
     def prefill(self, tokens: int) -> float:
+        if self.fit is not None:
+            return self.fit.prefill_seconds(tokens)
         return cm.prefill(self.model, self.hw, tokens, self.mfu, self.weight_dtype).time_s
 
     def chunk(self, start: int, n: int) -> float:
+        if self.fit is not None:
+            return self.fit.chunk_extra_seconds(start, n)
         return cm.prefill_chunk_seconds(self.model, self.hw, start, n, self.mfu, self.weight_dtype)
 
     def transfer(self, tokens: int, link: cm.Link) -> float:
@@ -281,7 +300,15 @@ class ColocatedWorker(Worker):
             if self.queue and len(self.running) < cfg.max_batch:
                 r = self.queue.popleft()
                 r.prefilled = r.prompt
-                return steps.prefill(r.prompt), r.prompt, 0, lambda: self._prefilled(r)
+                if steps.fit is None:  # the article's freeze: the prefill runs instead of the decode step
+                    return steps.prefill(r.prompt), r.prompt, 0, lambda: self._prefilled(r)
+                batch = list(self.running)  # the engine's: one forward of the decode batch + the prompt
+
+                def fin_mixed() -> None:
+                    self._emit(batch)
+                    self._prefilled(r)
+
+                return steps.step(batch, [(0, r.prompt)]), r.prompt, len(batch), fin_mixed
             return self._decode_step() if self.running else None
         batch, budget = list(self.running), cfg.chunk
         parts: list[tuple[Request, int, int]] = []  # (request, chunk start, chunk tokens)
@@ -293,7 +320,7 @@ class ColocatedWorker(Worker):
             budget -= n
         if not batch and not parts:
             return None
-        dur = (steps.decode(batch) if batch else 0.0) + sum(steps.chunk(s, n) for _, s, n in parts)
+        dur = steps.step(batch, [(s, n) for _, s, n in parts])
 
         def fin() -> None:
             self._emit(batch)

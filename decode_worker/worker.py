@@ -112,6 +112,7 @@ class DecodeWorker(EngineLoop):
             blocks_total=e.blocks.num_blocks,
             blocks_free=e.blocks.num_free,
             steps=self.steps,
+            recent_steps=list(self.step_log),
         )
 
     def ping(self) -> str:
@@ -298,6 +299,7 @@ class DecodeWorker(EngineLoop):
             return False
         t_start = time.time()
         events = self.engine.step()
+        self.log_step(self.engine)
         t = time.time()
         out = [
             StreamEvent(ev.seq_id, "token", ev.token_id, ev.index, ev.finished, ev.finish_reason, t, logprob=ev.logprob)

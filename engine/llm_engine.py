@@ -43,6 +43,9 @@ class StepStats:
     prefill_tokens: int
     decode_tokens: int
     seconds: float
+    # sum over the step's items of end^2 - start^2 (positions [start, end) computed): the
+    # attention work of the step, the shape term the cost model's step fit prices
+    attention_pairs: int = 0
 
 
 class LLMEngine:
@@ -202,7 +205,8 @@ class LLMEngine:
                 continue
             finished = self._finish_if_done(seq)
             events.append(TokenEvent(seq.seq_id, tok, len(seq.output_ids) - 1, finished, seq.finish_reason, lp))
-        self.last_step = StepStats(sum(n for _, n in prefill), len(decode), time.perf_counter() - t0)
+        pairs = sum((it.start_pos + len(it.token_ids)) ** 2 - it.start_pos**2 for it in items)
+        self.last_step = StepStats(sum(n for _, n in prefill), len(decode), time.perf_counter() - t0, pairs)
         return events
 
     # ---- helpers ---------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -21,6 +22,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 
 log = logging.getLogger("pdserve.worker")
+STEP_LOG_KEPT = 256  # recent steps a worker reports in stats()
 
 
 class EngineSettings(Protocol):
@@ -76,6 +78,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
         self._exited = False  # set by the loop thread once it will never read the inbox again
         self.steps = 0  # forward passes run
+        # (step number, prefill tokens, attention pairs, decode sequences, seconds) of recent steps
+        self.step_log: deque[tuple[int, int, int, int, float]] = deque(maxlen=STEP_LOG_KEPT)
         self.fatal: BaseException | None = None
 
     def start(self) -> None:
@@ -152,6 +156,12 @@ class EngineLoop:
             except Exception:  # noqa: BLE001
                 log.exception("worker %s: failing its pending work failed", self.name)
             self._fail_inbox()
+
+    def log_step(self, engine: LLMEngine) -> None:
+        """Loop thread: remember the shape and time of the step `engine` just ran."""
+        st = engine.last_step
+        if st is not None:
+            self.step_log.append((self.steps + 1, st.prefill_tokens, st.attention_pairs, st.decode_tokens, st.seconds))
 
     def close(self) -> None:
         self._stop.set()

@@ -75,6 +75,7 @@ class PrefillWorker(EngineLoop):
             blocks_total=e.blocks.num_blocks,
             blocks_free=e.blocks.num_free,
             steps=self.steps,
+            recent_steps=list(self.step_log),
         )
 
     def ping(self) -> str:
@@ -112,6 +113,7 @@ class PrefillWorker(EngineLoop):
             return False
         t_start = time.time()
         events = self.engine.step()
+        self.log_step(self.engine)
         t_end = time.time()
         if self.engine.last_step is None:  # every waiting prompt lacks blocks (parked KV holds them)
             return False

@@ -15,7 +15,7 @@ from contracts.worker import WorkerConfig
 from engine.config import KV_DTYPE_BYTES, PRESETS, is_checkpoint_dir
 from engine.model_registry import DEFAULT_MODEL, MODELS
 
-MODES = ("disagg", "colocated")
+MODES = ("disagg", "colocated", "auto")
 POLICIES = ("round_robin", "least_loaded")
 TRANSPORTS = ("nixl", "local")
 WEIGHT_DTYPES = ("fp8", "bf16", "fp32")
@@ -55,6 +55,11 @@ class ServeConfig:
     prefill_resources: dict[str, float] | list[dict[str, float]] = field(default_factory=dict)
     decode_resources: dict[str, float] | list[dict[str, float]] = field(default_factory=dict)
     link_gbps: float | None = None  # nominal rate of the link between the pools, for the timeline
+    # --mode auto: the SLO pair the per-request dispatch decides under, and the cost-model
+    # calibration it predicts with (None: the one `pdserve bench chunks` left for this model)
+    slo_ttft_ms: float = 1000.0
+    slo_itl_ms: float = 50.0
+    calibration: str | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -94,8 +99,12 @@ class ServeConfig:
             raise bad("--kv-dtype", f"must be one of {', '.join(sorted(KV_DTYPE_BYTES))}")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
             raise bad("--device", "must be cpu, cuda or cuda:N")
-        if self.mode == "disagg" and self.prefill < 1:
-            raise bad("--prefill", "disaggregated mode needs at least one prefill worker")
+        if self.mode in ("disagg", "auto") and self.prefill < 1:
+            raise bad("--prefill", f"{self.mode} mode needs at least one prefill worker")
+        if self.slo_ttft_ms <= 0 or self.slo_itl_ms <= 0:
+            raise bad("--slo-ttft-ms" if self.slo_ttft_ms <= 0 else "--slo-itl-ms", "must be > 0 ms")
+        if self.calibration is not None and not Path(self.calibration).is_file():
+            raise bad("--calibration", "no such file")
         if self.prefill < 0:
             raise bad("--prefill", "must be >= 0")
         if self.decode < 1:
@@ -201,7 +210,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return out
 
 
-_OPTIONAL = {"chunk_size", "ray_address", "api_key", "served_model_name", "link_gbps"}
+_OPTIONAL = {"chunk_size", "ray_address", "api_key", "served_model_name", "link_gbps", "calibration"}
 
 
 def _check_types(cfg: ServeConfig) -> None:

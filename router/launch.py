@@ -14,15 +14,22 @@ import logging
 import os
 import tempfile
 from dataclasses import dataclass, field
+from dataclasses import replace as with_fields
+from pathlib import Path
 from typing import Any
 
 from contracts.worker import WorkerConfig
+from costmodel.cost_model import Calibration, ModelSpec
 from engine.config import is_checkpoint_dir, read_generation_eos, resolve_model_config
+from router.dispatch import DEFAULT_CHUNK, AutoDispatcher
 from router.orchestrator import Orchestrator
 from router.worker_handle import WorkerHandle
 from router.worker_host import WorkerHost, load_worker_class
 
 log = logging.getLogger("pdserve.launch")
+# where `pdserve bench chunks --out-dir benchmarks/results` leaves committed calibrations (not
+# costmodel.provenance's constant: that module may import torch, and the router process must not)
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 ACTOR_CONCURRENCY = 512  # threaded actors: blocking prefill() calls and long polls run side by side
 
 
@@ -155,10 +162,38 @@ def pool_specs(cfg: Any) -> list[PoolSpec]:
     wc = cfg.worker_config()
     if cfg.mode == "colocated":
         return [PoolSpec("colocated", cfg.decode, wc, cfg.gpus_per_worker, cfg.resources_per_worker("decode"))]
+    dc = wc
+    if cfg.mode == "auto":  # prompts the router keeps local are prefilled in chunks on the decode worker
+        wc, dc = with_fields(wc, chunk_size=None), with_fields(wc, chunk_size=cfg.chunk_size or DEFAULT_CHUNK)
     return [
         PoolSpec("prefill", cfg.prefill, wc, cfg.gpus_per_worker, cfg.resources_per_worker("prefill")),
-        PoolSpec("decode", cfg.decode, wc, cfg.gpus_per_worker, cfg.resources_per_worker("decode")),
+        PoolSpec("decode", cfg.decode, dc, cfg.gpus_per_worker, cfg.resources_per_worker("decode")),
     ]
+
+
+def build_dispatcher(cfg: Any, model_dir: str) -> AutoDispatcher | None:
+    """--mode auto: the dispatcher, priced by --calibration (or the one `pdserve bench chunks`
+    left for this model and device in benchmarks/results/)."""
+    if cfg.mode != "auto":
+        return None
+    path = cfg.calibration
+    if path is None:
+        kind = "cuda" if cfg.device.startswith("cuda") else "cpu"
+        name = resolve_model_config(model_dir).name  # what `bench chunks` names its files after
+        path = str(RESULTS_DIR / f"chunks-{name}-{kind}.calibration.json")
+        if not Path(path).is_file():
+            raise ValueError(
+                f"--mode auto needs a calibration: pass --calibration FILE, or run "
+                f"`pdserve bench chunks --model {cfg.model} --out-dir benchmarks/results` (expected {path})"
+            )
+    return AutoDispatcher(
+        Calibration.load(path),
+        ModelSpec.from_config(resolve_model_config(model_dir)),
+        cfg.kv_dtype,
+        cfg.chunk_size,
+        cfg.slo_ttft_ms / 1e3,
+        cfg.slo_itl_ms / 1e3,
+    )
 
 
 async def build_orchestrator(cfg: Any) -> Orchestrator:
@@ -166,6 +201,7 @@ async def build_orchestrator(cfg: Any) -> Orchestrator:
     model_cfg = resolve_model_config(cfg.model)
     eos = tuple(read_generation_eos(cfg.model)) if is_checkpoint_dir(cfg.model) else ()
     specs = pool_specs(cfg)
+    dispatcher = build_dispatcher(cfg, cfg.model)  # before any worker starts: a bad calibration fails fast
     handles: dict[str, list[WorkerHandle]] = {}
     if cfg.ray_address == "none":
         loop = asyncio.get_running_loop()
@@ -225,6 +261,7 @@ async def build_orchestrator(cfg: Any) -> Orchestrator:
         replace,
         on_shutdown,
         link_gbps=getattr(cfg, "link_gbps", None),
+        dispatcher=dispatcher,
     )
     await orch.start()
     return orch

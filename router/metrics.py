@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from contracts.worker import WorkerStats
 
@@ -80,6 +80,7 @@ class _Snapshot:
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0
     router_queue_depth: int = 0
+    dispatch: dict[str, Any] | None = None  # --mode auto: AutoDispatcher.summary()
 
 
 class _OrchestratorCollector:
@@ -115,6 +116,28 @@ class _OrchestratorCollector:
             for w in s.workers:
                 g.add_metric([w.name, w.role], get(w))
             yield g
+        if s.dispatch is not None:
+            yield from _dispatch_metrics(s.dispatch)
+
+
+def _dispatch_metrics(d: dict[str, Any]) -> Iterator[Metric]:
+    """--mode auto: decisions by kind, and |predicted - realized| / realized histograms."""
+    c = CounterMetricFamily("pdserve_dispatch_decisions", "Auto-mode prefill placements", labels=["decision"])
+    for k, v in d["decisions"].items():
+        c.add_metric([k], v)
+    yield c
+    h = HistogramMetricFamily(
+        "pdserve_dispatch_prediction_abs_rel_error",
+        "Auto mode: |predicted - realized| / realized, per figure (ttft; stall = longest gap beside a local prefill)",
+        labels=["figure"],
+    )
+    for fig, e in d["errors"].items():
+        cum, buckets = 0, []
+        for bound, n in zip([*map(str, e["buckets"]), "+Inf"], e["counts"]):
+            cum += n
+            buckets.append((bound, cum))
+        h.add_metric([fig], buckets, e["abs_sum"])
+    yield h
 
 
 class ServeMetrics:
@@ -176,6 +199,8 @@ class ServeMetrics:
         snap = _Snapshot()
         snap.transfer_bytes, snap.transfer_seconds = orch.transfer_totals()
         snap.router_queue_depth = orch.queue_depth()
+        summary = getattr(orch, "dispatch_summary", None)  # fakes in tests may lack it
+        snap.dispatch = summary() if summary is not None else None
         try:
             snap.workers = list(await asyncio.wait_for(orch.stats(), timeout_s))
         except Exception as e:  # noqa: BLE001 - a scrape must answer even when a worker does not

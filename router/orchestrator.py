@@ -3,6 +3,7 @@
 Disaggregated:  pick (prefill, decode) -> prefill.prefill(req) -> stream the first token (TTFT)
                 -> decode.submit_prefilled(req, result) -> decode pulls KV, streams the rest.
 Colocated:      pick decode -> decode.submit_prompt(req) -> stream every token.
+Auto:           both pools; router/dispatch.py decides per request which of the two above runs.
 
 Tokens come back through one pump task per decode worker (`poll_events` long-poll) and are
 routed to per-request queues. Every phase is stamped into a per-request timeline.
@@ -19,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from contracts.worker import GenerateRequest, PrefillResult, StreamEvent, WorkerError, WorkerStats
 from engine.config import ModelConfig
+from router.dispatch import AutoDispatcher
 from router.worker_handle import WorkerDied, WorkerHandle
 
 log = logging.getLogger("pdserve.router")
@@ -41,13 +43,16 @@ class Orchestrator:
         replace: ReplaceFn | None = None,
         on_shutdown: Callable[[list[WorkerHandle]], Awaitable[None]] | None = None,
         link_gbps: float | None = None,
+        dispatcher: AutoDispatcher | None = None,
     ):
-        if mode not in ("disagg", "colocated"):
-            raise ValueError(f"mode must be disagg or colocated, got {mode!r}")
+        if mode not in ("disagg", "colocated", "auto"):
+            raise ValueError(f"mode must be disagg, colocated or auto, got {mode!r}")
+        if (mode == "auto") != (dispatcher is not None):
+            raise ValueError("auto mode needs a dispatcher (and only auto mode takes one)")
         if policy not in ("round_robin", "least_loaded"):
             raise ValueError(f"policy must be round_robin or least_loaded, got {policy!r}")
-        if not decode or (mode == "disagg" and not prefill):
-            raise ValueError("need at least one decode worker (and one prefill worker in disagg mode)")
+        if not decode or (mode != "colocated" and not prefill):
+            raise ValueError("need at least one decode worker (and one prefill worker in disagg/auto mode)")
         self.mode, self.model_config, self.policy = mode, model_config, policy
         self.prefill, self.decode = prefill, decode
         self.eos_ids = set(eos_ids) | ({model_config.eos_token_id} if model_config.eos_token_id is not None else set())
@@ -63,11 +68,16 @@ class Orchestrator:
         self._closed = False
         self._cleanup: set[asyncio.Task] = set()
         self._replacing: dict[str, asyncio.Task] = {}  # dead worker name -> its replacement task
+        self.dispatcher = dispatcher
+        self._local_open: dict[str, set[str]] = {}  # auto: decode worker -> local prompts before their first token
+        self._last_token_t: dict[str, float] = {}  # request id -> time of its last token (stall outcome)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
         for w in self.decode:
             self._pumps[w.name] = asyncio.create_task(self._pump(w))
+        if self.dispatcher is not None:
+            self._pumps["_step_fit"] = asyncio.create_task(self._refine_fits())
 
     async def shutdown(self) -> None:
         self._closed = True
@@ -91,7 +101,7 @@ class Orchestrator:
         return self._timelines.get(request_id)
 
     async def stats(self) -> list[WorkerStats]:
-        workers = self.prefill + self.decode if self.mode == "disagg" else self.decode
+        workers = self.decode if self.mode == "colocated" else self.prefill + self.decode
         results = await asyncio.gather(*(w.stats() for w in workers), return_exceptions=True)
         out = []
         for w, r in zip(workers, results):
@@ -106,7 +116,10 @@ class Orchestrator:
         queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self._streams[rid] = queue
         decode = self._pick(self.decode, "decode")
-        prefill = self._pick(self.prefill, "prefill") if self.mode == "disagg" else None
+        prefill = self._pick(self.prefill, "prefill") if self.mode != "colocated" else None
+        if self.dispatcher is not None:
+            assert prefill is not None  # auto has both pools
+            prefill = self._dispatch(req, tl, prefill, decode)
         self._assigned[rid] = (prefill, decode)
         for w in (prefill, decode):
             if w is not None:
@@ -165,6 +178,8 @@ class Orchestrator:
         finally:
             self._streams.pop(rid, None)
             self._assigned.pop(rid, None)
+            self._last_token_t.pop(rid, None)
+            self._local_open.get(decode.name, set()).discard(rid)
             for w in (prefill, decode):
                 if w is not None:
                     w.active -= 1
@@ -180,6 +195,47 @@ class Orchestrator:
         pair = self._assigned.get(request_id)
         if pair is not None:
             await self._abort_on(request_id, *pair)
+
+    # ---- auto mode -----------------------------------------------------------------------------
+    def dispatch_summary(self) -> dict | None:
+        return self.dispatcher.summary() if self.dispatcher is not None else None
+
+    def _dispatch(
+        self, req: GenerateRequest, tl: dict, prefill: WorkerHandle, decode: WorkerHandle
+    ) -> WorkerHandle | None:
+        """Ask the dispatcher; returns the prefill worker for remote, None for local."""
+        assert self.dispatcher is not None
+        streams, local_queue, prefill_queue = [], [], []
+        for rid, (p, d) in self._assigned.items():
+            other = self._timelines.get(rid)
+            if other is None:
+                continue
+            if d is decode and "first_token_ms" in other and p is None:
+                streams.append(other["prompt_tokens"] + other["output_tokens"])
+            elif d is decode and "first_token_ms" in other and "decode_admitted_ms" in other:
+                streams.append(other["prompt_tokens"] + other["output_tokens"])
+            elif d is decode and p is None:
+                local_queue.append(other["prompt_tokens"])
+            elif p is prefill and "first_token_ms" not in other:
+                prefill_queue.append(other["prompt_tokens"])
+        decision = self.dispatcher.decide(len(req.prompt_ids), 0, streams, local_queue, prefill_queue)
+        tl["dispatch"] = decision.to_dict()
+        if decision.choice == "local":
+            self._local_open.setdefault(decode.name, set()).add(req.request_id)
+            return None
+        return prefill
+
+    async def _refine_fits(self) -> None:
+        """Auto: read the workers' recent steps into the dispatcher's fits, a few times a second."""
+        assert self.dispatcher is not None
+        while not self._closed:
+            try:
+                self.dispatcher.observe_stats(await self.stats())
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a missed refresh only delays the refinement
+                log.debug("step-fit refresh failed: %r", e)
+            await asyncio.sleep(0.25)
 
     # ---- internals -----------------------------------------------------------------------------
     async def _abort_on(self, rid: str, prefill: WorkerHandle | None, decode: WorkerHandle) -> None:
@@ -285,6 +341,23 @@ class Orchestrator:
             self._timelines.popitem(last=False)
         return tl
 
+    def _track_gaps(self, tl: dict, ev: StreamEvent) -> None:
+        """Auto: a stream's token gap counts against every local prompt prefilling beside it
+        (the realized stall of a local decision: the longest gap its neighbours saw)."""
+        rid = ev.request_id
+        prev = self._last_token_t.get(rid)
+        self._last_token_t[rid] = ev.t
+        if prev is None:
+            return
+        pair = self._assigned.get(rid)
+        if pair is None:
+            return
+        for other in self._local_open.get(pair[1].name, ()):
+            otl = self._timelines.get(other)
+            if other != rid and otl is not None and "first_token_ms" not in otl and ev.t > otl["arrival"]:
+                gap = round((ev.t - max(prev, otl["arrival"])) * 1e3, 3)
+                otl["local_max_gap_ms"] = max(otl.get("local_max_gap_ms", 0.0), gap)
+
     @staticmethod
     def _rel(tl: dict, t: float) -> float:
         return round((t - tl["arrival"]) * 1e3, 3)
@@ -310,15 +383,21 @@ class Orchestrator:
                     link_nominal_ms=round(s.bytes * 8 / (self.link_gbps * 1e9) * 1e3, 3),
                     rate_vs_link=round(s.gbytes_per_s * 8 / self.link_gbps, 3),
                 )
+            if self.dispatcher is not None:
+                self.dispatcher.observe_transfer(s.bytes, s.seconds)
             if "prefill_end_ms" in tl:  # admission wait = time between prefill end and decode join, less the pull
                 tl["decode_wait_ms"] = round(tl["decode_admitted_ms"] - tl["prefill_end_ms"] - s.seconds * 1e3, 3)
 
     def _on_token(self, tl: dict, ev: StreamEvent) -> None:
         t = self._rel(tl, ev.t)
+        if self.dispatcher is not None:
+            self._track_gaps(tl, ev)
         if ev.index == 0:
             tl["first_token_ms"] = t
             if ev.timings:  # colocated: the decode worker timed the prompt's queue and prefill
                 tl.update({k: round(v, 3) for k, v in ev.timings.items()})
+            if self.dispatcher is not None:
+                self.dispatcher.record_outcome(tl)
         tl["last_token_ms"] = t
         tl["output_tokens"] = ev.index + 1
         tl["token_ids"].append(ev.token_id)  # lets clients check greedy equality across modes

@@ -47,7 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--mode",
         choices=MODES,
         default=None,
-        help=f"disagg: separate prefill and decode pools; colocated: decode workers also prefill (default {D.mode})",
+        help="disagg: separate prefill and decode pools; colocated: decode workers also prefill; auto: both "
+        "pools, and per request the router prefills locally (chunked, on the decode worker) or remotely, "
+        f"whichever the calibrated cost model predicts is cheaper under the SLO pair (default {D.mode})",
     )
     g.add_argument(
         "--model",
@@ -128,6 +130,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="an existing Ray cluster (e.g. auto or ray://host:10001); default: start a local one; "
         "'none' runs the workers in this process without Ray",
+    )
+    g = p.add_argument_group("auto mode (per-request dispatch)")
+    g.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=None,
+        help=f"time-to-first-token SLO auto decides under (default {D.slo_ttft_ms:g})",
+    )
+    g.add_argument(
+        "--slo-itl-ms",
+        type=float,
+        default=None,
+        help="inter-token SLO of the streams in flight; a local prefill may not stretch a step past it "
+        f"(default {D.slo_itl_ms:g})",
+    )
+    g.add_argument(
+        "--calibration",
+        default=None,
+        metavar="FILE",
+        help="cost-model calibration with a step_fit (`pdserve bench chunks` writes one); default: "
+        "benchmarks/results/chunks-<model>-<device>.calibration.json",
     )
     g = p.add_argument_group("router")
     g.add_argument("--host", default=None, help=f"address to listen on (default {D.host})")
@@ -237,7 +260,8 @@ def base_url(host: str, sock: socket.socket) -> str:
 def ready_message(cfg: ServeConfig, url: str) -> str:
     pools = (
         f"{cfg.prefill} prefill + {cfg.decode} decode"
-        if cfg.mode == "disagg"
+        + (f", SLO TTFT {cfg.slo_ttft_ms:g} ms / ITL {cfg.slo_itl_ms:g} ms" if cfg.mode == "auto" else "")
+        if cfg.mode != "colocated"
         else f"{cfg.decode} colocated, " + (f"chunks of {cfg.chunk_size}" if cfg.chunk_size else "whole prompts")
     )
     auth = " -H 'Authorization: Bearer <your key>'" if cfg.api_key else ""

@@ -1,0 +1,241 @@
+"""What one engine step costs on this device, fitted from measured steps.
+
+The article prices a prefill at one FLOP rate. On a real engine (and, starkly, on a CPU) that
+under-prices long prompts: attention runs far below the GEMMs' rate, and every step pays a fixed
+cost (Python, launches, sampling) whatever it holds. So a step is priced from its *shape*:
+
+    seconds = fixed                                   # per step, whatever it holds
+            + per_token     * new tokens               # GEMMs: prompt tokens + one per decode sequence
+            + attention     * sum_i (end_i^2 - start_i^2)   # attention pairs, quadratic in context
+            + per_sequence  * decode sequences         # per-stream bookkeeping and KV reads
+
+Item i of a step covers positions [start_i, end_i): a prefill chunk [p, p + n) or a decode token
+[c, c + 1). Its attention work is end^2 - start^2 (the score matrix of the whole prefix minus the
+part already cached), so the chunks of a prompt add up to the whole prompt, and a decode token at
+context c costs 2c + 1: the same term, linear in context for decode, quadratic for a prompt.
+
+`fit()` fits the four terms by non-negative least squares on *relative* error (a 7 ms chunk and a
+700 ms prompt count alike), from the steps `pdserve bench chunks` times. `OnlineStepFit` refines
+them from the step timings workers report while serving, exponentially weighted (a step `half_life`
+steps old weighs half), pulled towards the calibration so a few odd steps cannot swing it.
+Pure Python: the router uses it and imports no numpy-heavy or torch code.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+TERMS = ("fixed_ms", "per_token_us", "attention_ns_per_pair", "per_sequence_us")
+# seconds per unit of each feature, to display units (ms, us, ns, us)
+_UNIT = (1e3, 1e6, 1e9, 1e6)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The features of one step: what a worker reports and what the fit prices."""
+
+    prefill_tokens: int = 0
+    attention_pairs: float = 0.0
+    decode_seqs: int = 0
+
+    @classmethod
+    def of(cls, decode_contexts: Iterable[int] = (), chunks: Iterable[tuple[int, int]] = ()) -> StepShape:
+        """A step of decode sequences at `decode_contexts` (cached tokens each) plus prompt chunks
+        `(start, n)`."""
+        ctxs = list(decode_contexts)
+        pairs = sum(2 * c + 1 for c in ctxs)
+        toks = 0
+        for start, n in chunks:
+            pairs += (start + n) ** 2 - start**2
+            toks += n
+        return cls(toks, float(pairs), len(ctxs))
+
+    def features(self) -> tuple[float, float, float, float]:
+        return (1.0, float(self.prefill_tokens + self.decode_seqs), self.attention_pairs, float(self.decode_seqs))
+
+
+@dataclass(frozen=True)
+class StepCostFit:
+    """The four fitted terms, in seconds per unit (see the module docstring)."""
+
+    fixed_s: float
+    per_token_s: float
+    attention_s: float  # per attention pair
+    per_sequence_s: float
+    samples: int = 0  # steps it was fitted from
+    rms_rel_error: float | None = None  # of the fit over those steps
+
+    @property
+    def coef(self) -> tuple[float, float, float, float]:
+        return (self.fixed_s, self.per_token_s, self.attention_s, self.per_sequence_s)
+
+    def seconds(self, shape: StepShape) -> float:
+        return sum(c * x for c, x in zip(self.coef, shape.features()))
+
+    def decode_seconds(self, contexts: Sequence[int]) -> float:
+        return self.seconds(StepShape.of(contexts))
+
+    def prefill_seconds(self, tokens: int, cached: int = 0) -> float:
+        """A whole prompt (or its uncached suffix after `cached` tokens) in one step, alone."""
+        return self.seconds(StepShape.of((), [(cached, tokens - cached)]))
+
+    def chunk_extra_seconds(self, start: int, n: int) -> float:
+        """What adding a chunk to a step that runs anyway costs (no fixed cost)."""
+        s = StepShape.of((), [(start, n)])
+        return self.seconds(s) - self.fixed_s
+
+    def to_dict(self) -> dict:
+        d: dict[str, Any] = {t: c * u for t, c, u in zip(TERMS, self.coef, _UNIT)}
+        d.update(samples=self.samples, rms_rel_error=self.rms_rel_error)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StepCostFit:
+        unknown = set(d) - set(TERMS) - {"samples", "rms_rel_error"}
+        if unknown:
+            raise ValueError(f"unknown step_fit fields: {', '.join(sorted(unknown))}")
+        missing = [t for t in TERMS if t not in d]
+        if missing:
+            raise ValueError(f"step_fit lacks {', '.join(missing)}")
+        coef = [float(d[t]) / u for t, u in zip(TERMS, _UNIT)]
+        if any(c < 0 or not math.isfinite(c) for c in coef):
+            raise ValueError("step_fit terms must be finite and >= 0")
+        return cls(coef[0], coef[1], coef[2], coef[3], int(d.get("samples", 0)), d.get("rms_rel_error"))
+
+    def describe(self) -> str:
+        return (
+            f"{self.fixed_s * 1e3:.3f} ms/step + {self.per_token_s * 1e6:.2f} us/token + "
+            f"{self.attention_s * 1e9:.4f} ns/attention pair + {self.per_sequence_s * 1e6:.1f} us/decode sequence"
+        )
+
+
+# ---- fitting ----------------------------------------------------------------------------------
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None if singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-300:
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                for k in range(col, n + 1):
+                    m[r][k] -= f * m[col][k]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def _normal(rows: Sequence[tuple[Sequence[float], float, float]], scale: Sequence[float]):
+    """Weighted normal equations over (features, seconds, weight), features divided by `scale`
+    (the terms span 12 orders of magnitude; scaling keeps the solve well conditioned)."""
+    k = len(scale)
+    a = [[0.0] * k for _ in range(k)]
+    b = [0.0] * k
+    for x, y, w in rows:
+        xs = [xi / s for xi, s in zip(x, scale)]
+        for i in range(k):
+            b[i] += w * xs[i] * y
+            for j in range(k):
+                a[i][j] += w * xs[i] * xs[j]
+    return a, b
+
+
+def _scales(xs: Sequence[Sequence[float]]) -> list[float]:
+    return [max((abs(x[j]) for x in xs), default=1.0) or 1.0 for j in range(4)]
+
+
+def fit(samples: Sequence[tuple[StepShape, float]]) -> StepCostFit:
+    """Non-negative least squares of the four terms on relative error, over (shape, seconds).
+
+    Every subset of terms is solved unconstrained and the best all-non-negative one wins (four
+    terms: sixteen tiny solves), which is exact NNLS for this size."""
+    rows = [(s.features(), y, 1.0 / (y * y)) for s, y in samples if y > 0]
+    if len(rows) < 2:
+        raise ValueError("need at least two timed steps to fit the step cost")
+    scale = _scales([r[0] for r in rows])
+    a, b = _normal(rows, scale)
+    best: tuple[float, list[float]] | None = None
+    for k in range(1, 5):
+        for sub in itertools.combinations(range(4), k):
+            sol = _solve([[a[i][j] for j in sub] for i in sub], [b[i] for i in sub])
+            if sol is None or any(v < 0 for v in sol):
+                continue
+            coef = [0.0] * 4
+            for i, v in zip(sub, sol):
+                coef[i] = v / scale[i]
+            err = _rms_rel(coef, rows)
+            if best is None or err < best[0]:
+                best = (err, coef)
+    if best is None:
+        raise ValueError("the timed steps admit no non-negative step-cost fit")
+    err, coef = best
+    return StepCostFit(coef[0], coef[1], coef[2], coef[3], samples=len(rows), rms_rel_error=err)
+
+
+def _rms_rel(coef: Sequence[float], rows: Sequence[tuple[Sequence[float], float, float]]) -> float:
+    tot = sum(((sum(c * x for c, x in zip(coef, xr)) - y) / y) ** 2 for xr, y, _ in rows)
+    return math.sqrt(tot / len(rows))
+
+
+class OnlineStepFit:
+    """The calibration's fit, refined from live step timings.
+
+    Exponentially weighted least squares on relative error: each new step multiplies the weight
+    of everything seen before by 0.5 ** (1 / half_life). A ridge term holds each coefficient near
+    the calibration's (`prior_steps` steps' worth of evidence), so a term the recent steps do not
+    exercise (no long prompt lately) keeps its calibrated value instead of drifting. Cheap: a 4x4
+    solve per `refit()`, nothing per step beyond a 4x4 accumulate."""
+
+    def __init__(self, prior: StepCostFit, half_life: float = 200.0, prior_steps: float = 1.0):
+        if half_life <= 0 or prior_steps <= 0:
+            raise ValueError("half_life and prior_steps must be positive")
+        self.prior = prior
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.prior_steps = prior_steps
+        self._a = [[0.0] * 4 for _ in range(4)]
+        self._b = [0.0] * 4
+        self.observed = 0
+        self.current = prior
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        if seconds <= 0 or not math.isfinite(seconds):
+            return
+        x, w = shape.features(), 1.0 / (seconds * seconds)
+        d = self.decay
+        for i in range(4):
+            self._b[i] = d * self._b[i] + w * x[i] * seconds
+            for j in range(4):
+                self._a[i][j] = d * self._a[i][j] + w * x[i] * x[j]
+        self.observed += 1
+
+    def refit(self) -> StepCostFit:
+        if not self.observed:
+            return self.current
+        # Ridge towards the prior: a coefficient at its prior value costs nothing; moving it by its
+        # own size costs as much as `prior_steps` steps mispredicted by 100%. A zero prior term
+        # gets the scale the data gives it (one typical step's worth).
+        diag = [self._a[i][i] for i in range(4)]
+        a = [row[:] for row in self._a]
+        b = self._b[:]
+        for i, p in enumerate(self.prior.coef):
+            lam = self.prior_steps * (1.0 / (p * p) if p > 0 else diag[i] / max(self.observed, 1))
+            a[i][i] += lam
+            b[i] += lam * p
+        scale = [math.sqrt(a[i][i]) or 1.0 for i in range(4)]  # Jacobi preconditioning
+        sol = _solve(
+            [[a[i][j] / (scale[i] * scale[j]) for j in range(4)] for i in range(4)], [b[i] / scale[i] for i in range(4)]
+        )
+        if sol is None:
+            return self.current
+        coef = [max(0.0, v / s) for v, s in zip(sol, scale)]
+        self.current = StepCostFit(coef[0], coef[1], coef[2], coef[3], samples=self.prior.samples + self.observed)
+        return self.current
+
+    def to_dict(self) -> dict:
+        return {"observed_steps": self.observed, "current": self.current.to_dict(), "prior": asdict(self.prior)}

@@ -1,0 +1,98 @@
+"""The step-cost fit (costmodel/step_fit.py): fitting, online refinement, calibration files, CLI."""
+
+import json
+import random
+
+import pytest
+
+from costmodel import cost_model as cm
+from costmodel.sim_engine import Request, StepModel
+from costmodel.step_fit import OnlineStepFit, StepCostFit, StepShape, fit
+
+TRUE = StepCostFit(0.005, 90e-6, 0.03e-9 * 1e3, 800e-6)  # fixed, per token, per pair, per sequence
+
+
+def _samples(truth: StepCostFit, n: int = 80, noise: float = 0.03, seed: int = 0):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        ctxs = [rng.randint(16, 900) for _ in range(rng.choice([0, 1, 4, 8]))]
+        chunks = [(rng.choice([0, 256, 1024]), rng.choice([16, 128, 512, 2048]))] if rng.random() < 0.7 or not ctxs else []
+        s = StepShape.of(ctxs, chunks)
+        out.append((s, truth.seconds(s) * (1 + rng.uniform(-noise, noise))))
+    return out
+
+
+def test_shape_chunks_add_up_to_the_whole_prompt():
+    whole = StepShape.of((), [(0, 2048)])
+    parts = [StepShape.of((), [(s, 512)]) for s in range(0, 2048, 512)]
+    assert sum(p.attention_pairs for p in parts) == whole.attention_pairs == 2048**2
+    assert StepShape.of([100]).attention_pairs == 201  # a decode token at context 100: 2c + 1
+
+
+def test_fit_recovers_the_terms_within_noise():
+    f = fit(_samples(TRUE))
+    for got, want in zip(f.coef, TRUE.coef):
+        assert got == pytest.approx(want, rel=0.15)
+    assert f.rms_rel_error < 0.03
+    # and prices a long prompt, the figure a single FLOP rate got wrong by 2.6x
+    assert f.prefill_seconds(2048) == pytest.approx(TRUE.prefill_seconds(2048), rel=0.03)
+
+
+def test_fit_is_non_negative():
+    no_attention = StepCostFit(0.004, 50e-6, 0.0, 300e-6)
+    f = fit(_samples(no_attention, noise=0.05, seed=3))
+    assert min(f.coef) >= 0
+
+
+def test_online_fit_follows_recent_steps_and_keeps_unexercised_terms():
+    slower = StepCostFit(*(c * 1.5 for c in TRUE.coef))
+    online = OnlineStepFit(TRUE, half_life=100)
+    for s, y in _samples(slower, n=400, noise=0.0, seed=1):
+        online.observe(s, y)
+    f = online.refit()
+    probe = StepShape.of([300] * 8, [(0, 512)])
+    assert f.seconds(probe) == pytest.approx(slower.seconds(probe), rel=0.1)
+    # decode-only steps at one context say nothing about attention: the prior's value stays
+    decode_only = OnlineStepFit(TRUE)
+    for _ in range(100):
+        s = StepShape.of([500] * 8)
+        decode_only.observe(s, TRUE.seconds(s))
+    assert decode_only.refit().attention_s == pytest.approx(TRUE.attention_s, rel=0.05)
+
+
+def test_calibration_round_trip_and_validation(tmp_path):
+    f = fit(_samples(TRUE))
+    cal = cm.Calibration(device="cpu", dtype="fp32", peak_tflops=0.1, step_fit=f.to_dict())
+    p = tmp_path / "cal.json"
+    p.write_text(json.dumps(cal.to_dict()))
+    back = cm.Calibration.load(p).fitted_steps()
+    assert back is not None and back.coef == pytest.approx(f.coef)
+    with pytest.raises(ValueError, match="step_fit"):
+        cm.Calibration.from_dict({"step_fit": {"fixed_ms": 1.0}})
+    with pytest.raises(ValueError, match=">= 0"):
+        cm.Calibration.from_dict(
+            {"step_fit": {"fixed_ms": -1, "per_token_us": 1, "attention_ns_per_pair": 0, "per_sequence_us": 1}}
+        )
+
+
+def test_simulator_prices_steps_with_the_fit():
+    steps = StepModel(cm.ModelSpec.resolve("tiny"), cm.HARDWARE["h100"], fit=TRUE)
+    batch = [Request(i, "chat", 0, 300, 10) for i in range(8)]
+    mixed = steps.step(batch, [(0, 512)])
+    assert mixed == pytest.approx(TRUE.seconds(StepShape.of([300] * 8, [(0, 512)])))
+    assert steps.prefill(2048) == pytest.approx(TRUE.prefill_seconds(2048))
+
+
+def test_cost_cli_shows_the_fitted_terms(tmp_path, capsys):
+    from cli import main
+
+    cal = cm.Calibration(device="cpu", dtype="fp32", peak_tflops=0.1, step_fit=TRUE.to_dict(), source="test")
+    p = tmp_path / "cal.json"
+    p.write_text(json.dumps(cal.to_dict()))
+    assert main(["cost", "--config", "tiny", "--calibration", str(p), "--weight-dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "Measured step cost" in out and "us/token" in out and "ns/attention pair" in out
+    assert main(["cost", "--config", "tiny", "--calibration", str(p), "--weight-dtype", "fp32", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["step_fit"]["terms"]["fixed_ms"] == pytest.approx(5.0)
