@@ -17,7 +17,9 @@ def _samples(truth: StepCostFit, n: int = 80, noise: float = 0.03, seed: int = 0
     out = []
     for _ in range(n):
         ctxs = [rng.randint(16, 900) for _ in range(rng.choice([0, 1, 4, 8]))]
-        chunks = [(rng.choice([0, 256, 1024]), rng.choice([16, 128, 512, 2048]))] if rng.random() < 0.7 or not ctxs else []
+        chunks = (
+            [(rng.choice([0, 256, 1024]), rng.choice([16, 128, 512, 2048]))] if rng.random() < 0.7 or not ctxs else []
+        )
         s = StepShape.of(ctxs, chunks)
         out.append((s, truth.seconds(s) * (1 + rng.uniform(-noise, noise))))
     return out
