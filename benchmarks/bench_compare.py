@@ -104,9 +104,9 @@ def build_modes(modes: str, chunk_sizes: str, prefill: int, decode: int) -> list
     from cli import CliError  # noqa: PLC0415
 
     names = [m.strip() for m in modes.split(",") if m.strip()]
-    bad = [m for m in names if m not in ("colocated", "chunked", "disagg")]
+    bad = [m for m in names if m not in ("colocated", "chunked", "disagg", "auto")]
     if bad or not names:
-        raise CliError(f"--modes: expected a comma-separated subset of colocated,chunked,disagg, got {modes!r}")
+        raise CliError(f"--modes: expected a comma-separated subset of colocated,chunked,disagg,auto, got {modes!r}")
     if prefill < 1 or decode < 1:
         raise CliError("--prefill and --decode must be >= 1")
     out: list[ModeSpec] = []
@@ -118,6 +118,9 @@ def build_modes(modes: str, chunk_sizes: str, prefill: int, decode: int) -> list
                 ModeSpec(f"chunked-{c}", "colocated", c, decode=decode)
                 for c in dict.fromkeys(_ints(chunk_sizes, "--chunk-sizes"))
             ]
+        elif m == "auto":  # both pools; local prefills in chunks of the largest --chunk-sizes
+            chunk = max(_ints(chunk_sizes, "--chunk-sizes"))
+            out.append(ModeSpec(f"auto-{prefill}P{decode}D", "auto", chunk, prefill, decode))
         else:
             out.append(ModeSpec(f"disagg-{prefill}P{decode}D", "disagg", None, prefill, decode))
     return out
@@ -406,8 +409,10 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for i, m in enumerate(modes, 1):
             _log(f"[{i}/{len(modes)}] {m.label}: starting a fresh pdserve server")
-            workers = m.prefill + m.decode if m.mode == "disagg" else m.decode
+            workers = m.decode if m.mode == "colocated" else m.prefill + m.decode
             kw = dict(cfg_kw, gpus_per_worker=gpus if gpus is not None else min(1.0, _gpu_count() / workers))
+            if m.mode == "auto":  # decides under the benchmark's SLO pair, with its calibration
+                kw.update(calibration=str(cal), slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_tpot_ms)
             try:
                 runs.append(run_mode(m, kw, bench, specs, args.startup_timeout_s, probe=bool(args.link_gbps)))
             except Exception as e:  # noqa: BLE001 - one failed mode is reported; the others still run
@@ -421,6 +426,8 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     predictions = {}
     if setup is not None:
         for r in runs:
+            if r.spec.mode == "auto":  # the simulator has no auto mode: the router's own predictions stand
+                continue
             sc = cp.sim_config(
                 r.spec.mode, r.spec.chunk_size, r.spec.prefill, r.spec.decode, args.max_num_seqs, setup.link
             )
@@ -506,6 +513,17 @@ def _payload(args, device, wl, specs, runs, predictions, setup, setup_error, cal
                     "metrics": asdict(p.metrics),
                     "compared": cp.compare_figures(r.bench.metrics, p.metrics),
                 }
+            from benchmarks import compare_auto as ca  # noqa: PLC0415 - keeps this file short
+
+            entry["per_request"] = ca.per_request(r.bench.records, p.records if p is not None else None)
+            entry["accuracy"] = ca.accuracy_summary(entry["per_request"])
+            entry["ttft_by_bucket"] = ca.ttft_by_bucket(r.bench.records)
+            entry["dispatch"] = ca.dispatch_summary(entry["per_request"])
+            if r.spec.mode == "auto" and setup is not None:
+                entry["boundary"] = ca.boundary(
+                    calibration, args.model, r.spec.chunk_size, args.slo_ttft_ms, args.slo_tpot_ms,
+                    wl.chat_prompt_len + wl.chat_output_len // 2, max(8, wl.chat_streams), 2 * wl.doc_prompt_len,
+                )  # fmt: skip
         modes.append(entry)
     return _finite(
         {

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import demo_samples
+from benchmarks import compare_auto, demo_samples
 
 
 def pack(times: list[float]) -> str:
@@ -407,6 +407,11 @@ def write_report(result: dict[str, Any], out_dir: Path, name: str, result_path: 
         ]
         if any(m.get("predicted") for m in result["modes"]):
             files.plots.append(plot_predicted(result, out_dir / f"{name}-predicted.png"))
+        for m in result["modes"]:
+            if m.get("dispatch"):
+                p = compare_auto.plot_decisions(m, out_dir / f"{name}-{m['label']}-decisions.png")
+                if p is not None:
+                    files.plots.append(p)
     prov, wl, eq = result.get("provenance", {}), result["workload"], result["equality"]
     machine = prov.get("machine", {})
     ps = result.get("prediction_setup")
@@ -484,11 +489,14 @@ def write_report(result: dict[str, Any], out_dir: Path, name: str, result_path: 
             "between steps, and, on a CPU, the prefill and decode processes of a disaggregated run sharing the "
             "same cores (the simulator gives each worker its own device). pdserve's colocated engine also runs "
             "a whole prompt in the same forward pass as the decode batch, where the simulator runs it as its own "
-            "step; the stall is about the same (prefill + one decode step).",
+            "step; the stall is about the same (prefill + one decode step). With a calibration that has a "
+            "step-cost fit, the simulator prices each step from its shape and runs the whole prompt with the "
+            "decode batch, as the engine does.",
             "",
         ]
     else:
         lines += [f"No predictions: {result.get('prediction_error')}", ""]
+    lines += compare_auto.report_lines(result) + [""]
     lines += _transfer_section(result)
     if result["device"] == "cpu":
         cores = machine.get("cores", "?")

@@ -123,6 +123,8 @@ async def send_one(
                 if choice.finish_reason is not None:
                     rec.finish_reason = choice.finish_reason
             if chunk.usage is not None:
+                tl = ((chunk.model_extra or {}).get("pdserve") or {}).get("timeline") or {}
+                rec.dispatch = tl.get("dispatch")  # pdserve --mode auto only
                 rec.prompt_tokens = chunk.usage.prompt_tokens
                 rec.completion_tokens = chunk.usage.completion_tokens
         rec.end_s = now()

@@ -61,6 +61,7 @@ class RequestRecord:
     finish_reason: str | None = None
     error: str | None = None
     text: str = ""
+    dispatch: dict | None = None  # pdserve --mode auto: the router's decision and predictions (timeline)
 
     @property
     def ok(self) -> bool:

@@ -43,8 +43,8 @@ class StepStats:
     prefill_tokens: int
     decode_tokens: int
     seconds: float
-    # sum over the step's items of end^2 - start^2 (positions [start, end) computed): the
-    # attention work of the step, the shape term the cost model's step fit prices
+    # sum over the step's items of new tokens x (start + new tokens): the attention score block
+    # the step computes, the shape term the cost model's step fit prices (costmodel/step_fit.py)
     attention_pairs: int = 0
 
 
@@ -205,7 +205,7 @@ class LLMEngine:
                 continue
             finished = self._finish_if_done(seq)
             events.append(TokenEvent(seq.seq_id, tok, len(seq.output_ids) - 1, finished, seq.finish_reason, lp))
-        pairs = sum((it.start_pos + len(it.token_ids)) ** 2 - it.start_pos**2 for it in items)
+        pairs = sum(len(it.token_ids) * (it.start_pos + len(it.token_ids)) for it in items)
         self.last_step = StepStats(sum(n for _, n in prefill), len(decode), time.perf_counter() - t0, pairs)
         return events
 

@@ -25,11 +25,12 @@ def _samples(truth: StepCostFit, n: int = 80, noise: float = 0.03, seed: int = 0
     return out
 
 
-def test_shape_chunks_add_up_to_the_whole_prompt():
+def test_shape_attention_is_the_score_block_each_item_computes():
     whole = StepShape.of((), [(0, 2048)])
     parts = [StepShape.of((), [(s, 512)]) for s in range(0, 2048, 512)]
-    assert sum(p.attention_pairs for p in parts) == whole.attention_pairs == 2048**2
-    assert StepShape.of([100]).attention_pairs == 201  # a decode token at context 100: 2c + 1
+    assert whole.attention_pairs == 2048**2  # the article's T^2
+    assert sum(p.attention_pairs for p in parts) == 512 * (512 + 1024 + 1536 + 2048)  # chunks skip the triangle
+    assert StepShape.of([100]).attention_pairs == 101  # a decode token at context 100
 
 
 def test_fit_recovers_the_terms_within_noise():
