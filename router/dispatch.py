@@ -18,8 +18,11 @@ wins (local: TTFT + S * stall; remote: TTFT + transfer + admission); if one is, 
 the cheaper. Each decision is stamped into the request's timeline with both predictions, and the
 outcome (realized TTFT, and for local the longest gap the other streams saw) when it is known.
 
-Not modelled (so the error includes it): Ray/HTTP latency, and on a CPU the prefill worker's
-process sharing the cores with the decode worker's.
+A request's TTFT is more than its steps: the Ray calls, the wait for the worker's loop, the event
+pump. That serving overhead is learned per placement from the outcomes (exponentially weighted
+mean of realized TTFT - predicted compute; recent requests weigh more) and added to both TTFT
+predictions. Not modelled beyond it: on a CPU the prefill worker's process sharing the cores with
+the decode worker's.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from costmodel.step_fit import OnlineStepFit, StepCostFit, StepShape
 DEFAULT_CHUNK = 128  # local prefill chunk when the decode pool has none configured
 ERROR_BUCKETS = (0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0)  # |relative error| histogram bounds
 WITHIN = 0.15
+OVERHEAD_WEIGHT = 0.2  # weight of the newest request in the learned serving overhead
 
 
 @dataclass
@@ -115,6 +119,7 @@ class AutoDispatcher:
         self.slo_ttft_s, self.slo_itl_s = slo_ttft_s, slo_itl_s
         self._seen: dict[str, int] = {}  # worker -> last step number folded into the fit
         self.counts = {"local": 0, "remote": 0}
+        self.overhead_s = {"local": 0.0, "remote": 0.0}  # learned: realized TTFT - predicted compute
         self.errors: dict[str, _ErrorHist] = {"ttft": _ErrorHist(), "stall": _ErrorHist()}
 
     # ---- online refinement -------------------------------------------------------------------
@@ -151,13 +156,14 @@ class AutoDispatcher:
                 ttft += t
                 stall += t - base
                 itl = max(itl, t)
+        ttft += self.overhead_s["local"]
         ok = ttft <= self.slo_ttft_s and (not streams or itl <= self.slo_itl_s)
         return Prediction(ttft, stall, itl, ttft + len(streams) * stall, ok)
 
     def predict_remote(self, prompt: int, cached: int, prefill_queue: list[int], streams: list[int]) -> Prediction:
         fp = self.fits["prefill"].current
         wait = sum(fp.prefill_seconds(q) for q in prefill_queue)
-        ttft = wait + fp.prefill_seconds(prompt, cached)
+        ttft = wait + fp.prefill_seconds(prompt, cached) + self.overhead_s["remote"]
         transfer = prompt * self.kv_bytes_per_token / self.link_bps
         admission = self.fits["decode"].current.decode_seconds(streams) if streams else 0.0
         return Prediction(ttft, 0.0, transfer + admission, ttft + transfer + admission, ttft <= self.slo_ttft_s)
@@ -187,6 +193,12 @@ class AutoDispatcher:
         out["ttft_error"] = _rel(pred["ttft_ms"], tl["first_token_ms"])
         if out["ttft_error"] is not None:
             self.errors["ttft"].observe(out["ttft_error"])
+            # what the steps do not explain, learned for the next prediction of this placement
+            choice = d["decision"]
+            residual = (tl["first_token_ms"] - pred["ttft_ms"]) / 1e3 + self.overhead_s[choice]
+            self.overhead_s[choice] = max(
+                0.0, (1 - OVERHEAD_WEIGHT) * self.overhead_s[choice] + OVERHEAD_WEIGHT * residual
+            )
         gap = tl.get("local_max_gap_ms")
         if d["decision"] == "local" and gap is not None and d["streams_in_flight"]:
             out["stall_ms"] = gap
@@ -201,6 +213,7 @@ class AutoDispatcher:
             "fits": {k: v.current.to_dict() for k, v in self.fits.items()},
             "observed_steps": {k: v.observed for k, v in self.fits.items()},
             "link_gbytes_per_s": self.link_bps / cm.GB,
+            "serving_overhead_ms": {k: v * 1e3 for k, v in self.overhead_s.items()},
             "errors": {
                 k: {
                     "buckets": list(ERROR_BUCKETS),
