@@ -62,14 +62,20 @@ class WorkerStats:
     running: int  # sequences decoding
     parked: int  # prefill: sequences holding KV under a lease
     blocks_total: int
-    blocks_free: int
+    blocks_free: int  # free or cached: what an allocation can take now
     steps: int = 0
     # the last steps this worker ran, oldest first: (step number, prefill tokens, attention pairs,
     # decode sequences, seconds); the router refines its step-cost fit from them (--mode auto)
     recent_steps: list[tuple[int, int, int, int, float]] = field(default_factory=list)
+    blocks_cached: int = 0  # unreferenced blocks kept by the prefix cache (evicted LRU)
+    preemptions: int = 0  # sequences preempted by recompute so far (cumulative)
+    prefix_hit_blocks: int = 0  # full blocks found in the prefix cache (cumulative)
+    prefix_lookup_blocks: int = 0  # full blocks looked up in the prefix cache (cumulative)
+    blocks_evicted: int = 0  # cached blocks evicted for new ones (cumulative)
 
     @property
     def blocks_used(self) -> int:
+        """Blocks in use (held by a sequence, a parked prefill or a pull)."""
         return self.blocks_total - self.blocks_free
 
     def to_dict(self) -> dict:
@@ -95,6 +101,7 @@ class WorkerConfig:
     transport: str = "nixl"  # "nixl" | "local"
     transfer_timeout_s: float = 30.0
     seed: int = 0
+    enable_prefix_caching: bool = True  # reuse cached full blocks of equal prefixes (--no-prefix-cache)
 
 
 class WorkerError(RuntimeError):

@@ -9,6 +9,7 @@ call per token).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import OrderedDict, deque
@@ -17,9 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contracts.worker import GenerateRequest, PrefillResult, StreamEvent, WorkerConfig, WorkerError, WorkerStats
 from engine.block_manager import NoFreeBlocks
 from engine.sequence import Sequence
-from engine.worker_base import EngineLoop, build_engine, log
+from engine.worker_base import EngineLoop, build_engine, kv_figures, log
 from transport import make_transport
 from transport.base import TransferTimeout, TransportError
+from transport.wire import TransferStats
 
 # How long an abort is remembered. A submit that reaches this worker after its own abort (the
 # router's abort and submit calls run on separate threads) is then refused instead of decoded
@@ -109,10 +111,9 @@ class DecodeWorker(EngineLoop):
             queue_depth=len(e.waiting) + len(self._admissions) + len(self._in_transfer),
             running=len(e.running),
             parked=0,
-            blocks_total=e.blocks.num_blocks,
-            blocks_free=e.blocks.num_free,
             steps=self.steps,
             recent_steps=list(self.step_log),
+            **kv_figures(e),
         )
 
     def ping(self) -> str:
@@ -177,16 +178,18 @@ class DecodeWorker(EngineLoop):
         while self._admissions:
             req, result = self._admissions[0]
             try:
-                blocks = self.engine.reserve(len(req.prompt_ids), req.params.max_tokens)
+                blocks, hit, hashes = self.engine.reserve_cached(list(req.prompt_ids))
             except NoFreeBlocks:
                 return  # retried next tick, once running sequences free blocks
             self._admissions.popleft()
             self._in_transfer[req.request_id] = blocks
-            self._xfer.submit(self._transfer, req, result, blocks)
+            self._xfer.submit(self._transfer, req, result, blocks, hashes)
 
-    def _transfer(self, req: GenerateRequest, result: PrefillResult, blocks: list[int]) -> None:
-        """Transfer thread: pull, notify, then hand the sequence to the loop thread."""
-        handle = result.handle
+    def _transfer(self, req: GenerateRequest, result: PrefillResult, blocks: list[int], hashes: list[int]) -> None:
+        """Transfer thread: pull the blocks the local prefix cache lacks (the first len(hashes)
+        are already here), notify, then hand the sequence to the loop thread."""
+        hit = len(hashes)
+        handle = dataclasses.replace(result.handle, block_ids=result.handle.block_ids[hit:])
         transport = self.transport
         assert transport is not None  # disaggregated decode workers always have one
         try:
@@ -199,7 +202,10 @@ class DecodeWorker(EngineLoop):
                 )
             transport.connect(handle.source)
             try:
-                stats = transport.read(handle, blocks[: len(handle.block_ids)], min(self.cfg.transfer_timeout_s, left))
+                if handle.block_ids:
+                    stats = transport.read(handle, blocks[hit:], min(self.cfg.transfer_timeout_s, left))
+                else:  # every block was in the local cache: nothing crosses the wire
+                    stats = TransferStats.build(req.request_id, transport.backend, 0, 0, 0.0)
             except TransferTimeout:
                 if left >= self.cfg.transfer_timeout_s:
                     raise
@@ -219,7 +225,7 @@ class DecodeWorker(EngineLoop):
             message = f"KV transfer failed: {e}"  # `e` is unbound once the except block ends
             self.call(lambda: self._fail_admission(req.request_id, blocks, message), None)
             return
-        self.call(lambda: self._admit(req, result, blocks, stats), None)
+        self.call(lambda: self._admit(req, result, blocks, hashes, stats), None)
 
     def _fail_admission(self, request_id: str, blocks: list[int], message: str) -> None:
         self._in_transfer.pop(request_id, None)
@@ -227,15 +233,21 @@ class DecodeWorker(EngineLoop):
         if request_id not in self._aborted:  # an aborted request's stream is gone: nothing after abort
             self._emit([StreamEvent(request_id, "error", finished=True, finish_reason="error", error=message)])
 
-    def _admit(self, req: GenerateRequest, result: PrefillResult, blocks: list[int], stats) -> None:
+    def _admit(self, req: GenerateRequest, result: PrefillResult, blocks: list[int], hashes: list[int], stats) -> None:
         self._in_transfer.pop(req.request_id, None)
         if req.request_id in self._aborted:
             self.engine.blocks.free(blocks)
             return
         seq = Sequence(
-            req.request_id, list(req.prompt_ids), req.params, output_ids=[result.first_token], block_table=blocks
+            req.request_id,
+            list(req.prompt_ids),
+            req.params,
+            output_ids=[result.first_token],
+            block_table=blocks,
+            block_hashes=list(hashes),
         )
         self.engine.add_prefilled(seq)
+        bs = self.engine.blocks.block_size
         self._emit(
             [
                 StreamEvent(
@@ -244,6 +256,7 @@ class DecodeWorker(EngineLoop):
                     transfer=stats,
                     finished=seq.finish_reason is not None,
                     finish_reason=seq.finish_reason,
+                    timings={"cached_tokens": len(hashes) * bs, "blocks_pulled": len(blocks) - len(hashes)},
                 )
             ]
         )
@@ -271,9 +284,13 @@ class DecodeWorker(EngineLoop):
                 del self._prefill_clock[rid]
         for ev in events:
             if ev.index == 0 and ev.request_id in self._prefill_clock:
-                _, t_submit, t_first = self._prefill_clock.pop(ev.request_id)
+                seq, t_submit, t_first = self._prefill_clock.pop(ev.request_id)
                 t_first = t_first or t_submit
-                ev.timings = {"queue_ms": (t_first - t_submit) * 1e3, "prefill_ms": (ev.t - t_first) * 1e3}
+                ev.timings = {
+                    "queue_ms": (t_first - t_submit) * 1e3,
+                    "prefill_ms": (ev.t - t_first) * 1e3,
+                    "cached_tokens": seq.cached_tokens,
+                }
 
     def _attach_prompt_logprobs(self, events: list[StreamEvent]) -> None:
         """Colocated echo: the prompt's logprobs travel on the first token's event."""
@@ -309,5 +326,7 @@ class DecodeWorker(EngineLoop):
             self._attach_prompt_logprobs(out)
         if self._prefill_clock:
             self._stamp_prefills(out, t_start)
+        if self.engine.preempted:  # shown in each request's timeline (their streams just pause)
+            out += [StreamEvent(rid, "preempted", t=t) for rid in self.engine.preempted]
         self._emit(out)
         return self.engine.last_step is not None

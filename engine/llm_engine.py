@@ -9,8 +9,17 @@ single forward pass. The same engine serves three roles:
   with their KV blocks until `release()` (the decode side has pulled them, or the lease expired);
 - decode worker: `add_prefilled()` admits a sequence whose KV was just pulled into local blocks.
 
-Blocks for a sequence's whole budget (prompt + max_tokens) are reserved at admission, so a
-running sequence can never run out of KV mid-stream; a request that does not fit waits.
+KV blocks are given on demand: a prompt gets blocks chunk by chunk, a decoding sequence one
+block each time it crosses a block boundary. When a running sequence needs a block and none is
+free (nor cached, evictable), the most recently admitted sequence holding blocks is preempted by
+recompute: its blocks go back (its full blocks stay cached, so the recompute is mostly cache
+hits), and it waits at the head of the queue to prefill its prompt and generated tokens again,
+then resumes decoding from its last sampled token, so no token is emitted twice. A waiting
+prompt never preempts anyone: it waits for blocks.
+
+Prefix caching (engine/block_manager.py, engine/prefix_cache.py): when a sequence starts (or
+restarts) its prefill, the longest cached run of its full prompt blocks is reused and only the
+rest is computed; every block a sequence fills is registered under its chained hash.
 """
 
 from __future__ import annotations
@@ -21,9 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, NoFreeBlocks
 from engine.logprobs import token_logprobs
 from engine.model_runner import ModelRunner, StepItem
+from engine.prefix_cache import ROOT, block_hash, block_hashes
 from engine.sampler import sample
 from engine.sequence import Sequence, Status, TokenLogprob
 
@@ -57,10 +67,11 @@ class LLMEngine:
         max_prefill_tokens: int = 8192,
         prefill_only: bool = False,
         eos_ids: tuple[int, ...] = (),
+        enable_prefix_caching: bool = True,
     ):
         self.runner = runner
         cache = runner.cache_cfg
-        self.blocks = BlockManager(cache.num_blocks, cache.block_size)
+        self.blocks = BlockManager(cache.num_blocks, cache.block_size, enable_prefix_caching)
         self.max_context = runner.model_cfg.max_position_embeddings
         self.chunk_size = chunk_size
         self.max_num_seqs = max_num_seqs
@@ -72,6 +83,9 @@ class LLMEngine:
         self.running: list[Sequence] = []  # decoding
         self.parked: dict[str, Sequence] = {}  # prefill_only: first token sampled, KV held
         self.last_step: StepStats | None = None  # the last step() call's figures; None if it ran nothing
+        self.preemptions = 0  # sequences preempted (by recompute) so far
+        self.preempted: list[str] = []  # ids preempted by the last step() (for timelines)
+        self._admissions = 0  # counter behind Sequence.admitted
 
     # ---- admission -------------------------------------------------------------------------
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
@@ -93,14 +107,31 @@ class LLMEngine:
         self.waiting.append(seq)
 
     def reserve(self, prompt_len: int, max_tokens: int) -> list[int]:
-        """Blocks for a disaggregated decode admission (raises NoFreeBlocks if the pool is full)."""
-        return self.blocks.allocate(self.blocks.blocks_for(prompt_len + max_tokens))
+        """Blocks for a disaggregated decode admission's prompt (decode grows them on demand;
+        raises NoFreeBlocks if the pool is full). `max_tokens` is checked, not reserved."""
+        return self.blocks.allocate(self.blocks.blocks_for(prompt_len))
+
+    def reserve_cached(self, prompt_ids: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """Disaggregated decode admission with prefix caching: (blocks for the whole prompt, how
+        many of them the local cache already holds first, their hashes). Only the rest must be
+        pulled. Raises NoFreeBlocks, taking nothing, if the pool cannot hold the prompt."""
+        bs = self.blocks.block_size
+        hashes = block_hashes(prompt_ids, bs) if self.blocks.enable_caching else []
+        hit = self.blocks.match(hashes)
+        need = self.blocks.blocks_for(len(prompt_ids)) - len(hit)
+        if not self.blocks.can_allocate(need + self.blocks.evictable(hit)):
+            raise NoFreeBlocks(f"need {need} KV blocks, {self.blocks.num_free} free")
+        self.blocks.acquire(hit)
+        return hit + self.blocks.allocate(need), hit, hashes[: len(hit)]
 
     def add_prefilled(self, seq: Sequence) -> None:
         """Admit a sequence whose prompt KV is already in `seq.block_table` and whose first token
-        is `seq.output_ids[0]` (disaggregated decode)."""
+        is `seq.output_ids[0]` (disaggregated decode). `seq.block_hashes` names the blocks that
+        came from the local cache; the pulled full blocks are registered here."""
         seq.num_cached = len(seq.prompt_ids)
         seq.status = Status.RUNNING
+        self._stamp_admitted(seq)
+        self._commit_full_blocks(seq)
         if self._finish_if_done(seq):
             return
         self.running.append(seq)
@@ -128,47 +159,112 @@ class LLMEngine:
         return bool(self.waiting or self.running)
 
     # ---- one step --------------------------------------------------------------------------
+    def _holders(self) -> list[Sequence]:
+        """Sequences holding blocks that preemption may take back: running ones and partly
+        prefilled waiting ones (parked prefills are leased to a decode worker: never)."""
+        return self.running + [s for s in self.waiting if s.block_table]
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: give back every block (full ones stay cached) and wait at the
+        head of the queue; output_ids are kept, so the stream resumes where it stopped."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.waiting.appendleft(seq)
+        self.blocks.free(seq.block_table)
+        seq.block_table, seq.block_hashes, seq.num_cached = [], [], 0
+        if not seq.output_ids:
+            seq.prompt_logprobs = []  # its prefill starts again from token 0
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.preempted.append(seq.seq_id)
+
+    def _grow_running(self) -> None:
+        """Give each running sequence (oldest first) the block its next token needs, preempting
+        the most recently admitted holder while none is free (possibly the sequence itself)."""
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            need = self.blocks.blocks_for(seq.num_tokens) - len(seq.block_table)
+            while need > 0 and not self.blocks.can_allocate(need):
+                victim = max(self._holders(), key=lambda s: s.admitted)
+                if victim in self.running and self.running.index(victim) < i:
+                    i -= 1
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status == Status.RUNNING:
+                self.blocks.grow(seq.block_table, seq.num_tokens)
+                i += 1
+
+    def _cache_hit(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """(cached blocks, their hashes): the longest cached run of `seq`'s full blocks, leaving at
+        least one token to compute (its logits sample the next token). Takes no references."""
+        if not self.blocks.enable_caching or seq.params.prompt_logprobs is not None:
+            return [], []  # echo needs the logits of every prompt token: compute them all
+        hashes = block_hashes(seq.tokens(0, seq.prefill_target - 1), self.blocks.block_size)
+        hit = self.blocks.match(hashes)
+        return hit, hashes[: len(hit)]
+
+    def _give_blocks(self, seq: Sequence, n: int, hit: list[int], hashes: list[int]) -> bool:
+        """Blocks for `seq`'s next `n` prefill tokens (after the cache hit, on its first chunk).
+        False, taking nothing, if the pool cannot give them now."""
+        start = seq.num_cached if seq.block_table else len(hit) * self.blocks.block_size
+        need = self.blocks.blocks_for(start + n) - (len(seq.block_table) or len(hit))
+        if not self.blocks.can_allocate(need + self.blocks.evictable(hit)):
+            return False
+        if not seq.block_table:
+            self.blocks.acquire(hit)
+            seq.block_table, seq.block_hashes, seq.num_cached = list(hit), list(hashes), start
+            if not seq.output_ids:
+                seq.cached_tokens = start
+            self._stamp_admitted(seq)
+        self.blocks.grow(seq.block_table, start + n)
+        return True
+
     def _schedule_prefill(self) -> list[tuple[Sequence, int]]:
         """(sequence, tokens this step) for waiting sequences, FIFO, within the step's prefill
         budget: `chunk_size` tokens when chunking, else whole prompts up to max_prefill_tokens
-        (the first prompt always runs whole, however long)."""
+        (the first prompt always runs whole, however long). A prompt whose blocks the pool
+        cannot give stops the scan (head-of-line waits: keeps FIFO order)."""
         work: list[tuple[Sequence, int]] = []
         budget = self.chunk_size or self.max_prefill_tokens
         for seq in self.waiting:
             if budget <= 0 or len(self.running) + len(work) >= self.max_num_seqs:
                 break
+            hit, hashes = self._cache_hit(seq) if not seq.block_table else ([], [])
+            remaining = seq.prefill_target - (seq.num_cached if seq.block_table else len(hit) * self.blocks.block_size)
             if self.chunk_size is None:
-                n = seq.prefill_remaining
+                n = remaining
                 if work and n > budget:
                     break
             else:
-                n = min(seq.prefill_remaining, budget)
-            if not seq.block_table:  # first chunk: reserve the sequence's whole budget
-                # prefill_only: the sampled first token is decoded (and cached) by the decode pool
-                need = len(seq.prompt_ids) + (0 if self.prefill_only else seq.params.max_tokens)
-                if not self.blocks.can_allocate(self.blocks.blocks_for(need)):
-                    break  # head-of-line waits for blocks: keeps FIFO order
-                self.blocks.grow(seq.block_table, need)
+                n = min(remaining, budget)
+            if not self._give_blocks(seq, n, hit, hashes):
+                break
             work.append((seq, n))
             budget -= n
         return work
 
     def step(self) -> list[TokenEvent]:
         t0 = time.perf_counter()
+        self.preempted = []
+        self._grow_running()
         decode = list(self.running)
         prefill = self._schedule_prefill()
         # a running sequence always has a sampled token (its last, not yet cached); output_ids[-1]
         # avoids all_ids, which copies the whole prompt of every stream on every step
         items = [StepItem([s.output_ids[-1]], s.num_tokens - 1, s.block_table) for s in decode]
         for seq, n in prefill:
-            done = seq.num_cached + n == len(seq.prompt_ids)
+            done = seq.num_cached + n == seq.prefill_target
             items.append(
                 StepItem(
-                    seq.prompt_ids[seq.num_cached : seq.num_cached + n],
+                    seq.tokens(seq.num_cached, seq.num_cached + n),
                     seq.num_cached,
                     seq.block_table,
-                    want_logits=done,
-                    all_logits=seq.params.prompt_logprobs is not None,
+                    want_logits=done and not seq.output_ids,  # a resumed sequence samples nothing here
+                    # echo: logits of every prompt token, on the first (not a resumed) prefill
+                    all_logits=seq.params.prompt_logprobs is not None and not seq.output_ids,
                 )
             )
         if not items:
@@ -178,12 +274,18 @@ class LLMEngine:
         for i, all_logits in self.runner.last_all_logits.items():  # echo: prompt logprobs, chunk by chunk
             seq, _ = prefill[i - len(decode)]
             _record_prompt_logprobs(seq, all_logits)
-        # rows of `logits` follow items with want_logits: all decodes, then finished prefills
+        # rows of `logits` follow items with want_logits: all decodes, then finished fresh prefills
         sampled: list[Sequence] = list(decode)
         for seq, n in prefill:
             seq.num_cached += n
-            if seq.num_cached == len(seq.prompt_ids):
-                sampled.append(seq)
+            self._commit_full_blocks(seq)
+            if seq.num_cached == seq.prefill_target:
+                if seq.output_ids:  # resumed after preemption: decode its last token next step
+                    self.waiting.remove(seq)
+                    seq.status = Status.RUNNING
+                    self.running.append(seq)
+                else:
+                    sampled.append(seq)
         tokens = sample(logits, [s.params for s in sampled], [s.num_sampled for s in sampled])
         logprobs = _logprobs(logits, sampled, tokens)
         events: list[TokenEvent] = []
@@ -197,6 +299,7 @@ class LLMEngine:
                     self.running.append(seq)
             else:
                 seq.num_cached += 1
+                self._commit_full_blocks(seq)
             seq.output_ids.append(tok)
             if self.prefill_only:
                 seq.finish_reason = "prefilled"
@@ -223,10 +326,26 @@ class LLMEngine:
         self._free(seq, reason)
         return True
 
+    def _stamp_admitted(self, seq: Sequence) -> None:
+        seq.admitted = self._admissions
+        self._admissions += 1
+
+    def _commit_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks `seq` has filled since the last call under their chained hashes."""
+        bs, done = self.blocks.block_size, len(seq.block_hashes)
+        if not self.blocks.enable_caching or seq.num_cached // bs <= done:
+            return
+        parent = seq.block_hashes[-1] if done else ROOT
+        for i in range(done, seq.num_cached // bs):
+            parent = block_hash(parent, seq.tokens(i * bs, (i + 1) * bs))
+            seq.block_hashes.append(parent)
+            self.blocks.commit(seq.block_table[i], parent)
+
     def _free(self, seq: Sequence, reason: str) -> None:
         if seq.block_table:
             self.blocks.free(seq.block_table)
             seq.block_table = []
+            seq.block_hashes = []
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 

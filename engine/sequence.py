@@ -54,6 +54,10 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # when params.logprobs is set
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # params.prompt_logprobs; [0] is None
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks in the pool
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed) at the last admission
+    preemptions: int = 0  # times its blocks were taken back (recomputed on readmission)
+    admitted: int = -1  # admission order among sequences holding blocks (the newest is preempted first)
 
     @property
     def all_ids(self) -> list[int]:
@@ -64,8 +68,23 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def prefill_target(self) -> int:
+        """Tokens to compute before decoding: the prompt; after a preemption also every generated
+        token but the last (which is still to be decoded, so nothing is sampled twice)."""
+        return len(self.prompt_ids) + max(0, len(self.output_ids) - 1)
+
+    @property
     def prefill_remaining(self) -> int:
-        return max(0, len(self.prompt_ids) - self.num_cached)
+        return max(0, self.prefill_target - self.num_cached)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """all_ids[start:end] without copying the whole sequence."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
 
     @property
     def num_sampled(self) -> int:

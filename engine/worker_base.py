@@ -39,6 +39,7 @@ class EngineSettings(Protocol):
     max_num_seqs: int
     max_prefill_tokens: int
     seed: int
+    enable_prefix_caching: bool
 
 
 def build_engine(cfg: EngineSettings, prefill_only: bool) -> LLMEngine:
@@ -55,7 +56,22 @@ def build_engine(cfg: EngineSettings, prefill_only: bool) -> LLMEngine:
         max_prefill_tokens=cfg.max_prefill_tokens,
         prefill_only=prefill_only,
         eos_ids=eos,
+        enable_prefix_caching=cfg.enable_prefix_caching,
     )
+
+
+def kv_figures(engine: LLMEngine) -> dict[str, int]:
+    """The KV cache manager's figures every worker reports in its WorkerStats."""
+    b = engine.blocks
+    return {
+        "blocks_total": b.num_blocks,
+        "blocks_free": b.num_free,
+        "blocks_cached": b.num_cached,
+        "preemptions": engine.preemptions,
+        "prefix_hit_blocks": b.hits,
+        "prefix_lookup_blocks": b.lookups,
+        "blocks_evicted": b.evictions,
+    }
 
 
 class EngineLoop:

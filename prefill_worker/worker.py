@@ -11,7 +11,7 @@ from concurrent.futures import Future
 
 from contracts.worker import GenerateRequest, PrefillResult, WorkerConfig, WorkerError, WorkerStats
 from engine.sequence import Sequence
-from engine.worker_base import EngineLoop, build_engine
+from engine.worker_base import EngineLoop, build_engine, kv_figures
 from transport import make_transport
 from transport.wire import PeerInfo
 
@@ -72,10 +72,9 @@ class PrefillWorker(EngineLoop):
             queue_depth=len(e.waiting),
             running=0,
             parked=len(e.parked),
-            blocks_total=e.blocks.num_blocks,
-            blocks_free=e.blocks.num_free,
             steps=self.steps,
             recent_steps=list(self.step_log),
+            **kv_figures(e),
         )
 
     def ping(self) -> str:
@@ -138,6 +137,7 @@ class PrefillWorker(EngineLoop):
                         "prefill_ms": (t_end - t_first) * 1e3,
                         "prefill_start": t_first,
                         "prefill_end": t_end,
+                        "cached_tokens": seq.cached_tokens,
                     },
                 )
             )

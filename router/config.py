@@ -44,6 +44,7 @@ class ServeConfig:
     gpus_per_worker: float = 0.0
     num_blocks: int = 1024  # KV blocks per worker
     block_size: int = 16
+    prefix_cache: bool = True  # automatic prefix caching in every pool (--no-prefix-cache)
     max_num_seqs: int = 64
     transport: str = "nixl"
     lease_s: float = 30.0  # prefill KV is freed if decode has not pulled it by then
@@ -176,6 +177,7 @@ class ServeConfig:
             lease_s=self.lease_s,
             transport=self.transport,
             transfer_timeout_s=self.transfer_timeout_s,
+            enable_prefix_caching=self.prefix_cache,
         )
 
     def to_dict(self, redact: bool = True) -> dict[str, Any]:
@@ -226,6 +228,8 @@ def _check_types(cfg: ServeConfig) -> None:
             ok, want = isinstance(v, (int, float)) and not isinstance(v, bool), "a number"
             if ok:
                 setattr(cfg, f.name, float(v))
+        elif isinstance(default, bool):
+            ok, want = isinstance(v, bool), "true or false"
         elif f.name in ("chunk_size",) or isinstance(default, int) and not isinstance(default, bool):
             ok, want = isinstance(v, int) and not isinstance(v, bool), "an integer"
         elif isinstance(default, float):

@@ -109,13 +109,37 @@ class _OrchestratorCollector:
             ),
             "pdserve_running_sequences": ("Sequences decoding on a worker", lambda w: w.running),
             "pdserve_kv_blocks_used": ("KV cache blocks in use on a worker", lambda w: w.blocks_used),
-            "pdserve_kv_blocks_free": ("KV cache blocks free on a worker", lambda w: w.blocks_free),
+            "pdserve_kv_blocks_free": (
+                "KV cache blocks an allocation can take on a worker (free or cached)",
+                lambda w: w.blocks_free,
+            ),
+            "pdserve_kv_blocks_cached": (
+                "Unreferenced KV blocks kept by a worker's prefix cache (evicted LRU)",
+                lambda w: w.blocks_cached,
+            ),
         }
         for name, (doc, get) in per_worker.items():
             g = GaugeMetricFamily(name, doc, labels=["worker", "role"])
             for w in s.workers:
                 g.add_metric([w.name, w.role], get(w))
             yield g
+        per_worker_totals = {
+            "pdserve_preemptions": ("Sequences preempted by recompute on a worker", lambda w: w.preemptions),
+            "pdserve_prefix_cache_hit_blocks": (
+                "Full KV blocks found in a worker's prefix cache",
+                lambda w: w.prefix_hit_blocks,
+            ),
+            "pdserve_prefix_cache_lookup_blocks": (
+                "Full KV blocks looked up in a worker's prefix cache",
+                lambda w: w.prefix_lookup_blocks,
+            ),
+            "pdserve_kv_blocks_evicted": ("Cached KV blocks evicted for new ones", lambda w: w.blocks_evicted),
+        }
+        for name, (doc, get) in per_worker_totals.items():
+            c = CounterMetricFamily(name, doc, labels=["worker", "role"])
+            for w in s.workers:
+                c.add_metric([w.name, w.role], get(w))
+            yield c
         if s.dispatch is not None:
             yield from _dispatch_metrics(s.dispatch)
 

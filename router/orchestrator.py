@@ -143,6 +143,7 @@ class Orchestrator:
                     prefill_ms=result.timings["prefill_ms"],
                     prefill_end_ms=self._rel(tl, result.timings["prefill_end"]),
                     kv_blocks=len(result.handle.block_ids),
+                    prefill_cached_tokens=int(result.timings.get("cached_tokens", 0)),
                 )
                 if self._first_is_last(req, result.first_token):
                     await prefill.release(rid)
@@ -162,6 +163,9 @@ class Orchestrator:
                     raise WorkerError(ev.error or "worker error")
                 if ev.kind == "admitted":
                     self._on_admitted(tl, ev)
+                    continue
+                if ev.kind == "preempted":  # KV taken back under memory pressure; recomputed, not re-sent
+                    tl["preemptions"] = tl.get("preemptions", 0) + 1
                     continue
                 self._on_token(tl, ev)
                 yield ev
@@ -364,6 +368,9 @@ class Orchestrator:
 
     def _on_admitted(self, tl: dict, ev: StreamEvent) -> None:
         tl["decode_admitted_ms"] = self._rel(tl, ev.t)
+        if ev.timings:  # the decode side's prefix-cache hit, and the blocks it pulled for the rest
+            tl["decode_cached_tokens"] = int(ev.timings.get("cached_tokens", 0))
+            tl["kv_blocks_pulled"] = int(ev.timings.get("blocks_pulled", 0))
         if ev.transfer is not None:
             s = ev.transfer
             self._transfer_bytes += s.bytes

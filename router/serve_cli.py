@@ -90,6 +90,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-blocks", type=int, default=None, help=f"KV blocks per worker (default {D.num_blocks})")
     g.add_argument("--block-size", type=int, default=None, help=f"tokens per KV block (default {D.block_size})")
     g.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_const",
+        const=False,
+        default=None,
+        help="do not keep and reuse full KV blocks of equal prefixes (automatic prefix caching is on by default)",
+    )
+    g.add_argument(
         "--max-num-seqs", type=int, default=None, help=f"sequences per decode batch (default {D.max_num_seqs})"
     )
     g.add_argument(

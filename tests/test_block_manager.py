@@ -80,7 +80,7 @@ def test_errors_double_free_and_incref_of_free():
     with pytest.raises(NoFreeBlocks):
         bm.allocate(5)
     assert bm.num_free == 4
-    assert bm.allocate(4) == [2, 3, 0, 1]  # freed blocks go to the back: fresh ones are used first
+    assert bm.allocate(4) == [2, 3, 0, 1]  # freed blocks go to the back (in order): fresh ones are used first
 
 
 # ---- LLMEngine leaves every block free ---------------------------------------------------------
@@ -110,20 +110,17 @@ def _drain(engine: LLMEngine, limit: int = 500) -> None:
 
 @pytest.mark.parametrize("chunk_size", [None, 5])
 def test_engine_frees_all_blocks_when_requests_finish(runner, chunk_size):
-    # 6 requests need 62 blocks in all, 40 in the pool: some must wait for others to finish
+    # 6 requests grow to 245 tokens in all, 40 blocks of 4 (160 tokens) in the pool: blocks are
+    # given on demand, and sequences are preempted (recomputed) when a step needs one and none is free
     engine = LLMEngine(runner, chunk_size=chunk_size)
     shapes = [(20, 4), (60, 40), (30, 30), (3, 20), (17, 3), (9, 9)]
     seqs = [_seq(i, n, max_tokens=m) for i, (n, m) in enumerate(shapes)]
     for s in seqs:
         engine.add_request(s)
-    waited_for_blocks = False
     while engine.has_work:
         engine.step()
-        waited_for_blocks |= any(
-            not s.block_table and engine.blocks.blocks_for(s.num_tokens + s.params.max_tokens) > engine.blocks.num_free
-            for s in engine.waiting
-        )
-    assert waited_for_blocks and engine.blocks.num_free == engine.blocks.num_blocks
+        engine.blocks.check()
+    assert engine.preemptions > 0 and engine.blocks.check().in_use == 0
     assert all(s.status == Status.FINISHED and s.finish_reason == "length" and not s.block_table for s in seqs)
     assert [len(s.output_ids) for s in seqs] == [m for _, m in shapes]
 
@@ -133,8 +130,8 @@ def test_engine_aborts_free_blocks(runner):
     a, b, c, d = _seq(1, 12), _seq(2, 30), _seq(3, 8, max_tokens=30), _seq(4, 5)
     for s in (a, b, c, d):
         engine.add_request(s)
-    engine.step()  # a's first chunk (4 of 12 tokens): a is waiting, with its whole budget reserved
-    assert a.status == Status.WAITING and a.block_table and engine.blocks.num_used > 0
+    engine.step()  # a's first chunk (4 of 12 tokens): a is waiting, with the blocks of that chunk
+    assert a.status == Status.WAITING and len(a.block_table) == 1 and engine.blocks.num_used == 1
     assert engine.abort("q1")  # waiting, mid-prefill
     assert engine.abort("q4")  # waiting, never scheduled
     assert engine.blocks.num_used == 0
@@ -143,7 +140,7 @@ def test_engine_aborts_free_blocks(runner):
     assert engine.abort("q3")  # running (decoding)
     assert not engine.abort("q3") and not engine.abort("nope")  # unknown ids: False, nothing freed twice
     _drain(engine)
-    assert b.finish_reason == "length" and engine.blocks.num_free == engine.blocks.num_blocks
+    assert b.finish_reason == "length" and engine.blocks.check().in_use == 0
     assert [s.finish_reason for s in (a, c, d)] == ["abort"] * 3
 
 
@@ -160,7 +157,7 @@ def test_prefill_only_engine_parks_then_releases(runner):
     assert engine.abort("q11")  # abort reaches parked sequences too
     assert not engine.release("q10")
     assert engine.release("q12")
-    assert engine.blocks.num_free == engine.blocks.num_blocks and not engine.parked
+    assert engine.blocks.check().in_use == 0 and not engine.parked
 
 
 def test_request_larger_than_pool_is_rejected_not_queued(runner):
