@@ -1,0 +1,134 @@
+"""The KV cache manager end to end (Ray, NIXL on host memory, uvicorn, the openai client): a pool
+too small for every stream at once forces preemptions, repeated prefixes hit the caches, and the
+greedy tokens still equal the engine alone; no block stays in use afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+from openai import AsyncOpenAI  # noqa: E402
+
+from engine.config import PRESETS, CacheConfig  # noqa: E402
+from engine.kv_layout import KVLayout  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.model_runner import ModelRunner  # noqa: E402
+from engine.sequence import SamplingParams, Sequence  # noqa: E402
+from engine.tokenizer import ByteTokenizer  # noqa: E402
+from router.config import ServeConfig  # noqa: E402
+from router.serve_cli import ServerThread  # noqa: E402
+
+SYSTEM = "You are a helpful assistant for pdserve. Answer briefly. "  # 57 bytes: 3 full blocks of 16
+PROMPTS = [SYSTEM + q for q in ("What is KV?", "Why disaggregate?", "What is a lease?", "Hi")] * 2
+MAX_TOKENS = 40
+NUM_BLOCKS = 20  # 320 tokens per worker: 8 streams of up to ~115 tokens need ~900 at once
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    temp = tempfile.mkdtemp(prefix="pdray", dir="/tmp")  # short: Ray's socket paths are length-limited
+    ray.init(
+        num_cpus=8,
+        object_store_memory=128 * 1024**2,
+        include_dashboard=False,
+        _temp_dir=temp,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[str, list[int]]:
+    runner = ModelRunner(PRESETS["tiny"], CacheConfig(num_blocks=64), "fp8", "cpu")
+    out = {}
+    for i, prompt in enumerate(dict.fromkeys(PROMPTS)):
+        engine = LLMEngine(runner, enable_prefix_caching=False)
+        seq = Sequence(f"ref-{i}", ByteTokenizer().encode(prompt), SamplingParams(MAX_TOKENS, ignore_eos=True))
+        engine.add_request(seq)
+        while engine.has_work:
+            engine.step()
+        out[prompt] = seq.output_ids
+    return out
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+async def _stream(client: AsyncOpenAI, prompt: str) -> dict:
+    stream = await client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    texts, last = [], None
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            texts.append(chunk.choices[0].text)
+        last = chunk
+    assert last is not None
+    return {"text": "".join(texts), **last.model_extra["pdserve"]["timeline"]}
+
+
+def _run_all(url: str, prompts: list[str]) -> list[dict]:
+    async def main():
+        client = AsyncOpenAI(base_url=url, api_key="none", max_retries=0)
+        return await asyncio.gather(*(_stream(client, p) for p in prompts))
+
+    return asyncio.run(main())
+
+
+async def _wait_in_use_zero(url: str) -> float:
+    for _ in range(100):
+        used = _metric(url, "pdserve_kv_blocks_used")
+        if not used:
+            return 0
+        await asyncio.sleep(0.2)
+    return used
+
+
+MODES = {
+    "colocated": dict(mode="colocated", chunk_size=16),
+    "disagg": dict(mode="disagg", prefill=1, decode=1),
+    "disagg-no-prefix-cache": dict(mode="disagg", prefill=1, decode=1, prefix_cache=False),
+}
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_forced_preemption_and_caching_keep_greedy_tokens(ray_cluster, expected, name):
+    cfg = ServeConfig(model="tiny", num_blocks=NUM_BLOCKS, max_queue=64, **MODES[name])
+    with ServerThread(cfg, startup_timeout_s=180) as srv:
+        timelines = _run_all(srv.base_url, PROMPTS)
+        for prompt, tl in zip(PROMPTS, timelines):
+            assert tl["token_ids"] == expected[prompt], prompt
+            assert tl["text"] == ByteTokenizer().decode(expected[prompt])  # streamed once each, in order
+        preempted = sum(tl.get("preemptions", 0) for tl in timelines)
+        assert preempted > 0 and _metric(srv.url, "pdserve_preemptions_total") == preempted
+        # a second turn of one conversation: its prompt starts with the first turn and the reply
+        turn2 = PROMPTS[0] + ByteTokenizer().decode(expected[PROMPTS[0]]) + " And V?"
+        tl2 = _run_all(srv.base_url, [turn2])[0]
+        caching = cfg.prefix_cache
+        cached = tl2.get("prefill_cached_tokens" if name.startswith("disagg") else "cached_tokens", 0)
+        assert (cached >= len(PROMPTS[0]) // 16 * 16) if caching else cached == 0
+        if name.startswith("disagg"):
+            blocks = -(-tl2["prompt_tokens"] // 16)
+            assert tl2["kv_blocks_pulled"] == (blocks - tl2["decode_cached_tokens"] // 16)
+            assert (tl2["kv_blocks_pulled"] < blocks) == caching
+            block_bytes = KVLayout.build(PRESETS["tiny"], CacheConfig(num_blocks=NUM_BLOCKS)).block_bytes
+            assert tl2["transfer"]["bytes"] == tl2["kv_blocks_pulled"] * block_bytes  # only the missing blocks
+        assert asyncio.run(_wait_in_use_zero(srv.url)) == 0, "KV blocks left in use"
+        assert (_metric(srv.url, "pdserve_kv_blocks_cached") > 0) == caching
