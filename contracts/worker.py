@@ -85,6 +85,16 @@ class WorkerStats:
 
 
 @dataclass
+class CacheEvents:
+    """A worker's prefix-cache changes since the router last asked: chained block hashes
+    (engine/prefix_cache.py) stored or evicted, in order. `snapshot` is every hash the worker
+    holds, sent instead of trusting the events when some were lost (the router resynchronises)."""
+
+    events: list[tuple[bool, int]]  # (True: stored, False: evicted, hash)
+    snapshot: list[int] | None = None
+
+
+@dataclass
 class WorkerConfig:
     """Everything a worker needs to build its engine. One per pool (prefill / decode)."""
 
@@ -121,6 +131,9 @@ class Worker(Protocol):
 
     def ping(self) -> str:
         """The worker's name; raises if its engine loop is gone (the router then replaces it)."""
+
+    def cache_events(self) -> CacheEvents:
+        """Prefix-cache changes since the last call (for the router's prefix index)."""
 
     def shutdown(self) -> None: ...
 

@@ -15,7 +15,15 @@ import time
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 
-from contracts.worker import GenerateRequest, PrefillResult, StreamEvent, WorkerConfig, WorkerError, WorkerStats
+from contracts.worker import (
+    CacheEvents,
+    GenerateRequest,
+    PrefillResult,
+    StreamEvent,
+    WorkerConfig,
+    WorkerError,
+    WorkerStats,
+)
 from engine.block_manager import NoFreeBlocks
 from engine.sequence import Sequence
 from engine.worker_base import EngineLoop, build_engine, kv_figures, log
@@ -120,6 +128,9 @@ class DecodeWorker(EngineLoop):
         """Raises if the engine loop is gone, so the router reports and replaces the worker."""
         self.check_running()
         return self.name
+
+    def cache_events(self) -> CacheEvents:
+        return CacheEvents(*self.drain_cache_events())
 
     def shutdown(self) -> None:
         self.close()

@@ -84,6 +84,7 @@ class EngineLoop:
     subclass hook, on the loop thread) fails the work the subclass holds, every queued `call`
     fails, and later calls and `check_running()` raise `error_type`."""
 
+    engine: LLMEngine  # built by each worker subclass before start()
     idle_wait_s = 0.002  # how long an idle loop sleeps between inbox/notification polls
     error_type: type[Exception] = RuntimeError  # what callers get from a dead or closed loop
 
@@ -178,6 +179,16 @@ class EngineLoop:
         st = engine.last_step
         if st is not None:
             self.step_log.append((self.steps + 1, st.prefill_tokens, st.attention_pairs, st.decode_tokens, st.seconds))
+
+    def drain_cache_events(self) -> tuple[list[tuple[bool, int]], list[int] | None]:
+        """(prefix-cache events since the last call, every cached hash if events were lost)."""
+        engine = self.engine
+
+        def do() -> tuple[list[tuple[bool, int]], list[int] | None]:
+            events, dropped = engine.blocks.drain_events()
+            return events, engine.blocks.cached_hashes() if dropped else None
+
+        return self.call(do)
 
     def close(self) -> None:
         self._stop.set()

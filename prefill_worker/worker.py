@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
-from contracts.worker import GenerateRequest, PrefillResult, WorkerConfig, WorkerError, WorkerStats
+from contracts.worker import CacheEvents, GenerateRequest, PrefillResult, WorkerConfig, WorkerError, WorkerStats
 from engine.sequence import Sequence
 from engine.worker_base import EngineLoop, build_engine, kv_figures
 from transport import make_transport
@@ -81,6 +81,9 @@ class PrefillWorker(EngineLoop):
         """Raises if the engine loop is gone, so the router reports and replaces the worker."""
         self.check_running()
         return self.name
+
+    def cache_events(self) -> CacheEvents:
+        return CacheEvents(*self.drain_cache_events())
 
     def shutdown(self) -> None:
         self.close()

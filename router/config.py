@@ -16,7 +16,7 @@ from engine.config import KV_DTYPE_BYTES, PRESETS, is_checkpoint_dir
 from engine.model_registry import DEFAULT_MODEL, MODELS
 
 MODES = ("disagg", "colocated", "auto")
-POLICIES = ("round_robin", "least_loaded")
+POLICIES = ("round_robin", "least_loaded", "prefix")
 TRANSPORTS = ("nixl", "local")
 WEIGHT_DTYPES = ("fp8", "bf16", "fp32")
 

@@ -262,6 +262,7 @@ async def build_orchestrator(cfg: Any) -> Orchestrator:
         on_shutdown,
         link_gbps=getattr(cfg, "link_gbps", None),
         dispatcher=dispatcher,
+        block_size=cfg.block_size,
     )
     await orch.start()
     return orch

@@ -7,6 +7,10 @@ Auto:           both pools; router/dispatch.py decides per request which of the 
 
 Tokens come back through one pump task per decode worker (`poll_events` long-poll) and are
 routed to per-request queues. Every phase is stamped into a per-request timeline.
+
+Policies: round_robin; least_loaded (router-assigned requests + queue depth, then free KV
+blocks); prefix (the worker of each pool holding the longest cached prefix of the request, from
+a PrefixIndex fed by the workers' cache events; ties and misses go to the least loaded).
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from contracts.worker import GenerateRequest, PrefillResult, StreamEvent, WorkerError, WorkerStats
+from contracts.worker import CacheEvents, GenerateRequest, PrefillResult, StreamEvent, WorkerError, WorkerStats
 from engine.config import ModelConfig
+from engine.prefix_cache import block_hashes
+from router.prefix_index import PrefixIndex
 from router.dispatch import AutoDispatcher
 from router.worker_handle import WorkerDied, WorkerHandle
 
@@ -44,13 +50,15 @@ class Orchestrator:
         on_shutdown: Callable[[list[WorkerHandle]], Awaitable[None]] | None = None,
         link_gbps: float | None = None,
         dispatcher: AutoDispatcher | None = None,
+        block_size: int = 16,
+        cache_sync_s: float = 0.05,
     ):
         if mode not in ("disagg", "colocated", "auto"):
             raise ValueError(f"mode must be disagg, colocated or auto, got {mode!r}")
         if (mode == "auto") != (dispatcher is not None):
             raise ValueError("auto mode needs a dispatcher (and only auto mode takes one)")
-        if policy not in ("round_robin", "least_loaded"):
-            raise ValueError(f"policy must be round_robin or least_loaded, got {policy!r}")
+        if policy not in ("round_robin", "least_loaded", "prefix"):
+            raise ValueError(f"policy must be round_robin, least_loaded or prefix, got {policy!r}")
         if not decode or (mode != "colocated" and not prefill):
             raise ValueError("need at least one decode worker (and one prefill worker in disagg/auto mode)")
         self.mode, self.model_config, self.policy = mode, model_config, policy
@@ -71,6 +79,9 @@ class Orchestrator:
         self.dispatcher = dispatcher
         self._local_open: dict[str, set[str]] = {}  # auto: decode worker -> local prompts before their first token
         self._last_token_t: dict[str, float] = {}  # request id -> time of its last token (stall outcome)
+        self.block_size, self.cache_sync_s = block_size, cache_sync_s
+        self.prefix_index = PrefixIndex()  # policy "prefix": which worker caches which blocks
+        self._cache_sync: asyncio.Task | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -78,12 +89,16 @@ class Orchestrator:
             self._pumps[w.name] = asyncio.create_task(self._pump(w))
         if self.dispatcher is not None:
             self._pumps["_step_fit"] = asyncio.create_task(self._refine_fits())
+        if self.policy == "prefix":
+            self._cache_sync = asyncio.create_task(self._sync_prefix_index())
 
     async def shutdown(self) -> None:
         self._closed = True
         if self._cleanup:  # aborts of requests that ended early still reach the workers
             await asyncio.wait(list(self._cleanup), timeout=10)
         tasks = [*self._pumps.values(), *self._replacing.values()]
+        if self._cache_sync is not None:
+            tasks.append(self._cache_sync)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -115,11 +130,16 @@ class Orchestrator:
         tl = self._new_timeline(req)
         queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self._streams[rid] = queue
-        decode = self._pick(self.decode, "decode")
-        prefill = self._pick(self.prefill, "prefill") if self.mode != "colocated" else None
+        hashes = block_hashes(req.prompt_ids, self.block_size) if self.policy == "prefix" else []
+        decode = self._pick(self.decode, "decode", hashes)
+        prefill = self._pick(self.prefill, "prefill", hashes) if self.mode != "colocated" else None
         if self.dispatcher is not None:
             assert prefill is not None  # auto has both pools
             prefill = self._dispatch(req, tl, prefill, decode)
+        if hashes:  # what the router expected each side to hold (its index may lag by one poll)
+            tl["routed_prefix_blocks"] = {
+                w.role: self.prefix_index.matched_blocks(w.name, hashes) for w in (prefill, decode) if w is not None
+            }
         self._assigned[rid] = (prefill, decode)
         for w in (prefill, decode):
             if w is not None:
@@ -252,7 +272,7 @@ class Orchestrator:
         p = req.params
         return p.max_tokens == 1 or token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids)
 
-    def _pick(self, workers: list[WorkerHandle], role: str) -> WorkerHandle:
+    def _pick(self, workers: list[WorkerHandle], role: str, hashes: list[int]) -> WorkerHandle:
         alive = [w for w in workers if w.alive] or workers
         if self.policy == "round_robin":
             return alive[next(self._rr[role]) % len(alive)]
@@ -261,7 +281,19 @@ class Orchestrator:
             s = self._stats.get(w.name)
             return (w.active + (s.queue_depth if s else 0), -(s.blocks_free if s else 0))
 
+        if self.policy == "prefix":
+            return min(alive, key=lambda w: (-self.prefix_index.matched_blocks(w.name, hashes), load(w)))
         return min(alive, key=load)
+
+    async def _sync_prefix_index(self) -> None:
+        """Policy "prefix": poll every live worker's cache events into the index."""
+        while not self._closed:
+            workers = [w for w in self.prefill + self.decode if w.alive]
+            results = await asyncio.gather(*(w.cache_events() for w in workers), return_exceptions=True)
+            for w, r in zip(workers, results):
+                if isinstance(r, CacheEvents):
+                    self.prefix_index.apply(w.name, r)
+            await asyncio.sleep(self.cache_sync_s)
 
     async def _pump(self, worker: WorkerHandle) -> None:
         """Collect token events from one decode worker and route them to request queues."""
@@ -305,6 +337,7 @@ class Orchestrator:
         assert self._replace is not None  # only scheduled when there is one
         delay, attempts = 1.0, 0
         try:
+            self.prefix_index.forget(dead.name)  # its cache died with it
             while not self._closed:
                 attempts += 1
                 new = await self._replace(dead)

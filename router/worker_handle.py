@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar, cast
 
 from contracts.worker import (
+    CacheEvents,
     DecodeWorkerAPI,
     GenerateRequest,
     PrefillResult,
@@ -80,6 +81,9 @@ class WorkerHandle:
 
     async def ping(self) -> str:
         return await self._call(self._worker.ping)
+
+    async def cache_events(self) -> CacheEvents:
+        return await self._call(self._worker.cache_events)
 
     async def shutdown(self) -> None:
         return await self._call(self._worker.shutdown)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from contracts.worker import GenerateRequest, PrefillResult, StreamEvent, WorkerStats
+from contracts.worker import CacheEvents, GenerateRequest, PrefillResult, StreamEvent, WorkerStats
 from transport.wire import PeerInfo
 
 # role -> "module:Class" of the worker that plays it
@@ -62,6 +62,9 @@ class WorkerHost:
 
     def ping(self) -> str:
         return self.worker.ping()
+
+    def cache_events(self) -> CacheEvents:
+        return self.worker.cache_events()
 
     def shutdown(self) -> None:
         self.worker.shutdown()

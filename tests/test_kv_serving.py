@@ -105,25 +105,33 @@ MODES = {
     "colocated": dict(mode="colocated", chunk_size=16),
     "disagg": dict(mode="disagg", prefill=1, decode=1),
     "disagg-no-prefix-cache": dict(mode="disagg", prefill=1, decode=1, prefix_cache=False),
+    # room for every stream: no preemption, so the second turn finds its first turn's blocks
+    "disagg-2p2d-prefix": dict(mode="disagg", prefill=2, decode=2, policy="prefix", num_blocks=64),
 }
 
 
 @pytest.mark.parametrize("name", list(MODES))
 def test_forced_preemption_and_caching_keep_greedy_tokens(ray_cluster, expected, name):
-    cfg = ServeConfig(model="tiny", num_blocks=NUM_BLOCKS, max_queue=64, **MODES[name])
+    cfg = ServeConfig(model="tiny", **{"num_blocks": NUM_BLOCKS, "max_queue": 64, **MODES[name]})
     with ServerThread(cfg, startup_timeout_s=180) as srv:
         timelines = _run_all(srv.base_url, PROMPTS)
         for prompt, tl in zip(PROMPTS, timelines):
             assert tl["token_ids"] == expected[prompt], prompt
             assert tl["text"] == ByteTokenizer().decode(expected[prompt])  # streamed once each, in order
         preempted = sum(tl.get("preemptions", 0) for tl in timelines)
-        assert preempted > 0 and _metric(srv.url, "pdserve_preemptions_total") == preempted
+        assert _metric(srv.url, "pdserve_preemptions_total") == preempted
+        assert (preempted > 0) == (cfg.num_blocks == NUM_BLOCKS)
         # a second turn of one conversation: its prompt starts with the first turn and the reply
         turn2 = PROMPTS[0] + ByteTokenizer().decode(expected[PROMPTS[0]]) + " And V?"
         tl2 = _run_all(srv.base_url, [turn2])[0]
         caching = cfg.prefix_cache
         cached = tl2.get("prefill_cached_tokens" if name.startswith("disagg") else "cached_tokens", 0)
         assert (cached >= len(PROMPTS[0]) // 16 * 16) if caching else cached == 0
+        if cfg.policy == "prefix":  # routed to the workers holding the first turn (4 full blocks each side)
+            firsts = [tl for p, tl in zip(PROMPTS, timelines) if p == PROMPTS[0]]
+            assert tl2["routed_prefix_blocks"]["decode"] >= 4 and tl2["routed_prefix_blocks"]["prefill"] >= 4
+            assert tl2["decode_worker"] in {tl["decode_worker"] for tl in firsts}
+            assert tl2["prefill_worker"] in {tl["prefill_worker"] for tl in firsts}
         if name.startswith("disagg"):
             blocks = -(-tl2["prompt_tokens"] // 16)
             assert tl2["kv_blocks_pulled"] == (blocks - tl2["decode_cached_tokens"] // 16)

@@ -26,6 +26,7 @@ from router.worker_handle import WorkerHandle
 
 _names = itertools.count()
 PROMPT = list(b"the quick brown fox jumps over")  # 30 tokens: 2 blocks of 16
+LONG = list(b"0123456789" * 6)  # 60 tokens: 4 blocks of 16, with room for 4 generated
 
 
 def _cfg(**kw) -> WorkerConfig:
@@ -76,6 +77,12 @@ def _wait(cond, timeout_s: float = 10.0, what: str = "condition") -> None:
 
 
 def _all_free(*workers) -> bool:
+    """No block in use on any of `workers`, and each one's ledger holds (free/cached/in use)."""
+    for w in workers:
+        try:
+            w.call(w.engine.blocks.check)  # on the loop thread: the only one that touches blocks
+        except WorkerError:
+            w.engine.blocks.check()  # the loop is gone: nothing else touches them now
     return all(w.stats().blocks_free == w.stats().blocks_total for w in workers)
 
 
@@ -133,8 +140,28 @@ def test_decode_loop_death_ends_streams_then_poll_raises():
                 d.poll_events(0.01)
         with pytest.raises(WorkerError):
             d.ping()
+        d.engine.blocks.check()  # the dead pool's ledger still holds (its blocks go with the worker)
     finally:
         d.shutdown()
+
+
+def test_decode_death_in_disagg_leaves_the_prefill_pool_clean(make_pair):
+    p, d = make_pair({"lease_s": 2.0}, {})
+    real_step, calls = d.engine.step, itertools.count()
+
+    def step_then_die():
+        if next(calls) >= 3:
+            raise RuntimeError("decode kernel exploded")
+        return real_step()
+
+    d.engine.step = step_then_die
+    reqs = [_req("k1", 30), _req("k2", 30, prompt=LONG)]
+    for r in reqs:
+        d.submit_prefilled(r, p.prefill(r))
+    events = _collect(d, {"k1", "k2"})
+    assert all(evs[-1].kind == "error" for evs in events.values())
+    _wait(lambda: _all_free(p), what="the prefill pool to free every block (pulled or lease expired)")
+    d.engine.blocks.check()
 
 
 def test_calls_after_shutdown_fail_fast():
@@ -167,30 +194,45 @@ def test_blocked_prefill_waits_without_spinning_then_proceeds():
 
 def test_decode_admission_waits_for_blocks_then_proceeds(make_pair):
     p, d = make_pair({}, {"num_blocks": 4})
-    # each request reserves prompt + max_tokens = 30 + 20 tokens = 4 blocks: the whole decode pool
-    r1, r2 = _req("d1", 20), _req("d2", 20)
+    # d1's 63-token prompt takes the whole decode pool (4 blocks of 16) from its admission
+    r1, r2 = _req("d1", 4, prompt=LONG), _req("d2", 20)
     res1, res2 = p.prefill(r1), p.prefill(r2)
-    d.engine.step = _slowed(d.engine.step, 0.02)  # d1 holds the pool for ~0.4 s
+    d.engine.step = _slowed(d.engine.step, 0.2)  # d1 holds the pool for ~0.6 s
     d.submit_prefilled(r1, res1)
     _wait(lambda: d.stats().blocks_free == 0, what="d1 to take every block")
     d.submit_prefilled(r2, res2)
     s = d.stats()
     assert s.queue_depth >= 1 and s.blocks_free == 0  # stats show the admission waiting
     events = _collect(d, {"d1", "d2"})
-    assert [len(_tokens(events[r])) for r in ("d1", "d2")] == [19, 19]  # + the first from prefill
+    assert [len(_tokens(events[r])) for r in ("d1", "d2")] == [3, 19]  # + the first from prefill
+    _wait(lambda: _all_free(p, d), what="every block freed")
+
+
+def test_decode_pool_too_small_for_both_preempts_and_recomputes(make_pair):
+    p, d = make_pair({}, {"num_blocks": 4})
+    # the same prompt twice; each grows to 30 + 20 tokens = 4 blocks, the whole pool: blocks are
+    # given on demand, so both are admitted, and the newer is preempted when the pool runs out
+    r1, r2 = _req("e1", 20), _req("e2", 20)
+    res1, res2 = p.prefill(r1), p.prefill(r2)
+    d.submit_prefilled(r1, res1)
+    d.submit_prefilled(r2, res2)
+    events = _collect(d, {"e1", "e2"})
+    assert d.stats().preemptions >= 1 and any(e.kind == "preempted" for e in events["e2"])
+    assert len(_tokens(events["e1"])) == 19 and _tokens(events["e1"]) == _tokens(events["e2"])  # greedy
+    assert [e.index for e in events["e2"] if e.kind == "token"] == list(range(1, 20))  # nothing twice
     _wait(lambda: _all_free(p, d), what="every block freed")
 
 
 # ---- (3) lease expiry racing the pull ------------------------------------------------------------
 def test_lease_expired_while_waiting_for_blocks_fails_clearly(make_pair):
     p, d = make_pair({"lease_s": 1.0}, {"num_blocks": 4})
-    r1, r2 = _req("l1", 20), _req("l2", 20)
+    r1, r2 = _req("l1", 4, prompt=LONG), _req("l2", 20)  # l1 holds the whole decode pool
     res1, res2 = p.prefill(r1), p.prefill(r2)
-    d.engine.step = _slowed(d.engine.step, 0.1)  # l1 decodes for ~2 s, longer than l2's lease
+    d.engine.step = _slowed(d.engine.step, 0.6)  # l1 decodes for ~1.8 s, longer than l2's lease
     d.submit_prefilled(r1, res1)
     d.submit_prefilled(r2, res2)
     events = _collect(d, {"l1", "l2"})
-    assert len(_tokens(events["l1"])) == 19
+    assert len(_tokens(events["l1"])) == 3
     assert _tokens(events["l2"]) == [] and events["l2"][-1].kind == "error"
     assert "lease" in events["l2"][-1].error and "--lease-s" in events["l2"][-1].error
     _wait(lambda: _all_free(p, d), what="every block freed")
@@ -216,9 +258,9 @@ def test_pull_that_outlives_the_lease_is_discarded(make_pair):
 # ---- (4) aborts at every phase free everything and silence the request ---------------------------
 def test_abort_while_waiting_for_blocks(make_pair):
     p, d = make_pair({}, {"num_blocks": 4})
-    r1, r2 = _req("w1", 20), _req("w2", 20)
+    r1, r2 = _req("w1", 4, prompt=LONG), _req("w2", 20)  # w1 holds the whole decode pool
     res1, res2 = p.prefill(r1), p.prefill(r2)
-    d.engine.step = _slowed(d.engine.step, 0.02)
+    d.engine.step = _slowed(d.engine.step, 0.1)
     d.submit_prefilled(r1, res1)
     d.submit_prefilled(r2, res2)
     assert d.abort("w2") and p.abort("w2")
