@@ -147,10 +147,10 @@ def test_decode_loop_death_ends_streams_then_poll_raises():
 
 def test_decode_death_in_disagg_leaves_the_prefill_pool_clean(make_pair):
     p, d = make_pair({"lease_s": 2.0}, {})
-    real_step, calls = d.engine.step, itertools.count()
+    real_step, calls, armed = d.engine.step, itertools.count(), threading.Event()
 
     def step_then_die():
-        if next(calls) >= 3:
+        if armed.is_set() and next(calls) >= 3:  # both admitted first: the death hits running streams
             raise RuntimeError("decode kernel exploded")
         return real_step()
 
@@ -158,6 +158,7 @@ def test_decode_death_in_disagg_leaves_the_prefill_pool_clean(make_pair):
     reqs = [_req("k1", 30), _req("k2", 30, prompt=LONG)]
     for r in reqs:
         d.submit_prefilled(r, p.prefill(r))
+    armed.set()
     events = _collect(d, {"k1", "k2"})
     assert all(evs[-1].kind == "error" for evs in events.values())
     _wait(lambda: _all_free(p), what="the prefill pool to free every block (pulled or lease expired)")
