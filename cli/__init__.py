@@ -36,6 +36,10 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
         "benchmarks.bench_quality",
         "real-model perplexity and greedy agreement: fp32/bf16/FP8 vs transformers",
     ),
+    "kvcache": (
+        "benchmarks.bench_kvcache",
+        "KV cache manager: capacity on demand vs reserved; multi-turn 2P2D with prefix caching + routing",
+    ),
     "gpu": ("benchmarks.gpu.bench_gpu", "GPU ceilings, decode/prefill vs roofline, transformers baseline"),
 }
 

@@ -68,6 +68,7 @@ class LLMEngine:
         prefill_only: bool = False,
         eos_ids: tuple[int, ...] = (),
         enable_prefix_caching: bool = True,
+        reserve_budget: bool = False,
     ):
         self.runner = runner
         cache = runner.cache_cfg
@@ -77,6 +78,9 @@ class LLMEngine:
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
         self.prefill_only = prefill_only
+        # reserve prompt + max_tokens at a sequence's first chunk (the pre-on-demand policy; only
+        # `pdserve bench kvcache` uses it, to measure what blocks on demand gain)
+        self.reserve_budget = reserve_budget
         eos = runner.model_cfg.eos_token_id
         self.eos_ids = set(eos_ids) | ({eos} if eos is not None else set())
         self.waiting: deque[Sequence] = deque()  # admitted, prompt not fully cached
@@ -210,7 +214,10 @@ class LLMEngine:
         """Blocks for `seq`'s next `n` prefill tokens (after the cache hit, on its first chunk).
         False, taking nothing, if the pool cannot give them now."""
         start = seq.num_cached if seq.block_table else len(hit) * self.blocks.block_size
-        need = self.blocks.blocks_for(start + n) - (len(seq.block_table) or len(hit))
+        end = start + n
+        if self.reserve_budget and not self.prefill_only:  # the old policy, kept to measure against
+            end = max(end, len(seq.prompt_ids) + seq.params.max_tokens)
+        need = self.blocks.blocks_for(end) - (len(seq.block_table) or len(hit))
         if not self.blocks.can_allocate(need + self.blocks.evictable(hit)):
             return False
         if not seq.block_table:
@@ -219,7 +226,7 @@ class LLMEngine:
             if not seq.output_ids:
                 seq.cached_tokens = start
             self._stamp_admitted(seq)
-        self.blocks.grow(seq.block_table, start + n)
+        self.blocks.grow(seq.block_table, end)
         return True
 
     def _schedule_prefill(self) -> list[tuple[Sequence, int]]:

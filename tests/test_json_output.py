@@ -88,6 +88,23 @@ CASES: dict[tuple[str, ...], list[str]] = {
         "--results-dir",
         "{tmp}",
     ],
+    # the capacity part only, on a tiny pool (the multi-turn part starts real servers: bench runs it)
+    ("bench", "kvcache"): [
+        "--part",
+        "capacity",
+        "--requests",
+        "4",
+        "--num-blocks",
+        "24",
+        "--max-tokens",
+        "64",
+        "--output-min",
+        "8",
+        "--output-max",
+        "16",
+        "--out-dir",
+        "{tmp}",
+    ],
     # the real model (pulled once per machine), one setting, a few tokens, no transformers reference
     ("bench", "quality"): ["--tokens", "16", "--settings", "fp32", "--no-transformers", "--out-dir", "{tmp}"],
     # redraws the committed reference result (the measured run itself is test_bench_compare.py's)
