@@ -25,8 +25,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contracts.worker import CacheEvents, GenerateRequest, PrefillResult, StreamEvent, WorkerError, WorkerStats
 from engine.config import ModelConfig
 from engine.prefix_cache import block_hashes
-from router.prefix_index import PrefixIndex
 from router.dispatch import AutoDispatcher
+from router.prefix_index import PrefixIndex
 from router.worker_handle import WorkerDied, WorkerHandle
 
 log = logging.getLogger("pdserve.router")
