@@ -201,6 +201,7 @@ def test_2p1d_across_nodes_greedy_and_pull_rate(cluster):
         '{"node1": 1}',
         "--decode-resources",
         '{"node2": 1}',
+        "--no-prefix-cache",  # the same prompt each time: with the cache, later pulls would move nothing
     )
     try:
         prompt = "A long document about disaggregated serving over a shaped link. " * 46  # 2990 bytes
