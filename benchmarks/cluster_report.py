@@ -16,6 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from benchmarks.link_probe import max_stall
+
 
 def rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
@@ -25,7 +27,7 @@ def rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if not lp:
                 continue
             s = lp["summary"]
-            stall = (m.get("predicted") or {}).get("compared", {}).get("stall_max_ms", {})
+            stall = max_stall(m)
             ttft, ttst, tx = s["ttft_ms"], s["ttst_ms"], s["transfer_ms"]
 
             def gap_share(kind: str, ttft: dict = ttft, ttst: dict = ttst, tx: dict = tx) -> float | None:
@@ -38,13 +40,15 @@ def rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "link_gbps": lp["link_gbps"],
                     "model": r.get("model"),
                     "documents": len(lp["documents"]),
-                    "prompt_len": lp["documents"][0]["measured"]["prompt_len"] if lp["documents"] else None,
+                    "prompt_len": lp["documents"][0].get("measured", lp["documents"][0])["prompt_len"]
+                    if lp["documents"]
+                    else None,
                     "ttft_ms": ttft,
                     "ttst_ms": ttst,
                     "decode_wait_ms": s["decode_wait_ms"],
                     "transfer_ms": tx,
                     "pull_gbits_per_s": s["transfer_gbits_per_s"]["measured"],
-                    "stall_max_ms": {"measured": stall.get("measured"), "simulated": stall.get("predicted")},
+                    "stall_max_ms": {"measured": stall[0], "simulated": stall[1]},
                     "transfer_share_of_ttst": s["transfer_share_of_ttst"],
                     "transfer_share_of_second_gap": {
                         "measured": gap_share("measured"),
@@ -62,8 +66,8 @@ def _f(x: float | None, fmt: str = "{:.1f}") -> str:
 
 def markdown(table: list[dict[str, Any]]) -> str:
     head = (
-        "| link | TTFT ms | 2nd token ms | decode wait ms | transfer ms | max stall ms | pull Gbit/s | "
-        "transfer / TTST | transfer / (TTST - TTFT) |\n|---|---|---|---|---|---|---|---|---|\n"
+        "| mode | link | TTFT ms | 2nd token ms | decode wait ms | transfer ms | max stall ms | pull Gbit/s | "
+        "transfer / TTST | transfer / (TTST - TTFT) |\n|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for x in table:
@@ -72,7 +76,7 @@ def markdown(table: list[dict[str, Any]]) -> str:
             return f"{_f(d.get('measured'), fmt)} ({_f(d.get('simulated'), fmt)})"
 
         lines.append(
-            f"| {x['link_gbps']:g} Gbit/s | {pair(x['ttft_ms'])} | {pair(x['ttst_ms'])} | "
+            f"| {x['mode']} | {x['link_gbps']:g} Gbit/s | {pair(x['ttft_ms'])} | {pair(x['ttst_ms'])} | "
             f"{_f(x['decode_wait_ms']['measured'])} | {pair(x['transfer_ms'])} | {pair(x['stall_max_ms'])} | "
             f"{_f(x['pull_gbits_per_s'], '{:.2f}')} | {pair(x['transfer_share_of_ttst'], '{:.0%}')} | "
             f"{pair(x['transfer_share_of_second_gap'], '{:.0%}')} |"

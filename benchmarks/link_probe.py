@@ -162,6 +162,13 @@ def rehearsal_link(gbps: float) -> Any:
     return cm.Link(f"link-{gbps:g}gbit", f"{gbps:g} Gbit/s network link (tc tbf)", gbps * 1e9 / 8)
 
 
+def max_stall(mode: dict[str, Any]) -> tuple[float | None, float | None]:
+    """(measured, simulated) longest stall of in-flight streams in a mode's timed run."""
+    measured = ((mode.get("metrics") or {}).get("stall_ms") or {}).get("max")
+    simulated = (mode.get("predicted") or {}).get("compared", {}).get("stall_max_ms", {}).get("predicted")
+    return measured, simulated
+
+
 def format_table(result: dict[str, Any]) -> str | None:
     """The link-probe rows of a bench compare result (None without --link-gbps)."""
     rows = []
@@ -169,8 +176,5 @@ def format_table(result: dict[str, Any]) -> str | None:
         lp = m.get("link_probe")
         if not lp:
             continue
-        comp = (m.get("predicted") or {}).get("compared", {}).get("stall_max_ms", {})
-        rows.append(
-            format_rows(m["label"], lp["link_gbps"], lp["summary"], (comp.get("measured"), comp.get("predicted")))
-        )
+        rows.append(format_rows(m["label"], lp["link_gbps"], lp["summary"], max_stall(m)))
     return "\n".join([HEADER, *rows]) if rows else None
