@@ -92,13 +92,17 @@ def plot(table: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
+    table = [x for x in table if x["transfer_ms"]["measured"] is not None]  # the modes that pull KV
+    has_sim = any(x["ttst_ms"]["simulated"] is not None for x in table)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    labels = [f"{x['link_gbps']:g} Gbit/s" for x in table]
+    labels = [f"{x['mode']}\n{x['link_gbps']:g} Gbit/s" for x in table]
     pos = range(len(table))
     parts = [("TTFT", "ttft_ms"), ("2nd token", "ttst_ms"), ("transfer", "transfer_ms")]
     w = 0.13
     for i, (name, key) in enumerate(parts):
         a.bar([p + (2 * i - 2.5) * w for p in pos], [x[key]["measured"] or 0 for x in table], w, label=f"{name}")
+        if not has_sim:
+            continue
         a.bar(
             [p + (2 * i - 1.5) * w for p in pos],
             [x[key]["simulated"] or 0 for x in table],
@@ -113,7 +117,8 @@ def plot(table: list[dict[str, Any]], path: Path) -> None:
     a.legend(fontsize=7)
     for key, name in (("transfer_share_of_ttst", "of TTST"), ("transfer_share_of_second_gap", "of TTST - TTFT")):
         b.plot(labels, [100 * (x[key]["measured"] or 0) for x in table], "o-", label=f"measured, {name}")
-        b.plot(labels, [100 * (x[key]["simulated"] or 0) for x in table], "x--", label=f"simulated, {name}")
+        if has_sim:
+            b.plot(labels, [100 * (x[key]["simulated"] or 0) for x in table], "x--", label=f"simulated, {name}")
     b.set_ylabel("KV transfer share (%)")
     b.set_title("the transfer's share as the link narrows")
     b.legend(fontsize=7)
