@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bench_compare as bc
+from benchmarks import compare_report as rep
 from benchmarks.bench_serve import BenchConfig, BenchResult
 from benchmarks.compare_report import unpack
 from cli import main as cli_main
@@ -119,6 +120,20 @@ def test_equality_check_reports_the_first_differing_token():
         ("chunked-7", "b", 1),
     }
     assert bc.check_equality([ref, same])["identical"] is True
+
+
+def test_equality_check_tells_near_ties_from_real_differences():
+    """A real model's greedy runs may part where the reference's top-2 choice was a near-tie; a
+    difference where the reference was sure stays a mismatch."""
+    ref = _run("colocated", {"a": [1, 2, 3], "b": [4, 5, 6]})
+    ref.margins = {"a": [3.0, 0.02, 2.0], "b": [5.0, 4.0, 1.0]}
+    tie = _run("disagg-1P1D", {"a": [1, 7, 8], "b": [4, 5, 6]})
+    eq = bc.check_equality([ref, tie])
+    assert eq["identical"] is False and eq["only_near_ties"] is True
+    assert eq["mismatches"][0]["reference_margin"] == 0.02 and "near-tie" in rep.near_tie_note(eq)
+    sure = _run("chunked-128", {"a": [1, 2, 3], "b": [9, 5, 6]})
+    eq = bc.check_equality([ref, tie, sure])
+    assert eq["only_near_ties"] is False and [m["near_tie"] for m in eq["mismatches"]] == [True, False]
 
 
 def test_mode_list_parsing_and_errors():
