@@ -307,8 +307,18 @@ class Harness:
             if args.threads < 1:
                 raise CliError("--threads must be >= 1")
             torch.set_num_threads(args.threads)
+        from engine.model_registry import PullError  # noqa: PLC0415
+        from engine.model_registry import resolve as registry_resolve  # noqa: PLC0415
+
+        try:
+            model = registry_resolve(model)  # a registry name -> its cache directory (pulled on first use)
+        except PullError as e:
+            raise CliError(str(e)) from None
         if model not in PRESETS and not is_checkpoint_dir(model):
-            raise CliError(f"--model {model!r}: not a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
+            raise CliError(
+                f"--model {model!r}: not a preset ({', '.join(PRESETS)}), a registry model, a checkpoint "
+                "directory or a .gguf file"
+            )
         cfg = resolve_model_config(model)
         if max_pos > cfg.max_position_embeddings:
             raise CliError(f"{max_pos} tokens exceed {cfg.name}'s context of {cfg.max_position_embeddings}")
