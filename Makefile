@@ -11,7 +11,6 @@ BIN := $(VENV)/bin
 # A CPU build of torch on the dev/CI machines (plain `torch` would pull a multi-GB CUDA build);
 # on a GPU machine: make TORCH=torch install
 TORCH ?= torch==2.13.0
-export RAY_AUTH_MODE ?= disabled
 
 .PHONY: demo test lint format install serve generate clean
 

@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import os
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -33,6 +32,7 @@ from cli.output import emit_json
 from costmodel.provenance import OUT_DIR_HELP
 from costmodel.workloads import RequestSpec, WorkloadConfig, build_workload
 from engine.config import PRESETS
+from router.ray_cluster import connect_ray, start_local_ray
 
 # The CPU-sized default: 8 chats decoding 400 tokens while three 2048-token documents arrive.
 # On the 2-core dev machine with the tiny model a 2048-token prefill takes ~0.6 s and a decode
@@ -229,19 +229,12 @@ def ensure_ray(address: str | None = None) -> bool:
 
     if ray.is_initialized():
         return False
-    if address:  # a cluster's own auth settings (RAY_AUTH_MODE=token on a rehearsal node) apply
-        ray.init(address=address, log_to_driver=False)
+    if address:  # the cluster's token comes from the environment, as for any Ray driver
+        connect_ray(address, log_to_driver=False)
         return True
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    temp = tempfile.mkdtemp(prefix="pdcmp", dir="/tmp")  # short: Ray's socket paths are length-limited
-    ray.init(
-        num_cpus=8,
-        object_store_memory=128 * 1024**2,
-        include_dashboard=False,
-        _temp_dir=temp,
-        _node_ip_address="127.0.0.1",  # loopback only
-        log_to_driver=False,
-    )
+    # token auth; a private network namespace where Linux allows (the servers and their clients
+    # in this process then meet on its loopback)
+    start_local_ray(num_cpus=8, object_store_bytes=128 * 1024**2, log_to_driver=False, private_network=True)
     return True
 
 

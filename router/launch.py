@@ -23,6 +23,7 @@ from costmodel.cost_model import Calibration, ModelSpec
 from engine.config import is_checkpoint_dir, read_generation_eos, resolve_model_config
 from router.dispatch import DEFAULT_CHUNK, AutoDispatcher
 from router.orchestrator import Orchestrator
+from router.ray_cluster import connect_ray, start_local_ray
 from router.worker_handle import WorkerHandle
 from router.worker_host import WorkerHost, load_worker_class
 
@@ -134,26 +135,23 @@ class RayPools:
 
 
 def init_ray(address: str | None, num_workers: int) -> bool:
-    """Connect to `address`, or start an embedded local Ray sized for the pools. Returns True if
-    this process started Ray (and so should shut it down)."""
-    import ray  # noqa: PLC0415
+    """Connect to `address`, or start an embedded local Ray sized for the pools, in a private
+    network namespace where Linux allows it; token authentication either way (router.ray_cluster).
+    Returns True if this process started Ray (and so should shut it down)."""
+    import ray  # noqa: PLC0415 - Ray is loaded only when pools run on it
 
-    if ray.is_initialized():
+    if ray.is_initialized():  # started by the caller (tests, benchmarks), with token auth too
         return False
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local, loopback-only cluster
     if address:
-        ray.init(address=address, log_to_driver=True)
+        connect_ray(address)
         return True
-    temp = os.path.join(tempfile.gettempdir(), "pdserve-ray")
-    ray.init(
+    how = start_local_ray(
         num_cpus=max(os.cpu_count() or 1, num_workers + 1),
-        object_store_memory=256 * 1024**2,
-        include_dashboard=False,
-        _temp_dir=temp,
-        log_to_driver=True,
-        _node_ip_address="127.0.0.1",  # an embedded cluster never leaves loopback
-        runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}},
+        object_store_bytes=256 * 1024**2,
+        temp_dir=os.path.join(tempfile.gettempdir(), "pdserve-ray"),
+        private_network=True,
     )
+    log.info("embedded Ray: token auth, %s", "private network namespace" if how["private_network"] else "loopback")
     return True
 
 

@@ -23,7 +23,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # network IP unless this flag (meant for single-host Windows/macOS clusters) makes every Ray node
 # a loopback node; set before anything imports ray.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Every Ray cluster a test starts uses token authentication, as pdserve's own do.
+os.environ["RAY_AUTH_MODE"] = "token"
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `from tests.fakes import ...` under plain `pytest` too

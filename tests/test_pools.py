@@ -16,6 +16,7 @@ from openai import APIError, APIStatusError, OpenAI  # noqa: E402
 from contracts.worker import GenerateRequest, WorkerConfig  # noqa: E402
 from engine.sequence import SamplingParams  # noqa: E402
 from router.config import ServeConfig  # noqa: E402
+from router.ray_cluster import ensure_local_token, start_local_ray  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
 
 
@@ -24,7 +25,7 @@ def two_node_cluster():
     """Two Ray nodes on this machine, labelled with custom resources for each pool."""
     from ray.cluster_utils import Cluster  # noqa: PLC0415
 
-    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ensure_local_token()  # the token every node of this cluster and the driver share
     temp = tempfile.mkdtemp(prefix="pdcl", dir="/tmp")
     os.makedirs("/tmp/ray", exist_ok=True)  # Cluster records its address there, whatever temp_dir says
     cluster = Cluster(
@@ -78,15 +79,7 @@ def test_pools_placed_on_labelled_nodes_and_serve(two_node_cluster):
 
 @pytest.fixture
 def local_ray():
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(
-        num_cpus=8,
-        object_store_memory=96 * 1024**2,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        _temp_dir=tempfile.mkdtemp(prefix="pdray", dir="/tmp"),
-        log_to_driver=False,
-    )
+    start_local_ray(num_cpus=8, object_store_bytes=96 * 1024**2, log_to_driver=False)
     yield
     ray.shutdown()
 

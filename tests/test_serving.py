@@ -9,8 +9,6 @@ tokens the engine produces alone in this process.
 from __future__ import annotations
 
 import asyncio
-import os
-import tempfile
 import threading
 import time
 
@@ -26,6 +24,7 @@ from engine.model_runner import ModelRunner  # noqa: E402
 from engine.sequence import SamplingParams, Sequence  # noqa: E402
 from engine.tokenizer import ByteTokenizer  # noqa: E402
 from router.config import ServeConfig  # noqa: E402
+from router.ray_cluster import start_local_ray  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
 
 PROMPTS = [
@@ -38,16 +37,7 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    temp = tempfile.mkdtemp(prefix="pdray", dir="/tmp")  # short: Ray's socket paths are length-limited
-    ray.init(
-        num_cpus=8,
-        object_store_memory=128 * 1024**2,
-        include_dashboard=False,
-        _temp_dir=temp,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-    )
+    start_local_ray(num_cpus=8, object_store_bytes=128 * 1024**2, log_to_driver=False)
     yield
     ray.shutdown()
 
