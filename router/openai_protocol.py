@@ -136,11 +136,52 @@ class Prepared:
     prompt_text: str = ""  # what echo prepends
 
 
+MAX_JSON_DEPTH = 32  # far beyond any OpenAI request (chat content parts sit at depth 4)
+
+
 def parse_json(raw: bytes) -> Any:
+    """The request body, or a 400: not JSON, nested deeper than MAX_JSON_DEPTH (json.loads itself
+    raises RecursionError near Python's recursion limit), or holding a string that is not valid
+    Unicode (a lone surrogate such as "\\ud800", which no tokenizer can encode)."""
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
+    except RecursionError:
+        raise bad(
+            f"The JSON body is nested too deeply (at most {MAX_JSON_DEPTH} levels).", code="invalid_json"
+        ) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise bad(f"We could not parse the JSON body of your request: {e}", code="invalid_json") from None
+    _check_json_value(body)
+    return body
+
+
+def _check_json_value(body: Any) -> None:
+    """Depth and Unicode checks over the parsed body, iteratively (no recursion to exhaust)."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise bad(f"The JSON body is nested too deeply (at most {MAX_JSON_DEPTH} levels).", code="invalid_json")
+        if isinstance(value, str):
+            _check_text(value, path)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                _check_text(k, path)
+                stack.append((v, f"{path}.{k}" if path else k, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}.{i}" if path else str(i), depth + 1) for i, v in enumerate(value))
+
+
+def _check_text(text: str, path: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(
+            f"Invalid Unicode in '{path or 'body'}': {text[e.start : e.end].encode('unicode_escape').decode()} at "
+            f"character {e.start} is a lone surrogate, which is not a character.",
+            param=path or None,
+            code="invalid_unicode",
+        ) from None
 
 
 def _model_validate(cls: type[_Strict], body: Any) -> Any:
