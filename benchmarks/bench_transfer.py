@@ -33,6 +33,7 @@ from cli import CliError
 from cli.output import emit_json
 from costmodel.provenance import OUT_DIR_HELP, RESULTS_DIR, write_result
 from transport import LINKS_GBPS, make_transport
+from transport.integrity import block_checksums
 from transport.wire import KVHandle, KVLayout
 
 BYTES_PER_TOKEN_LAYER = 2 * 8 * 128  # K+V, 8 KV heads x 128 dims, FP8 (Llama-3.1-70B)
@@ -54,6 +55,11 @@ class Row:
     memcpy_gbytes_per_s: float  # same bytes, plain copy, same run
     ratio_to_memcpy: float
     link_ms: dict
+    # --verify-kv's work for this transfer (transport/integrity.py): the holder's checksums and
+    # the puller's check, medians, and both together as a percentage of the transfer time
+    checksum_ms: float = 0.0
+    verify_ms: float = 0.0
+    verify_cost_pct: float = 0.0
 
 
 def _layout(block_tokens: int, num_blocks: int) -> KVLayout:
@@ -188,7 +194,16 @@ def main(args: argparse.Namespace) -> int:
             t, peer = transports[(backend, bt)]
             n = size // (bt * token_bytes)
             ids = list(range(n))
-            handle = KVHandle(f"bench-{size}-{bt}", peer, tuple(ids), n * bt, t.layout.compat_hash, time.time() + 3600)
+            src_view = expected[: t.layout.pool_bytes].view(t.layout.num_blocks, t.layout.block_bytes)
+            sum_times = []
+            for _ in range(3):  # what the holder does once per prompt with --verify-kv (same bytes)
+                _sync(device)
+                t0 = time.perf_counter()
+                sums = block_checksums(src_view, ids)
+                sum_times.append(time.perf_counter() - t0)
+            handle = KVHandle(
+                f"bench-{size}-{bt}", peer, tuple(ids), n * bt, t.layout.compat_hash, time.time() + 3600, sums
+            )
             t.read(handle, ids, timeout_s=120, coalesced=coalesced)  # warm-up (connection, pages)
             stats, copies = [], []
             verified = True
@@ -221,6 +236,9 @@ def main(args: argparse.Namespace) -> int:
                     memcpy_gbps,
                     gbps / memcpy_gbps,
                     stats[0].link_ms,
+                    statistics.median(sum_times) * 1e3,
+                    statistics.median(st.verify_s for st in stats) * 1e3,
+                    (statistics.median(sum_times) + statistics.median(st.verify_s for st in stats)) / secs * 100,
                 )
             )
     finally:
@@ -263,14 +281,15 @@ def main(args: argparse.Namespace) -> int:
 def _print_table(rows: list[Row], memcpy_ref: float, skipped: list) -> None:
     print(
         f"{'backend':<7} {'bytes':>13} {'blk':>4} {'coal':>4} {'descs':>6} {'ms':>9} {'GB/s':>7} "
-        f"{'/memcpy':>7} {'ok':>3} {'NVLink ms':>9} {'IB400 ms':>8} {'IB100 ms':>8}"
+        f"{'/memcpy':>7} {'ok':>3} {'NVLink ms':>9} {'IB400 ms':>8} {'IB100 ms':>8} {'sum ms':>7} {'check ms':>8} "
+        f"{'verify %':>8}"
     )
     for r in rows:
         print(
             f"{r.backend:<7} {r.bytes:>13,} {r.block_tokens:>4} {'on' if r.coalesced else 'off':>4} "
             f"{r.descriptors:>6} {r.ms:>9.2f} {r.gbytes_per_s:>7.2f} {r.ratio_to_memcpy:>7.2f} "
             f"{'yes' if r.verified else 'NO':>3} {r.link_ms['nvlink']:>9.2f} {r.link_ms['ib-400g']:>8.2f} "
-            f"{r.link_ms['ib-100g']:>8.2f}"
+            f"{r.link_ms['ib-100g']:>8.2f} {r.checksum_ms:>7.2f} {r.verify_ms:>8.2f} {r.verify_cost_pct:>8.1f}"
         )
     print(f"memcpy (same run, interleaved with the transfers, largest size): {memcpy_ref:.2f} GB/s")
     for backend in sorted({r.backend for r in rows}):

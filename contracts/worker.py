@@ -110,6 +110,7 @@ class WorkerConfig:
     lease_s: float = 30.0  # prefill blocks are freed if decode has not pulled them by then
     transport: str = "nixl"  # "nixl" | "local"
     transfer_timeout_s: float = 30.0
+    verify_kv: bool = False  # checksum every pulled block on both sides (transport/integrity.py)
     seed: int = 0
     enable_prefix_caching: bool = True  # reuse cached full blocks of equal prefixes (--no-prefix-cache)
 

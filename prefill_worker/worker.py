@@ -124,7 +124,9 @@ class PrefillWorker(EngineLoop):
                 entry[3].append(t_start)
         for ev in events:
             fut, t_enq, seq, started = self._pending.pop(ev.seq_id)
-            handle = self.transport.make_handle(ev.seq_id, seq.block_table, len(seq.prompt_ids), self.cfg.lease_s)
+            handle = self.transport.make_handle(
+                ev.seq_id, seq.block_table, len(seq.prompt_ids), self.cfg.lease_s, checksum=self.cfg.verify_kv
+            )
             self._leases[ev.seq_id] = handle.lease_deadline
             t_first = started[0] if started else t_start
             fut.set_result(

@@ -49,6 +49,9 @@ class ServeConfig:
     transport: str = "nixl"
     lease_s: float = 30.0  # prefill KV is freed if decode has not pulled it by then
     transfer_timeout_s: float = 30.0  # one KV pull; also capped by the lease time left
+    # Checksum every pulled KV block on both sides; off by default: on CPU it costs ~85-110% of
+    # the transfer time (`pdserve bench transfer`, docs/security.md), far above the 2% bar for on.
+    verify_kv: bool = False
     max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
     served_model_name: str | None = None  # the name clients send as "model"; None = the model's name
     # Ray custom resources per worker: one mapping for every worker of the pool, or a list with
@@ -178,6 +181,7 @@ class ServeConfig:
             transport=self.transport,
             transfer_timeout_s=self.transfer_timeout_s,
             enable_prefix_caching=self.prefix_cache,
+            verify_kv=self.verify_kv,
         )
 
     def to_dict(self, redact: bool = True) -> dict[str, Any]:

@@ -134,6 +134,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "shows the measured KV pull rate beside it (e.g. the rate of `pdserve cluster up`)",
     )
     g.add_argument(
+        "--verify-kv",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="checksum every KV block on both sides of a pull; a mismatch fails that request with a clear "
+        f"error instead of decoding corrupt KV (default {'on' if D.verify_kv else 'off'}: on CPU it costs about "
+        "as much as the transfer itself)",
+    )
+    g.add_argument(
         "--ray-address",
         default=None,
         help="an existing Ray cluster (e.g. auto or ray://host:10001); default: start a local one; "

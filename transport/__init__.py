@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from transport.base import LayoutMismatch, TransferTimeout, Transport, TransportError
+from transport.base import KVChecksumMismatch, LayoutMismatch, TransferTimeout, Transport, TransportError
 from transport.wire import LINKS_GBPS, KVHandle, KVLayout, PeerInfo, TransferStats
 
 BACKENDS = ("nixl", "local")
@@ -33,6 +33,7 @@ __all__ = [
     "TransportError",
     "LayoutMismatch",
     "TransferTimeout",
+    "KVChecksumMismatch",
     "KVLayout",
     "KVHandle",
     "PeerInfo",

@@ -23,6 +23,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
+from transport.integrity import block_checksums, mismatched_blocks
 from transport.wire import KVHandle, KVLayout, PeerInfo, TransferStats
 
 if TYPE_CHECKING:  # the interface names torch only in annotations: the wire types stay torch-free
@@ -30,11 +31,16 @@ if TYPE_CHECKING:  # the interface names torch only in annotations: the wire typ
 
 
 class TransportError(RuntimeError):
-    """A transfer could not be done (peer gone, backend error)."""
+    """A transfer could not be done (peer gone, backend error, corrupt KV)."""
 
 
 class LayoutMismatch(TransportError):
     """Two pools whose KV layouts differ; the message names the differing fields."""
+
+
+class KVChecksumMismatch(TransportError):
+    """Pulled blocks differ from what the holder wrote (transport/integrity.py); the request
+    must not be decoded from them."""
 
 
 class TransferTimeout(TransportError):
@@ -47,6 +53,7 @@ class Transport(ABC):
     def __init__(self, agent: str):
         self.agent = agent
         self.layout: KVLayout | None = None
+        self._pool: torch.Tensor | None = None  # the registered KV pool
 
     @abstractmethod
     def register(self, pool: torch.Tensor, layout: KVLayout) -> None:
@@ -84,18 +91,45 @@ class Transport(ABC):
         """True while a pool is registered (False again after close())."""
         return self.layout is not None
 
-    def make_handle(self, request_id: str, block_ids: list[int], num_tokens: int, lease_s: float = 60.0) -> KVHandle:
-        """The KVHandle a holder gives out for blocks of its registered pool."""
-        if self.layout is None:
+    def make_handle(
+        self, request_id: str, block_ids: list[int], num_tokens: int, lease_s: float = 60.0, checksum: bool = False
+    ) -> KVHandle:
+        """The KVHandle a holder gives out for blocks of its registered pool. `checksum`: include
+        one checksum per block (the KV must be written already), so that the reader verifies."""
+        if self.layout is None or self._pool is None:
             raise TransportError("register() the KV pool before making handles")
         if self.layout.blocks_for(num_tokens) != len(block_ids):
             raise ValueError(
                 f"{num_tokens} tokens need {self.layout.blocks_for(num_tokens)} blocks of "
                 f"{self.layout.block_size}, got {len(block_ids)}"
             )
+        sums = block_checksums(self._pool, block_ids) if checksum else ()
         return KVHandle(
-            request_id, self.describe(), tuple(block_ids), num_tokens, self.layout.compat_hash, time.time() + lease_s
+            request_id,
+            self.describe(),
+            tuple(block_ids),
+            num_tokens,
+            self.layout.compat_hash,
+            time.time() + lease_s,
+            sums,
         )
+
+    def _verify_read(self, handle: KVHandle, local_blocks: list[int]) -> float:
+        """After a read: if the handle carries checksums, check the received blocks against them
+        (raises KVChecksumMismatch). Returns the seconds it took (0 without checksums)."""
+        if not handle.checksums:
+            return 0.0
+        assert self._pool is not None  # read() checked registration
+        t0 = time.perf_counter()
+        bad = mismatched_blocks(self._pool, local_blocks, handle.checksums)
+        if bad:
+            shown = ", ".join(f"#{i} (local block {local_blocks[i]})" for i in bad[:4])
+            shown += " ..." if len(bad) > 4 else ""
+            raise KVChecksumMismatch(
+                f"request {handle.request_id!r}: KV integrity check failed: {len(bad)} of {len(local_blocks)} "
+                f"blocks pulled from {handle.agent!r} differ from what it wrote ({shown}); not decoded"
+            )
+        return time.perf_counter() - t0
 
     @abstractmethod
     def _check_open(self) -> None:

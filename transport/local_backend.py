@@ -95,9 +95,12 @@ class LocalTransport(Transport):
         if dst.is_cuda:
             torch.cuda.synchronize(dst.device)
         seconds = time.perf_counter() - t0
-        return TransferStats.build(
+        verify_s = self._verify_read(handle, local_blocks)
+        stats = TransferStats.build(
             handle.request_id, self.backend, len(local_blocks) * layout.block_bytes, len(runs), seconds
         )
+        stats.verify_s = verify_s
+        return stats
 
     def notify(self, peer_agent: str, request_id: str) -> None:
         self._check_open()

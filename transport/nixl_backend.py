@@ -185,8 +185,11 @@ class NixlTransport(Transport):
             if first is not None:
                 raise first
         seconds = time.perf_counter() - t0
+        verify_s = self._verify_read(handle, local_blocks)
         nbytes = len(local_blocks) * layout.block_bytes
-        return TransferStats.build(handle.request_id, self.backend, nbytes, sum(len(g) for g in groups), seconds)
+        stats = TransferStats.build(handle.request_id, self.backend, nbytes, sum(len(g) for g in groups), seconds)
+        stats.verify_s = verify_s
+        return stats
 
     def _read_group(self, peer: PeerInfo, runs: list[Run], deadline: float, request_id: str) -> None:
         assert self._pool is not None  # only called by read(), after _check_read

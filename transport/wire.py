@@ -55,6 +55,9 @@ class KVHandle:
     num_tokens: int  # prompt tokens whose KV is in those blocks (last block may be partial)
     layout_hash: str
     lease_deadline: float  # time.time() after which the holder may free the blocks
+    # One checksum per block (transport/integrity.py), computed by the holder after writing the
+    # KV; empty when --verify-kv is off. A read() verifies the pulled blocks against them.
+    checksums: tuple[int, ...] = ()
 
     @property
     def agent(self) -> str:
@@ -73,6 +76,7 @@ class KVHandle:
         d = dict(d)
         d["source"] = PeerInfo.from_dict(d["source"])
         d["block_ids"] = tuple(d["block_ids"])
+        d["checksums"] = tuple(d.get("checksums", ()))
         return cls(**d)
 
 
@@ -86,6 +90,7 @@ class TransferStats:
     descriptors: int
     seconds: float
     link_ms: dict[str, float] = field(default_factory=dict)  # same bytes on the article's links
+    verify_s: float = 0.0  # checksumming the received blocks (--verify-kv), not in `seconds`
 
     @property
     def gbytes_per_s(self) -> float:
