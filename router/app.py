@@ -45,6 +45,8 @@ class ServerState:
         self.orchestrator, self.tokenizer, self.cfg = orchestrator, tokenizer, cfg
         self.metrics = ServeMetrics()
         self.inflight = 0  # admitted and not closed; counted here so admission is atomic
+        self.runs: set[_Run] = set()  # the admitted requests still open
+        self.draining = False  # shutting down: new requests get 503, open ones may finish
         self.started = int(time.time())
         self._tasks: set[asyncio.Task] = set()
 
@@ -66,6 +68,15 @@ class ServerState:
             mc.vocab_size,
             self.cfg.max_tokens_limit,
         )
+
+    def end_open_runs(self, message: str) -> int:
+        """End every open request with `message` as its error (streams: an error event, then
+        [DONE]) and stop it on the workers. Returns how many were open."""
+        runs = list(self.runs)
+        for run in runs:
+            run.q.put_nowait(WorkerError(message))
+            run.stop()
+        return len(runs)
 
     def spawn(self, coro: Awaitable[Any], what: str) -> None:
         """Fire and forget (but keep a reference and log failures): cleanup that must outlive a
@@ -101,6 +112,7 @@ class _Run:
         self.prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs
         self._lp_sent = 0  # logprobs already put in a response chunk
         self._text_sent = 0  # characters of text (echoed prompt included) already sent: text offsets
+        st.runs.add(self)
 
     async def _pump(self) -> None:
         try:
@@ -205,6 +217,7 @@ class _Run:
         self.closed = True
         self.stop()
         self.st.inflight -= 1
+        self.st.runs.discard(self)
         status = "ok" if self.finish_reason and not self.failed else "error" if self.failed else "aborted"
         t = self.token_times
         self.st.metrics.observe_request(
@@ -344,6 +357,11 @@ def create_app(orchestrator: Any, tokenizer: Tokenizer, cfg: ServeConfig, *, lif
     async def generate(request: Request, kind: str) -> Response:
         t_arrival = time.perf_counter()
         try:
+            if st.draining:
+                raise oa.OpenAIError(
+                    503, "The server is shutting down; send the request elsewhere.", type="server_error",
+                    code="shutting_down",
+                )  # fmt: skip
             lim = st.limits()
             body = oa.parse_json(await request.body())
             prepare = oa.prepare_completion if kind == "completion" else oa.prepare_chat
@@ -419,6 +437,8 @@ def create_app(orchestrator: Any, tokenizer: Tokenizer, cfg: ServeConfig, *, lif
     async def health() -> JSONResponse:
         if st.orchestrator is None:
             return JSONResponse({"status": "starting"}, status_code=503)
+        if st.draining:
+            return JSONResponse({"status": "draining", "inflight": st.inflight}, status_code=503)
         return JSONResponse(
             {"status": "ok", "mode": st.orchestrator.mode, "model": cfg.model_name, "inflight": st.inflight}
         )

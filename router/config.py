@@ -52,6 +52,7 @@ class ServeConfig:
     # Checksum every pulled KV block on both sides; off by default: on CPU it costs ~85-110% of
     # the transfer time (`pdserve bench transfer`, docs/security.md), far above the 2% bar for on.
     verify_kv: bool = False
+    shutdown_timeout_s: float = 30.0  # SIGTERM/SIGINT: how long open requests may take to finish
     max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
     served_model_name: str | None = None  # the name clients send as "model"; None = the model's name
     # Ray custom resources per worker: one mapping for every worker of the pool, or a list with
@@ -132,6 +133,8 @@ class ServeConfig:
             raise bad("--lease-s", "must be > 0 seconds")
         if self.transfer_timeout_s <= 0:
             raise bad("--transfer-timeout-s", "must be > 0 seconds")
+        if self.shutdown_timeout_s < 0:
+            raise bad("--shutdown-timeout-s", "must be >= 0 seconds")
         if self.link_gbps is not None and self.link_gbps <= 0:
             raise bad("--link-gbps", "must be > 0 Gbit/s")
         for name, size in (("prefill_resources", self.prefill), ("decode_resources", self.decode)):

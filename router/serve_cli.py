@@ -26,6 +26,7 @@ from engine.model_registry import MODELS, PullError
 from engine.model_registry import resolve as registry_resolve
 from engine.tokenizer import load_tokenizer
 from router.config import MODES, POLICIES, TRANSPORTS, WEIGHT_DTYPES, ConfigError, ServeConfig
+from router.shutdown import GracefulShutdown
 
 log = logging.getLogger("pdserve.serve")
 D = ServeConfig()  # defaults shown in --help
@@ -184,6 +185,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"largest max_tokens a request may ask for (default {D.max_tokens_limit})",
     )
+    g.add_argument(
+        "--shutdown-timeout-s",
+        type=float,
+        default=None,
+        help="on SIGTERM or SIGINT: refuse new requests (503), give open ones this long to finish, end the rest "
+        f"with an error event, stop the pools and exit 0 (default {D.shutdown_timeout_s:g})",
+    )
     g.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model's)")
     p.add_argument(
         "--config",
@@ -228,8 +236,13 @@ def resolve_model(cfg: ServeConfig) -> ServeConfig:
     return replace(cfg, model=path, served_model_name=cfg.served_model_name or cfg.model)
 
 
-def make_app(cfg: ServeConfig, startup_error: list[BaseException] | None = None) -> Any:
-    """The app whose lifespan builds the orchestrator (and shuts it down on exit)."""
+def make_app(
+    cfg: ServeConfig,
+    startup_error: list[BaseException] | None = None,
+    on_started: Callable[[Any], None] | None = None,
+) -> Any:
+    """The app whose lifespan builds the orchestrator (and shuts it down on exit). `on_started`
+    gets the app's ServerState once the pools are up."""
     from router.app import create_app  # noqa: PLC0415
 
     mc = resolve_model_config(cfg.model)
@@ -246,6 +259,8 @@ def make_app(cfg: ServeConfig, startup_error: list[BaseException] | None = None)
             if startup_error is not None:
                 startup_error.append(e)
             raise
+        if on_started is not None:
+            on_started(st)
         try:
             yield
         finally:
@@ -307,7 +322,13 @@ async def serve(
     """Run until the server is told to exit; `on_ready(url)` once it accepts requests."""
     cfg = resolve_model(cfg)
     errors: list[BaseException] = []
-    server = _uvicorn_server(cfg, make_app(cfg, errors), log_level)
+    box: list[Any] = []
+
+    def take_signals(state: Any) -> None:  # after ray.init() has installed its own (router/shutdown.py)
+        GracefulShutdown(state, box[0], cfg.shutdown_timeout_s).install()
+
+    server = _uvicorn_server(cfg, make_app(cfg, errors, take_signals), log_level)
+    box.append(server)
     if server_box is not None:
         server_box.append(server)
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.serve_process import ServeProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,18 +52,6 @@ def _listening_in_this_netns() -> dict[int, tuple[str, int]]:
     return out
 
 
-def _session_pids(sid: int) -> list[int]:
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if os.getsid(int(d.name)) == sid:
-                    pids.append(int(d.name))
-            except OSError:
-                pass
-    return pids
-
-
 def _socket_inodes(pid: int) -> set[int]:
     inodes = set()
     try:
@@ -85,26 +73,15 @@ def test_pdserve_serve_opens_no_socket_on_the_network(tmp_path):
     """`pdserve serve --mode disagg` with its embedded Ray: after a request went through prefill,
     NIXL and decode, every socket the server's processes listen on in the host's network namespace
     is on loopback, and with a private namespace the API's port is the only one."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_TOKEN")}
-    log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - read back after the server exits
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cli", "serve", "--mode", "disagg", "--model", "tiny", "--num-blocks", "64",
-         "--port", "0", "--log-level", "warning"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+    srv = ServeProcess(["--mode", "disagg", "--model", "tiny", "--num-blocks", "64"], tmp_path / "serve.log")
     try:
-        deadline, url = time.monotonic() + 180, None
-        while url is None:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "server did not start"
-            m = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", (tmp_path / "serve.log").read_text())
-            url = m.group(1) if m else None
-            time.sleep(0.5)
-        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 4}, timeout=60)
+        r = httpx.post(
+            srv.url + "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 4}, timeout=60
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        api_port = int(url.rsplit(":", 1)[1])
+        api_port = int(srv.url.rsplit(":", 1)[1])
         listening = _listening_in_this_netns()
-        pids = _session_pids(proc.pid)
+        pids = srv.session_pids()
         assert len(pids) >= 4  # the router, GCS, raylet, two workers...
         ours = [(listening[i], pid) for pid in pids for i in _socket_inodes(pid) if i in listening]
         exposed = [(a, pid) for a, pid in ours if a[0] not in ("127.0.0.1", "::1")]
@@ -112,13 +89,7 @@ def test_pdserve_serve_opens_no_socket_on_the_network(tmp_path):
         if _may_unshare_net():  # Ray and NIXL live in the private namespace: only the API is here
             assert {a for a, _ in ours} == {("127.0.0.1", api_port)}, ours
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+        srv.stop()
 
 
 def test_auth_mode_other_than_token_is_refused(monkeypatch):
