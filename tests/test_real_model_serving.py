@@ -4,9 +4,6 @@ and KV, the model's own chat template)."""
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -14,6 +11,7 @@ from openai import OpenAI  # noqa: E402
 
 from engine.model_registry import DEFAULT_MODEL  # noqa: E402
 from router.config import ServeConfig  # noqa: E402
+from router.ray_cluster import start_local_ray  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -21,16 +19,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def ray_cluster(smollm2):  # smollm2: pulled before the workers start
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    temp = tempfile.mkdtemp(prefix="pdray", dir="/tmp")  # short: Ray's socket paths are length-limited
-    ray.init(
-        num_cpus=8,
-        object_store_memory=128 * 1024**2,
-        include_dashboard=False,
-        _temp_dir=temp,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-    )
+    start_local_ray(num_cpus=8, object_store_bytes=128 * 1024**2, log_to_driver=False)
     yield
     ray.shutdown()
 
