@@ -29,7 +29,10 @@ class PrefillWorker(EngineLoop):
         self.peer_info: PeerInfo = self.transport.describe()
         # request id -> (future, enqueue time, sequence, start time of its first prefill step)
         self._pending: dict[str, tuple[Future, float, Sequence, list[float]]] = {}
-        self._leases: dict[str, float] = {}  # request id -> deadline (time.time)
+        # request id -> when its blocks are freed if decode has not pulled them, on this process's
+        # monotonic clock: enforcement never depends on other nodes' clocks or on wall-clock jumps
+        # (the handle's wall-clock lease_deadline only lets decode skip a pull that is surely late)
+        self._leases: dict[str, float] = {}
         self.leases_expired = 0
         self.start()
 
@@ -107,7 +110,7 @@ class PrefillWorker(EngineLoop):
     def tick(self) -> bool:
         for request_id in self.transport.poll_notifications():
             self._release(request_id)
-        now = time.time()
+        now = time.monotonic()
         for request_id in [r for r, deadline in self._leases.items() if deadline < now]:
             self.leases_expired += 1
             self._release(request_id)
@@ -127,7 +130,7 @@ class PrefillWorker(EngineLoop):
             handle = self.transport.make_handle(
                 ev.seq_id, seq.block_table, len(seq.prompt_ids), self.cfg.lease_s, checksum=self.cfg.verify_kv
             )
-            self._leases[ev.seq_id] = handle.lease_deadline
+            self._leases[ev.seq_id] = time.monotonic() + self.cfg.lease_s
             t_first = started[0] if started else t_start
             fut.set_result(
                 PrefillResult(

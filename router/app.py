@@ -439,8 +439,17 @@ def create_app(orchestrator: Any, tokenizer: Tokenizer, cfg: ServeConfig, *, lif
             return JSONResponse({"status": "starting"}, status_code=503)
         if st.draining:
             return JSONResponse({"status": "draining", "inflight": st.inflight}, status_code=503)
+        pools = st.orchestrator.pool_status()
+        degraded = any(p["live"] < p["configured"] for p in pools.values())
         return JSONResponse(
-            {"status": "ok", "mode": st.orchestrator.mode, "model": cfg.model_name, "inflight": st.inflight}
+            {
+                "status": "degraded" if degraded else "ok",
+                "mode": st.orchestrator.mode,
+                "model": cfg.model_name,
+                "inflight": st.inflight,
+                "pools": pools,
+            },
+            status_code=503 if degraded else 200,
         )
 
     return app

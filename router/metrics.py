@@ -81,6 +81,8 @@ class _Snapshot:
     transfer_seconds: float = 0.0
     router_queue_depth: int = 0
     dispatch: dict[str, Any] | None = None  # --mode auto: AutoDispatcher.summary()
+    pools: dict[str, dict[str, int]] = field(default_factory=dict)  # role -> configured / live workers
+    replacements: int = 0
 
 
 class _OrchestratorCollector:
@@ -101,6 +103,17 @@ class _OrchestratorCollector:
         )
         yield GaugeMetricFamily(
             "pdserve_router_queue_depth", "Requests admitted by the router and not finished", value=s.router_queue_depth
+        )
+        for name, doc in (
+            ("configured", "Workers a pool is configured with"),
+            ("live", "Workers of a pool alive and serving (below configured while one is replaced)"),
+        ):
+            g = GaugeMetricFamily(f"pdserve_workers_{name}", doc, labels=["pool"])
+            for role, sizes in s.pools.items():
+                g.add_metric([role], sizes[name])
+            yield g
+        yield CounterMetricFamily(
+            "pdserve_worker_replacements", "Dead workers replaced since start", value=s.replacements
         )
         per_worker = {
             "pdserve_queue_depth": (
@@ -229,6 +242,8 @@ class ServeMetrics:
             snap.workers = list(await asyncio.wait_for(orch.stats(), timeout_s))
         except Exception as e:  # noqa: BLE001 - a scrape must answer even when a worker does not
             log.warning("worker stats unavailable for /metrics: %r", e)
+        snap.pools = orch.pool_status()  # after stats(): a death it noticed shows already
+        snap.replacements = getattr(orch, "replacements", 0)
         self.snapshot = snap
 
     def render(self) -> tuple[bytes, str]:

@@ -35,6 +35,11 @@ REPLACE_BACKOFF_MAX_S = 5.0  # between attempts to replace a dead worker whose n
 
 # Called with a dead worker; returns its replacement (or None if it cannot be replaced).
 ReplaceFn = Callable[[WorkerHandle], Awaitable["WorkerHandle | None"]]
+HEALTH_INTERVAL_S = 1.0  # every worker is pinged this often (a dead idle prefill worker is found)
+HEALTH_TIMEOUT_S = 10.0  # a ping unanswered this long (after transient-error retries) means dead
+# What a prefill worker's death can still break: requests waiting for it, or pulling its KV.
+# Past the pull ("decode"), the KV lives on the decode worker and the stream needs nothing from it.
+NEEDS_PREFILL = ("prefill", "pull")
 
 
 class Orchestrator:
@@ -52,6 +57,7 @@ class Orchestrator:
         dispatcher: AutoDispatcher | None = None,
         block_size: int = 16,
         cache_sync_s: float = 0.05,
+        health_interval_s: float = HEALTH_INTERVAL_S,
     ):
         if mode not in ("disagg", "colocated", "auto"):
             raise ValueError(f"mode must be disagg, colocated or auto, got {mode!r}")
@@ -82,6 +88,10 @@ class Orchestrator:
         self.block_size, self.cache_sync_s = block_size, cache_sync_s
         self.prefix_index = PrefixIndex()  # policy "prefix": which worker caches which blocks
         self._cache_sync: asyncio.Task | None = None
+        self._phase: dict[str, str] = {}  # request id -> "prefill" | "pull" | "decode"
+        self._health_interval_s = health_interval_s
+        self._health: asyncio.Task | None = None
+        self.replacements = 0  # workers replaced since start (each death once)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -91,14 +101,15 @@ class Orchestrator:
             self._pumps["_step_fit"] = asyncio.create_task(self._refine_fits())
         if self.policy == "prefix":
             self._cache_sync = asyncio.create_task(self._sync_prefix_index())
+        if self._health_interval_s > 0:
+            self._health = asyncio.create_task(self._health_loop())
 
     async def shutdown(self) -> None:
         self._closed = True
         if self._cleanup:  # aborts of requests that ended early still reach the workers
             await asyncio.wait(list(self._cleanup), timeout=10)
         tasks = [*self._pumps.values(), *self._replacing.values()]
-        if self._cache_sync is not None:
-            tasks.append(self._cache_sync)
+        tasks += [t for t in (self._cache_sync, self._health) if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -108,6 +119,14 @@ class Orchestrator:
     # ---- public API (used by router/app.py) ----------------------------------------------------
     def queue_depth(self) -> int:
         return len(self._streams)
+
+    def pool_status(self) -> dict[str, dict[str, int]]:
+        """Per pool: the configured size and how many workers are alive and not being replaced."""
+        pools = {"prefill": self.prefill, "decode": self.decode} if self.mode == "disagg" else {"decode": self.decode}
+        return {
+            role: {"configured": len(ws), "live": sum(1 for w in ws if w.alive and w.name not in self._replacing)}
+            for role, ws in pools.items()
+        }
 
     def transfer_totals(self) -> tuple[int, float]:
         return self._transfer_bytes, self._transfer_seconds
@@ -120,6 +139,8 @@ class Orchestrator:
         results = await asyncio.gather(*(w.stats() for w in workers), return_exceptions=True)
         out = []
         for w, r in zip(workers, results):
+            if isinstance(r, WorkerDied):  # noticed by a scrape: replaced like any other death
+                await self._on_dead(w)
             if isinstance(r, WorkerStats):
                 self._stats[w.name] = r
                 out.append(r)
@@ -148,6 +169,7 @@ class Orchestrator:
         finished = False
         try:
             if prefill is not None:
+                self._phase[rid] = "prefill"
                 result: PrefillResult = await prefill.prefill(req)
                 first = StreamEvent(
                     rid,
@@ -174,6 +196,7 @@ class Orchestrator:
                 if first.finished:
                     finished = True
                     return
+                self._phase[rid] = "pull"
                 await decode.submit_prefilled(req, result)
             else:
                 await decode.submit_prompt(req)
@@ -182,6 +205,7 @@ class Orchestrator:
                 if ev.kind == "error":
                     raise WorkerError(ev.error or "worker error")
                 if ev.kind == "admitted":
+                    self._phase[rid] = "decode"  # the KV is on the decode worker now
                     self._on_admitted(tl, ev)
                     continue
                 if ev.kind == "preempted":  # KV taken back under memory pressure; recomputed, not re-sent
@@ -204,6 +228,7 @@ class Orchestrator:
             self._assigned.pop(rid, None)
             self._last_token_t.pop(rid, None)
             self._local_open.get(decode.name, set()).discard(rid)
+            self._phase.pop(rid, None)
             for w in (prefill, decode):
                 if w is not None:
                     w.active -= 1
@@ -312,23 +337,40 @@ class Orchestrator:
                     q.put_nowait(ev)
 
     async def _handle_death(self, prefill: WorkerHandle | None, decode: WorkerHandle) -> None:
-        """Fail the requests of whichever of these workers is dead, and start its replacement
-        (once, however many requests noticed the death)."""
-        for w, pool in ((prefill, self.prefill), (decode, self.decode)):
-            if w is None or w not in pool or w.name in self._replacing:
+        """A request failed: whichever of its workers is really dead (pinged) is handled."""
+        for w in (prefill, decode):
+            if w is not None and (not w.alive or await self._is_dead(w)):
+                await self._on_dead(w)
+
+    async def _on_dead(self, w: WorkerHandle) -> None:
+        """Fail the requests that still need `w` and start its replacement: once per death, however
+        it was noticed (a request, a scrape, the event pump, the health check)."""
+        pool = self.prefill if w.role == "prefill" else self.decode
+        if w not in pool or w.name in self._replacing:
+            return
+        w.alive = False
+        for rid, pair in list(self._assigned.items()):
+            if w not in pair or rid not in self._streams:
                 continue
-            if w.alive and not await self._is_dead(w):
-                continue
-            w.alive = False
-            for rid, pair in list(self._assigned.items()):
-                if w in pair and rid in self._streams:
-                    self._streams[rid].put_nowait(
-                        StreamEvent(
-                            rid, "error", finished=True, finish_reason="error", error=f"{w.role} worker {w.name} died"
-                        )
-                    )
-            if self._replace is not None:
-                self._replacing[w.name] = asyncio.create_task(self._replace_worker(w, pool))
+            if w.role == "prefill" and pair[1] is not w and self._phase.get(rid) not in NEEDS_PREFILL:
+                continue  # already decoding from its own copy of the KV
+            self._streams[rid].put_nowait(
+                StreamEvent(rid, "error", finished=True, finish_reason="error", error=f"{w.role} worker {w.name} died")
+            )
+        if self._replace is not None:
+            log.warning("%s worker %s is dead; starting its replacement", w.role, w.name)
+            self._replacing[w.name] = asyncio.create_task(self._replace_worker(w, pool))
+
+    async def _health_loop(self) -> None:
+        """Ping every worker each interval; a dead one (idle or not) is replaced without waiting
+        for a request to trip over it."""
+        while not self._closed:
+            await asyncio.sleep(self._health_interval_s)
+            workers = [w for w in (*self.prefill, *self.decode) if w.name not in self._replacing]
+            dead = await asyncio.gather(*(self._is_dead(w) for w in workers))
+            for w, d in zip(workers, dead):
+                if d and not self._closed:
+                    await self._on_dead(w)
 
     async def _replace_worker(self, dead: WorkerHandle, pool: list[WorkerHandle]) -> None:
         """Start a replacement, retrying with backoff until one starts or the router shuts down: a
@@ -343,6 +385,7 @@ class Orchestrator:
                 new = await self._replace(dead)
                 if new is not None and dead in pool:
                     pool[pool.index(dead)] = new
+                    self.replacements += 1
                     log.warning(
                         "replaced dead %s worker %s with %s (attempt %d)", dead.role, dead.name, new.name, attempts
                     )
@@ -357,8 +400,10 @@ class Orchestrator:
             self._replacing.pop(dead.name, None)
 
     async def _is_dead(self, w: WorkerHandle) -> bool:
+        if not w.alive:
+            return True
         try:
-            await asyncio.wait_for(w.ping(), timeout=10)
+            await asyncio.wait_for(w.ping(), timeout=HEALTH_TIMEOUT_S)  # retries transient errors
             return False
         except Exception:  # noqa: BLE001
             return True

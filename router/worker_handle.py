@@ -34,6 +34,16 @@ class WorkerDied(WorkerError):
     """The worker process is gone (Ray actor died)."""
 
 
+class WorkerUnavailable(WorkerError):
+    """Ray could not reach the worker for a while (ActorUnavailableError), which is not death:
+    the health check decides that, by pinging it."""
+
+
+# Transient unreachability (a busy node, a network blip) is retried this many times, with these
+# pauses, before a call gives up; only calls that are safe to repeat are retried.
+RETRY_PAUSES_S = (0.1, 0.3, 1.0)
+
+
 class WorkerHandle:
     _local_executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="pdserve-local-call")
 
@@ -62,7 +72,7 @@ class WorkerHandle:
         return await self._call(self._prefill.prefill, req)
 
     async def release(self, request_id: str) -> bool:
-        return await self._call(self._prefill.release, request_id)
+        return await self._retrying(self._prefill.release, request_id)
 
     async def submit_prompt(self, req: GenerateRequest) -> None:
         return await self._call(self._decode.submit_prompt, req)
@@ -71,16 +81,16 @@ class WorkerHandle:
         return await self._call(self._decode.submit_prefilled, req, result)
 
     async def poll_events(self, timeout_s: float) -> list[StreamEvent]:
-        return await self._call(self._decode.poll_events, timeout_s)
+        return await self._retrying(self._decode.poll_events, timeout_s)
 
     async def abort(self, request_id: str) -> bool:
-        return await self._call(self._worker.abort, request_id)
+        return await self._retrying(self._worker.abort, request_id)
 
     async def stats(self) -> WorkerStats:
-        return await self._call(self._worker.stats)
+        return await self._retrying(self._worker.stats)
 
     async def ping(self) -> str:
-        return await self._call(self._worker.ping)
+        return await self._retrying(self._worker.ping)
 
     async def cache_events(self) -> CacheEvents:
         return await self._call(self._worker.cache_events)
@@ -89,6 +99,16 @@ class WorkerHandle:
         return await self._call(self._worker.shutdown)
 
     # ---- transport of one call -----------------------------------------------------------------
+    async def _retrying(self, method: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """_call, repeated while the worker is only unavailable (idempotent calls only)."""
+        for pause in RETRY_PAUSES_S:
+            try:
+                return await self._call(method, *args, **kwargs)
+            except WorkerUnavailable as e:
+                log.warning("%s; retrying in %g s", e, pause)
+                await asyncio.sleep(pause)
+        return await self._call(method, *args, **kwargs)
+
     async def _call(self, method: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         if not self.alive:
             raise WorkerDied(f"{self.role} worker {self.name} is dead")
@@ -99,6 +119,8 @@ class WorkerHandle:
 
         try:
             return await method.remote(*args, **kwargs)  # type: ignore[attr-defined]  # an ActorMethod
+        except ray.exceptions.ActorUnavailableError as e:  # a subclass of RayActorError, yet not death
+            raise WorkerUnavailable(f"{self.role} worker {self.name} is unreachable: {type(e).__name__}") from None
         except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
             self.alive = False
             reason = next((ln.strip() for ln in reversed(str(e).splitlines()) if "Error" in ln), type(e).__name__)

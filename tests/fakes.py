@@ -155,6 +155,10 @@ class FakeOrchestrator:
         self.requests: list[GenerateRequest] = []
         self.timelines: dict[str, dict] = {}
         self.shut_down = False
+        self.pools = {"prefill": {"configured": 1, "live": 1}, "decode": {"configured": 1, "live": 1}}
+
+    def pool_status(self) -> dict[str, dict[str, int]]:
+        return self.pools
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamEvent]:
         self.requests.append(req)
