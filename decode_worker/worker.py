@@ -311,6 +311,25 @@ class DecodeWorker(EngineLoop):
                 if seq.params.prompt_logprobs is not None:
                     ev.prompt_logprobs = seq.prompt_logprobs
 
+    def _fail_step(self, error: Exception) -> None:
+        """An engine step raised: end the sequences that were in it (every running one, and every
+        waiting one already given blocks, i.e. prefilling) with an error and free their blocks;
+        queued prompts and KV pulls go on, and so does the worker. Which sequence of a batch
+        caused it is not known here, so the whole step's batch fails."""
+        log.exception("%s: an engine step failed; failing the requests in it", self.name)
+        e = self.engine
+        batch = [s.seq_id for s in e.running] + [s.seq_id for s in e.waiting if s.block_table]
+        for rid in batch:
+            e.abort(rid)
+            self._prefill_clock.pop(rid, None)
+        self._emit(
+            [
+                StreamEvent(rid, "error", finished=True, finish_reason="error", error=f"engine step failed: {error!r}")
+                for rid in batch
+                if rid not in self._aborted
+            ]
+        )
+
     def _forget_old_aborts(self) -> None:
         cutoff = time.time() - ABORT_MEMORY_S
         while self._aborted:
@@ -326,7 +345,11 @@ class DecodeWorker(EngineLoop):
         if not self.engine.has_work:
             return False
         t_start = time.time()
-        events = self.engine.step()
+        try:
+            events = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - one failed step fails its own sequences, not the worker
+            self._fail_step(e)
+            return True
         self.log_step(self.engine)
         t = time.time()
         out = [

@@ -1,0 +1,52 @@
+"""A failing engine step fails the requests in that step and nothing else: the decode worker keeps
+running, queued prompts and later requests are served with their greedy tokens, every block comes
+back. (In-process colocated worker; the step is made to raise once.)"""
+
+from __future__ import annotations
+
+import time
+
+from contracts.worker import GenerateRequest, StreamEvent, WorkerConfig
+from decode_worker.worker import DecodeWorker
+from engine.sequence import SamplingParams
+
+
+def _events(d: DecodeWorker, rids: set[str], timeout_s: float = 30.0) -> dict[str, list[StreamEvent]]:
+    out: dict[str, list[StreamEvent]] = {r: [] for r in rids}
+    deadline = time.time() + timeout_s
+    while not all(evs and evs[-1].finished for evs in out.values()):
+        assert time.time() < deadline, {r: len(e) for r, e in out.items()}
+        for ev in d.poll_events(0.05):
+            out.setdefault(ev.request_id, []).append(ev)
+    return out
+
+
+def _req(rid: str, n: int = 12) -> GenerateRequest:
+    return GenerateRequest(rid, list(b"a failing step " + rid.encode()), SamplingParams(max_tokens=n, ignore_eos=True))
+
+
+def test_failed_step_fails_its_batch_and_the_worker_keeps_serving(monkeypatch):
+    d = DecodeWorker(WorkerConfig(model="tiny", num_blocks=32), "step-fail", True)
+    try:
+        d.submit_prompt(_req("ref"))
+        want = [e.token_id for e in _events(d, {"ref"})["ref"] if e.kind == "token"]
+        real, calls = d.engine.runner.forward, []
+
+        def forward_failing_once(items):
+            calls.append(len(items))
+            if len(calls) == 3:  # mid-decode of "victim"
+                raise RuntimeError("injected: NaN in the logits")
+            return real(items)
+
+        monkeypatch.setattr(d.engine.runner, "forward", forward_failing_once)
+        d.submit_prompt(_req("victim", 40))
+        victim = _events(d, {"victim"})["victim"]
+        assert victim[-1].kind == "error" and "engine step failed" in victim[-1].error
+        assert "NaN in the logits" in victim[-1].error
+        assert d.ping() == "step-fail"  # the worker lives on
+        d.submit_prompt(_req("ref"))
+        assert [e.token_id for e in _events(d, {"ref"})["ref"] if e.kind == "token"] == want
+        s = d.stats()
+        assert s.blocks_free == s.blocks_total
+    finally:
+        d.shutdown()
