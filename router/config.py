@@ -49,8 +49,8 @@ class ServeConfig:
     transport: str = "nixl"
     lease_s: float = 30.0  # prefill KV is freed if decode has not pulled it by then
     transfer_timeout_s: float = 30.0  # one KV pull; also capped by the lease time left
-    # Checksum every pulled KV block on both sides; off by default: on CPU it costs ~85-110% of
-    # the transfer time (`pdserve bench transfer`, docs/security.md), far above the 2% bar for on.
+    # Checksum every pulled KV block on both sides; off by default: on the CPU VM it costs 63-161%
+    # (median 78%) of the transfer time (docs/security.md), far above the 2% bar for on.
     verify_kv: bool = False
     shutdown_timeout_s: float = 30.0  # SIGTERM/SIGINT: how long open requests may take to finish
     max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
