@@ -217,3 +217,12 @@ class FakeOrchestrator:
 
     async def shutdown(self) -> None:
         self.shut_down = True
+
+
+class FakeActorTarget:
+    """Stands in for a Ray actor handle where a test replaces the call transport itself (only the
+    methods' names matter): tests/test_worker_handle_retry.py."""
+
+    def ping(self) -> str: ...
+
+    def submit_prompt(self, req: Any) -> None: ...
