@@ -164,7 +164,7 @@ def _health(url: str) -> dict:
 async def _faults(srv: _Server, args: argparse.Namespace, t_start: float, stop_at: float, faults: list) -> None:
     rng = random.Random(args.seed + 1)
     while True:
-        await asyncio.sleep(args.fault_interval_s)
+        await asyncio.sleep(min(args.fault_interval_s, max(0.0, stop_at - time.monotonic())))
         if time.monotonic() >= stop_at - 5:
             return
         pids = srv.workers()

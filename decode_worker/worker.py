@@ -315,10 +315,14 @@ class DecodeWorker(EngineLoop):
         """An engine step raised: end the sequences that were in it (every running one, and every
         waiting one already given blocks, i.e. prefilling) with an error and free their blocks;
         queued prompts and KV pulls go on, and so does the worker. Which sequence of a batch
-        caused it is not known here, so the whole step's batch fails."""
-        log.exception("%s: an engine step failed; failing the requests in it", self.name)
+        caused it is not known here, so the whole step's batch fails. A failure no sequence can be
+        blamed for (nothing was scheduled) is the engine's own: it ends the loop, and the pool
+        replaces the worker."""
         e = self.engine
         batch = [s.seq_id for s in e.running] + [s.seq_id for s in e.waiting if s.block_table]
+        if not batch:
+            raise error
+        log.exception("%s: an engine step failed; failing the requests in it", self.name)
         for rid in batch:
             e.abort(rid)
             self._prefill_clock.pop(rid, None)

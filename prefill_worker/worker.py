@@ -6,6 +6,7 @@ The prompt's blocks stay pinned under a lease until the decode worker says it ha
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future
 
@@ -14,6 +15,8 @@ from engine.sequence import Sequence
 from engine.worker_base import EngineLoop, build_engine, kv_figures
 from transport import make_transport
 from transport.wire import PeerInfo
+
+log = logging.getLogger("pdserve.prefill")
 
 
 class PrefillWorker(EngineLoop):
@@ -107,6 +110,21 @@ class PrefillWorker(EngineLoop):
                 fut.set_exception(error)
         self._pending.clear()
 
+    def _fail_step(self, error: Exception) -> None:
+        """An engine step raised: fail the prompts that were in it (those already given blocks),
+        free their blocks, and keep serving the others and the parked KV. A failure no prompt can
+        be blamed for (nothing was scheduled) is the engine's own: it ends the loop, and the pool
+        replaces the worker."""
+        batch = [s for s in self.engine.waiting if s.block_table]
+        if not batch:
+            raise error
+        log.exception("%s: an engine step failed; failing the prompts in it", self.name)
+        for seq in batch:
+            entry = self._pending.pop(seq.seq_id, None)
+            self.engine.abort(seq.seq_id)
+            if entry is not None and not entry[0].done():
+                entry[0].set_exception(WorkerError(f"prefill step failed: {error!r}"))
+
     def tick(self) -> bool:
         for request_id in self.transport.poll_notifications():
             self._release(request_id)
@@ -117,7 +135,11 @@ class PrefillWorker(EngineLoop):
         if not self.engine.has_work:
             return False
         t_start = time.time()
-        events = self.engine.step()
+        try:
+            events = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - one failed step fails its own prompts, not the worker
+            self._fail_step(e)
+            return True
         self.log_step(self.engine)
         t_end = time.time()
         if self.engine.last_step is None:  # every waiting prompt lacks blocks (parked KV holds them)

@@ -107,6 +107,20 @@ CASES: dict[tuple[str, ...], list[str]] = {
     ],
     # the real model (pulled once per machine), one setting, a few tokens, no transformers reference
     ("bench", "quality"): ["--tokens", "16", "--settings", "fp32", "--no-transformers", "--out-dir", "{tmp}"],
+    # a real server for 12 s of load, no fault (its faults are tests/test_faults.py's)
+    ("bench", "soak"): [
+        "--minutes",
+        "0.2",
+        "--fault-interval-s",
+        "600",
+        "--concurrency",
+        "2",
+        "--max-tokens",
+        "8",
+        "--no-plot",
+        "--out-dir",
+        "{tmp}",
+    ],
     # redraws the committed reference result (the measured run itself is test_bench_compare.py's)
     ("bench", "compare"): ["--from-json", str(REFERENCE_COMPARE), "--out-dir", "{tmp}"],
 }

@@ -50,3 +50,34 @@ def test_failed_step_fails_its_batch_and_the_worker_keeps_serving(monkeypatch):
         assert s.blocks_free == s.blocks_total
     finally:
         d.shutdown()
+
+
+def test_failed_prefill_step_fails_its_prompt_and_the_worker_keeps_serving(monkeypatch):
+    import pytest
+
+    from contracts.worker import WorkerError
+    from prefill_worker.worker import PrefillWorker
+
+    p = PrefillWorker(WorkerConfig(model="tiny", num_blocks=32, transport="local"), "prefill-step-fail")
+    try:
+        want = p.prefill(_req("ref")).first_token
+        p.release("ref")
+        real, calls = p.engine.runner.forward, []
+
+        def forward_failing_once(items):
+            calls.append(len(items))
+            if len(calls) == 1:
+                raise RuntimeError("injected: a kernel error")
+            return real(items)
+
+        monkeypatch.setattr(p.engine.runner, "forward", forward_failing_once)
+        with pytest.raises(WorkerError, match="prefill step failed: .*a kernel error"):
+            p.prefill(_req("victim"))
+        assert p.ping() == "prefill-step-fail"
+        again = p.prefill(_req("ref"))
+        assert again.first_token == want
+        p.release("ref")
+        s = p.stats()
+        assert s.blocks_free == s.blocks_total
+    finally:
+        p.shutdown()

@@ -123,15 +123,16 @@ def test_prefill_loop_death_fails_waiting_callers_and_ping():
 def test_decode_loop_death_ends_streams_then_poll_raises():
     d = DecodeWorker(_cfg(), f"lc-colo-{next(_names)}", colocated=True)
     try:
-        real_step = d.engine.step
+        # The loop itself fails (a failed engine step would only fail its batch: test_step_failure.py)
+        real_tick_part = d._start_transfers
         calls = itertools.count()
 
-        def step_then_die():
+        def transfers_then_die():
             if next(calls) >= 2:
                 raise RuntimeError("decode kernel exploded")
-            return real_step()
+            return real_tick_part()
 
-        d.engine.step = step_then_die
+        d._start_transfers = transfers_then_die
         d.submit_prompt(_req("c1", max_tokens=50))
         events = _collect(d, {"c1"})["c1"]
         assert events[-1].kind == "error" and "decode kernel exploded" in events[-1].error
