@@ -76,7 +76,9 @@ def _chat_bodies() -> st.SearchStrategy[dict]:
 
 
 def _post(path: str, raw: bytes) -> httpx.Response:
-    app = create_app(FakeOrchestrator(PRESETS["tiny"]), ByteTokenizer(), ServeConfig(num_blocks=64, block_size=16))
+    app = create_app(
+        FakeOrchestrator(PRESETS["tiny"]), ByteTokenizer(), ServeConfig(model="tiny", num_blocks=64, block_size=16)
+    )
 
     async def go() -> httpx.Response:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
