@@ -11,8 +11,6 @@ inter-token SLO of 1 microsecond makes every local prefill inadmissible, so it g
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import threading
 import time
 
@@ -30,6 +28,7 @@ from engine.model_runner import ModelRunner  # noqa: E402
 from engine.sequence import SamplingParams, Sequence  # noqa: E402
 from engine.tokenizer import ByteTokenizer  # noqa: E402
 from router.config import ConfigError, ServeConfig  # noqa: E402
+from router.ray_cluster import start_local_ray  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
 
 STREAM_PROMPT, STREAM_TOKENS = "Hello, pdserve!", 48
@@ -38,16 +37,7 @@ DOC_PROMPT, DOC_TOKENS = "A long document about disaggregated serving. " * 3, 8
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    temp = tempfile.mkdtemp(prefix="pdray", dir="/tmp")  # short: Ray's socket paths are length-limited
-    ray.init(
-        num_cpus=8,
-        object_store_memory=128 * 1024**2,
-        include_dashboard=False,
-        _temp_dir=temp,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-    )
+    start_local_ray(num_cpus=8, object_store_bytes=128 * 1024**2, log_to_driver=False)  # token auth
     yield
     ray.shutdown()
 

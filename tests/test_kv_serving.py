@@ -6,8 +6,6 @@ greedy tokens still equal the engine alone; no block stays in use afterwards.
 from __future__ import annotations
 
 import asyncio
-import os
-import tempfile
 
 import httpx
 import pytest
@@ -22,6 +20,7 @@ from engine.model_runner import ModelRunner  # noqa: E402
 from engine.sequence import SamplingParams, Sequence  # noqa: E402
 from engine.tokenizer import ByteTokenizer  # noqa: E402
 from router.config import ServeConfig  # noqa: E402
+from router.ray_cluster import start_local_ray  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
 
 SYSTEM = "You are a helpful assistant for pdserve. Answer briefly. "  # 57 bytes: 3 full blocks of 16
@@ -32,16 +31,7 @@ NUM_BLOCKS = 20  # 320 tokens per worker: 8 streams of up to ~115 tokens need ~9
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    temp = tempfile.mkdtemp(prefix="pdray", dir="/tmp")  # short: Ray's socket paths are length-limited
-    ray.init(
-        num_cpus=8,
-        object_store_memory=128 * 1024**2,
-        include_dashboard=False,
-        _temp_dir=temp,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-    )
+    start_local_ray(num_cpus=8, object_store_bytes=128 * 1024**2, log_to_driver=False)  # token auth
     yield
     ray.shutdown()
 
