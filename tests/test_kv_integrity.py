@@ -98,7 +98,8 @@ def _run(p: PrefillWorker, d: DecodeWorker, rid: str) -> list[StreamEvent]:
 
 
 def test_block_corrupted_mid_pull_fails_only_that_request(monkeypatch):
-    cfg = WorkerConfig(model="tiny", transport="nixl", num_blocks=32, verify_kv=True)
+    # the same prompt twice: without the prefix cache the second request pulls every block again
+    cfg = WorkerConfig(model="tiny", transport="nixl", num_blocks=32, verify_kv=True, enable_prefix_caching=False)
     p, d = PrefillWorker(cfg, "kvi-prefill"), DecodeWorker(cfg, "kvi-decode")
     try:
         clean, _ = _run(p, d, "before")

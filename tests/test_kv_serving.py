@@ -6,6 +6,7 @@ greedy tokens still equal the engine alone; no block stays in use afterwards.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -113,6 +114,7 @@ def test_forced_preemption_and_caching_keep_greedy_tokens(ray_cluster, expected,
         assert (preempted > 0) == (cfg.num_blocks == NUM_BLOCKS)
         # a second turn of one conversation: its prompt starts with the first turn and the reply
         turn2 = PROMPTS[0] + ByteTokenizer().decode(expected[PROMPTS[0]]) + " And V?"
+        time.sleep(0.5)  # the router polls workers' cache events every 50 ms: let the index catch up
         tl2 = _run_all(srv.base_url, [turn2])[0]
         caching = cfg.prefix_cache
         cached = tl2.get("prefill_cached_tokens" if name.startswith("disagg") else "cached_tokens", 0)
