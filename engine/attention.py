@@ -5,15 +5,17 @@ sequences, each sequence contributing `query_lens[i]` new tokens after `context_
 query_lens[i]` tokens already cached. Whole prefill, chunked prefill, decode and mixes of them
 are all the same call: decode is simply query_len == 1.
 
-`AttentionBackend` is the seam for GPU kernels: `TorchReferenceAttention` is the readable,
-CPU-capable reference; `engine/gpu/` provides faster backends with identical semantics, and
+`AttentionBackend` is the seam for faster kernels: `TorchReferenceAttention` is the readable
+reference and the tests' oracle (one loop over the sequences); `engine/cpu_attention.py` is the
+batched CPU hot path and `engine/gpu/` the GPU one, both with identical semantics.
 `engine/attention_registry.py` picks one for a device (so this base never imports a backend).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,15 +25,19 @@ from engine.kv_cache import KVCache
 
 @dataclass
 class AttentionMetadata:
+    """One step's attention inputs. Built once per step (never per layer): derived figures are
+    computed here at construction, and a backend adds its own per-step state in `prepare`."""
+
     slot_mapping: torch.Tensor  # [T] long: where each new token's K/V is written
     query_lens: list[int]  # [B] new tokens per sequence (sum = T)
     context_lens: list[int]  # [B] tokens visible after this step (cached + new)
-    block_tables: torch.Tensor  # [B, max_blocks] long, padded with 0
+    block_tables: torch.Tensor  # [B, max_blocks] long, padded with any valid block id
     context_lens_t: torch.Tensor  # [B] int32, same as context_lens, on device (for kernels)
+    is_decode_only: bool = field(init=False)  # every sequence has exactly one new token
+    backend_state: Any = None  # what the backend's `prepare` computed for this step
 
-    @property
-    def is_decode_only(self) -> bool:
-        return all(q == 1 for q in self.query_lens)
+    def __post_init__(self) -> None:
+        self.is_decode_only = all(q == 1 for q in self.query_lens)
 
 
 class AttentionBackend(ABC):
@@ -41,6 +47,11 @@ class AttentionBackend(ABC):
     attends to exactly the keys at positions <= its own, read back from the pool, so cached and
     freshly computed keys are treated identically (the equality oracle across chunking depends
     on it)."""
+
+    def prepare(self, meta: AttentionMetadata, cache: KVCache) -> None:
+        """Once per step, before the first layer: per-step work the layers share (masks, gather
+        indices) goes into `meta.backend_state`. Default: nothing."""
+        return None
 
     @abstractmethod
     def forward(
@@ -56,21 +67,38 @@ class AttentionBackend(ABC):
         """q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq, D]."""
 
 
+def attend_one(
+    layer: int,
+    qi: torch.Tensor,
+    cache: KVCache,
+    block_table: torch.Tensor,
+    ctx: int,
+    scale: float,
+) -> torch.Tensor:
+    """One sequence: qi [qlen, Hq, D], the last qlen of its ctx positions -> out [qlen, Hq, D],
+    attending to its pages (dequantized) with a causal mask offset by the cached prefix."""
+    qlen, Hq = qi.shape[0], qi.shape[1]
+    kc, vc = cache.gather(layer, block_table, ctx, out_dtype=qi.dtype)  # [ctx, Hkv, D]
+    group = Hq // kc.shape[1]
+    kc = kc.transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, ctx, D]
+    vc = vc.transpose(0, 1).repeat_interleave(group, dim=0)
+    # causal with an offset: query j sits at position ctx - qlen + j
+    q_pos = torch.arange(ctx - qlen, ctx, device=qi.device)[:, None]
+    mask = torch.arange(ctx, device=qi.device)[None, :] <= q_pos  # [qlen, ctx]
+    oi = F.scaled_dot_product_attention(qi.transpose(0, 1), kc, vc, attn_mask=mask, scale=scale)
+    return oi.transpose(0, 1)
+
+
 class TorchReferenceAttention(AttentionBackend):
+    """The oracle: one sequence at a time, every page gathered and dequantized."""
+
     def forward(self, layer, q, k, v, cache, meta, scale):
         cache.write(layer, meta.slot_mapping, k, v)
         out = torch.empty_like(q)
-        group = q.shape[1] // k.shape[1]
         start = 0
         for i, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
-            kc, vc = cache.gather(layer, meta.block_tables[i], ctx, out_dtype=q.dtype)  # [ctx, Hkv, D]
-            qi = q[start : start + qlen].transpose(0, 1)  # [Hq, qlen, D]
-            kc = kc.transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, ctx, D]
-            vc = vc.transpose(0, 1).repeat_interleave(group, dim=0)
-            # causal with an offset: query j sits at position ctx - qlen + j
-            q_pos = torch.arange(ctx - qlen, ctx, device=q.device)[:, None]
-            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos  # [qlen, ctx]
-            oi = F.scaled_dot_product_attention(qi, kc, vc, attn_mask=mask, scale=scale)
-            out[start : start + qlen] = oi.transpose(0, 1)
+            out[start : start + qlen] = attend_one(
+                layer, q[start : start + qlen], cache, meta.block_tables[i], ctx, scale
+            )
             start += qlen
         return out

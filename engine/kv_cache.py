@@ -24,6 +24,17 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def fp8_to_float32(x: torch.Tensor) -> torch.Tensor:
+    """e4m3fn -> float32, bit-exact with `x.to(torch.float32)` for every finite value, ~2x faster
+    on CPU: the 7 exponent/mantissa bits are placed in a float32's exponent/mantissa fields and
+    the exponent bias (7 vs 127) is fixed by one multiply by 2**120, which also turns e4m3
+    subnormals (exponent 0) into exact values. (The pool never holds NaN: writes clamp.)"""
+    i = x.contiguous().view(torch.uint8).to(torch.int32)
+    sign = i & 0x80
+    i.bitwise_and_(0x7F).bitwise_left_shift_(20).bitwise_or_(sign.bitwise_left_shift_(24))
+    return i.view(torch.float32).mul_(2.0**120)
+
+
 class KVCache:
     def __init__(self, layout: KVLayout, device: torch.device | str = "cpu"):
         self.layout = layout

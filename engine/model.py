@@ -57,17 +57,18 @@ class Rotary(nn.Module):
         inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("inv_freq", inv.to(device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T]; q [T, Hq, D]; k [T, Hkv, D] -> rotated q, k (half-split convention)."""
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, 1, D] fp32: computed once per step, shared by every layer."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]  # [T, 1, D]
+        return emb.cos()[:, None, :], emb.sin()[:, None, :]
 
-        def rotate(x):
-            x1, x2 = x.float().chunk(2, dim=-1)
-            return (x.float() * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
-        return rotate(q), rotate(k)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by the step's cos/sin (half-split convention)."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -80,13 +81,13 @@ class Attention(nn.Module):
         self.o_proj = make_linear(cfg.q_size, cfg.hidden_size, weight_dtype, device)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x, positions, rotary: Rotary, backend: AttentionBackend, cache: KVCache, meta: AttentionMetadata):
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend, cache: KVCache, meta):
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         o = backend.forward(self.layer, q, k, v, cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.q_size))
 
@@ -111,8 +112,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
         self.mlp = MLP(cfg, weight_dtype, device)
 
-    def forward(self, x, positions, rotary, backend, cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend, cache, meta)
+    def forward(self, x, rope, backend, cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, backend, cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -157,9 +158,12 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
+        # per-step work, once for all layers: RoPE tables for the step's positions, attention state
+        rope = self.rotary.cos_sin(positions)
+        backend.prepare(meta, cache)
         x = F.embedding(input_ids, self.embed_tokens)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, backend, cache, meta)
+            x = layer(x, rope, backend, cache, meta)
         return self.norm(x)
 
     @torch.inference_mode()

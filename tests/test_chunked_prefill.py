@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, TorchReferenceAttention
 from engine.config import PRESETS, CacheConfig
-from engine.kv_cache import KVCache, quantize_fp8
+from engine.cpu_attention import BatchedAttention
+from engine.kv_cache import KVCache, fp8_to_float32, quantize_fp8
 from engine.kv_layout import KVLayout
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner, StepItem
@@ -114,9 +115,17 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
     return F.scaled_dot_product_attention(q.transpose(0, 1), kf, vf, attn_mask=mask, scale=scale).transpose(0, 1)
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp32", "fp8"])
-@pytest.mark.parametrize("query_lens", [(1, 1, 1), (1, 5, 3)], ids=["decode", "decode+chunks"])
-def test_paged_attention_equals_dense(kv_dtype, query_lens):
+BACKENDS = {
+    "reference": TorchReferenceAttention,
+    "batched": BatchedAttention,
+    "batched-groups-of-2": lambda: BatchedAttention(rows_per_group=2),  # several row groups, the last partial
+}
+
+
+@pytest.mark.parametrize("backend_name", list(BACKENDS))
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp8", "bf16"])
+@pytest.mark.parametrize("query_lens", [(1, 1, 1), (1, 5, 3), (4, 1, 1)], ids=["decode", "decode+chunks", "mixed"])
+def test_paged_attention_equals_dense(backend_name, kv_dtype, query_lens):
     layout = KVLayout(
         num_layers=2,
         num_kv_heads=H_KV,
@@ -126,7 +135,7 @@ def test_paged_attention_equals_dense(kv_dtype, query_lens):
         scale_layout="per_token_head_fp32" if kv_dtype == "fp8" else "none",
         num_blocks=32,
     )
-    cache, backend = KVCache(layout), TorchReferenceAttention()
+    cache, backend = KVCache(layout), BACKENDS[backend_name]()
     g = torch.Generator().manual_seed(3)
     ctx_lens = [5, 16, 37]
     perm = torch.randperm(32, generator=g).tolist()  # non-contiguous, out-of-order block tables
@@ -159,6 +168,8 @@ def test_paged_attention_equals_dense(kv_dtype, query_lens):
         if kv_dtype == "fp8":  # dense reference on what FP8 pages can represent
             (kq, ks), (vq, vs) = quantize_fp8(k), quantize_fp8(v)
             k, v = kq.float() * ks[..., None], vq.float() * vs[..., None]
+        elif kv_dtype == "bf16":
+            k, v = k.bfloat16().float(), v.bfloat16().float()
         ref = _dense(q[start : start + q_n], k, v, scale)
         torch.testing.assert_close(out[start : start + q_n], ref, atol=1e-5, rtol=1e-5)
         start += q_n
@@ -192,3 +203,29 @@ def test_prefill_on_one_pool_decode_on_another_equals_colocated(fp8_runner):
         decode.step()
     assert [s.output_ids for s in moved] == colocated
     assert prefill.blocks.num_free == prefill.blocks.num_blocks and decode.blocks.num_free == decode.blocks.num_blocks
+
+
+def test_fp8_widening_is_bit_exact():
+    """fp8_to_float32 (the batched backend's fast path) equals torch's conversion on every finite
+    e4m3 value, subnormals and both zeros included."""
+    x = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    finite = ~x.float().isnan()
+    got, want = fp8_to_float32(x)[finite], x.float()[finite]
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_batched_decode_equals_reference_on_the_model(fp8_runner):
+    """A decode step of many sequences at different contexts: the batched backend's logits equal
+    the per-sequence reference's (same pool, same step) within float rounding."""
+    ref = ModelRunner(
+        CFG, CacheConfig(block_size=16, num_blocks=96, kv_dtype="fp8"), "fp8", backend=TorchReferenceAttention()
+    )
+    ref.cache, ref.model = fp8_runner.cache, fp8_runner.model
+    lens = [3, 16, 17, 40, 1, 64, 33, 9]
+    tables = [list(range(5 * i, 5 * i + 5)) for i in range(len(lens))]
+    fp8_runner.forward([StepItem(_ids(40 + i, n), 0, t) for i, (n, t) in enumerate(zip(lens, tables))])
+    step = [StepItem([7 + i], n, t) for i, (n, t) in enumerate(zip(lens, tables))]
+    want = ref.forward(step)  # writes the same K/V as the batched step below, at the same slots
+    got = fp8_runner.forward(step)
+    assert (got - want).abs().max().item() <= TIGHT * want.std().item()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
