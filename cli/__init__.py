@@ -40,6 +40,7 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
         "benchmarks.bench_kvcache",
         "KV cache manager: capacity on demand vs reserved; multi-turn 2P2D with prefix caching + routing",
     ),
+    "step": ("benchmarks.bench_step", "engine step split into host and forward time, beside transformers generate"),
     "gpu": ("benchmarks.gpu.bench_gpu", "GPU ceilings, decode/prefill vs roofline, transformers baseline"),
     "soak": ("benchmarks.bench_soak", "minutes of load while workers are SIGKILLed: ok/failed/hung, leaks, RSS"),
 }
@@ -66,7 +67,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
         _add(sub, name, module, help_, argv[:1])
-    bench = sub.add_parser("bench", help="benchmarks (transfer, serve, compare, chunks, article, gpu, soak)")
+    bench = sub.add_parser("bench", help="benchmarks (transfer, serve, compare, chunks, article, step, gpu, soak)")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     for name, (module, help_) in BENCH_COMMANDS.items():
         _add(bench_sub, name, module, help_, argv[1:2] if argv[:1] == ["bench"] else [])

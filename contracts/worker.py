@@ -113,6 +113,7 @@ class WorkerConfig:
     verify_kv: bool = False  # checksum every pulled block on both sides (transport/integrity.py)
     seed: int = 0
     enable_prefix_caching: bool = True  # reuse cached full blocks of equal prefixes (--no-prefix-cache)
+    enforce_eager: bool = False  # CUDA: no decode graphs (vLLM's flag name)
 
 
 class WorkerError(RuntimeError):

@@ -48,6 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="default cpu")
     p.add_argument("--chunk-size", type=int, default=None, help="prefill in chunks of N tokens")
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, run decode steps eagerly instead of replaying a captured CUDA graph",
+    )
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -111,7 +116,8 @@ def main(args: argparse.Namespace) -> int:
         )
     kv_dtype = args.kv_dtype or ("fp32" if args.dtype == "fp32" else "fp8")
     block = 16
-    cache = CacheConfig(block_size=block, num_blocks=-(-total // block) + 1, kv_dtype=kv_dtype)
+    # one spare block: the CUDA graphs' padding scratch block
+    cache = CacheConfig(block_size=block, num_blocks=-(-total // block) + 2, kv_dtype=kv_dtype)
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens,
@@ -130,7 +136,11 @@ def main(args: argparse.Namespace) -> int:
         raise CliError(f"--model {args.model!r}: cannot load weights: {e}") from None
     load_s = time.perf_counter() - t_load
     eos = tuple(read_generation_eos(args.model)) if ckpt else ()
-    engine = LLMEngine(runner, chunk_size=args.chunk_size, eos_ids=eos)
+    engine = LLMEngine(runner, chunk_size=args.chunk_size, eos_ids=eos, max_num_seqs=1)
+    if args.device == "cuda" and not args.enforce_eager:
+        from engine.gpu.cuda_graphs import attach_decode_graphs  # noqa: PLC0415 (CUDA only: needs triton)
+
+        attach_decode_graphs(engine)
     seq = Sequence("generate", ids, params)
     engine.add_request(seq)
     t0 = time.perf_counter()

@@ -20,6 +20,12 @@ prompt never preempts anyone: it waits for blocks.
 Prefix caching (engine/block_manager.py, engine/prefix_cache.py): when a sequence starts (or
 restarts) its prefill, the longest cached run of its full prompt blocks is reused and only the
 rest is computed; every block a sequence fills is registered under its chained hash.
+
+Running sequences live in a persistent `InputBatch` (engine/input_batch.py): a decode step's
+inputs are a few vectorized ops over its buffers, sampling happens on the logits' device, and
+only the sampled ids come back to the host. A row takes its block ids from its sequence when it
+joins (a preempted sequence rejoins with its new, possibly cache-shared, table) and appends one
+each time its next token crosses into a block the sequence has grown since.
 """
 
 from __future__ import annotations
@@ -31,10 +37,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_manager import BlockManager, NoFreeBlocks
+from engine.input_batch import InputBatch
 from engine.logprobs import token_logprobs
 from engine.model_runner import ModelRunner, StepItem
 from engine.prefix_cache import ROOT, block_hash, block_hashes
-from engine.sampler import sample
+from engine.sampler import SamplingRows
 from engine.sequence import Sequence, Status, TokenLogprob
 
 
@@ -52,10 +59,19 @@ class TokenEvent:
 class StepStats:
     prefill_tokens: int
     decode_tokens: int
-    seconds: float
+    seconds: float  # the whole step
     # sum over the step's items of new tokens x (start + new tokens): the attention score block
     # the step computes, the shape term the cost model's step fit prices (costmodel/step_fit.py)
     attention_pairs: int = 0
+    # the step split (`pdserve bench step`): host work vs the forward pass
+    schedule_s: float = 0.0  # choosing the step's work, building the batch's inputs
+    forward_s: float = 0.0  # the model (on CUDA: until its results are ready, see `sync`)
+    sample_s: float = 0.0  # sampling on the device and the ids' trip to the host
+    output_s: float = 0.0  # appending tokens, stop checks, leaving rows, events
+
+    @property
+    def host_s(self) -> float:
+        return self.schedule_s + self.sample_s + self.output_s
 
 
 class LLMEngine:
@@ -84,12 +100,19 @@ class LLMEngine:
         eos = runner.model_cfg.eos_token_id
         self.eos_ids = set(eos_ids) | ({eos} if eos is not None else set())
         self.waiting: deque[Sequence] = deque()  # admitted, prompt not fully cached
-        self.running: list[Sequence] = []  # decoding
+        max_blocks = min(self.blocks.blocks_for(self.max_context), cache.num_blocks)
+        self.batch = InputBatch(max_num_seqs, max_blocks, cache.block_size, runner.device)  # decoding
         self.parked: dict[str, Sequence] = {}  # prefill_only: first token sampled, KV held
         self.last_step: StepStats | None = None  # the last step() call's figures; None if it ran nothing
         self.preemptions = 0  # sequences preempted (by recompute) so far
         self.preempted: list[str] = []  # ids preempted by the last step() (for timelines)
         self._admissions = 0  # counter behind Sequence.admitted
+        self.sync = False  # time the forward to completion (CUDA runs asynchronously); benchmarks set it
+
+    @property
+    def running(self) -> list[Sequence]:
+        """Decoding sequences, in batch row order (read-only: change them through the engine)."""
+        return self.batch.seqs
 
     # ---- admission -------------------------------------------------------------------------
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
@@ -138,16 +161,20 @@ class LLMEngine:
         self._commit_full_blocks(seq)
         if self._finish_if_done(seq):
             return
-        self.running.append(seq)
+        self.batch.add(seq)
 
     def abort(self, seq_id: str) -> bool:
         """Drop a sequence wherever it is and free its blocks. True if it was found."""
-        for queue in (self.waiting, self.running):
-            for s in list(queue):
-                if s.seq_id == seq_id:
-                    queue.remove(s)
-                    self._free(s, "abort")
-                    return True
+        for s in self.waiting:
+            if s.seq_id == seq_id:
+                self.waiting.remove(s)
+                self._free(s, "abort")
+                return True
+        for s in self.batch.seqs:
+            if s.seq_id == seq_id:
+                self.batch.remove(s)
+                self._free(s, "abort")
+                return True
         return self.release(seq_id)
 
     def release(self, seq_id: str) -> bool:
@@ -160,7 +187,7 @@ class LLMEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.batch.seqs)
 
     # ---- one step --------------------------------------------------------------------------
     def _holders(self) -> list[Sequence]:
@@ -171,8 +198,8 @@ class LLMEngine:
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: give back every block (full ones stay cached) and wait at the
         head of the queue; output_ids are kept, so the stream resumes where it stopped."""
-        if seq in self.running:
-            self.running.remove(seq)
+        if seq in self.batch:
+            self.batch.remove(seq)  # its row goes; it rejoins with its new block table
             self.waiting.appendleft(seq)
         self.blocks.free(seq.block_table)
         seq.block_table, seq.block_hashes, seq.num_cached = [], [], 0
@@ -185,21 +212,20 @@ class LLMEngine:
 
     def _grow_running(self) -> None:
         """Give each running sequence (oldest first) the block its next token needs, preempting
-        the most recently admitted holder while none is free (possibly the sequence itself)."""
-        i = 0
-        while i < len(self.running):
-            seq = self.running[i]
+        the most recently admitted holder while none is free (possibly the sequence itself).
+        Batch rows are compacted when one leaves, so the order comes from `admitted`."""
+        needy = [s for s in self.running if self.blocks.blocks_for(s.num_tokens) > len(s.block_table)]
+        for seq in sorted(needy, key=lambda s: s.admitted):
+            if seq.status != Status.RUNNING:  # preempted for an older sequence's block
+                continue
             need = self.blocks.blocks_for(seq.num_tokens) - len(seq.block_table)
-            while need > 0 and not self.blocks.can_allocate(need):
+            while not self.blocks.can_allocate(need):
                 victim = max(self._holders(), key=lambda s: s.admitted)
-                if victim in self.running and self.running.index(victim) < i:
-                    i -= 1
                 self._preempt(victim)
                 if victim is seq:
                     break
             if seq.status == Status.RUNNING:
                 self.blocks.grow(seq.block_table, seq.num_tokens)
-                i += 1
 
     def _cache_hit(self, seq: Sequence) -> tuple[list[int], list[int]]:
         """(cached blocks, their hashes): the longest cached run of `seq`'s full blocks, leaving at
@@ -237,7 +263,7 @@ class LLMEngine:
         work: list[tuple[Sequence, int]] = []
         budget = self.chunk_size or self.max_prefill_tokens
         for seq in self.waiting:
-            if budget <= 0 or len(self.running) + len(work) >= self.max_num_seqs:
+            if budget <= 0 or len(self.batch) + len(work) >= self.max_num_seqs:
                 break
             hit, hashes = self._cache_hit(seq) if not seq.block_table else ([], [])
             remaining = seq.prefill_target - (seq.num_cached if seq.block_table else len(hit) * self.blocks.block_size)
@@ -257,11 +283,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.preempted = []
         self._grow_running()
-        decode = list(self.running)
+        decode = list(self.batch.seqs)
         prefill = self._schedule_prefill()
-        # a running sequence always has a sampled token (its last, not yet cached); output_ids[-1]
-        # avoids all_ids, which copies the whole prompt of every stream on every step
-        items = [StepItem([s.output_ids[-1]], s.num_tokens - 1, s.block_table) for s in decode]
+        inputs = self.batch.prepare() if decode else None
+        items = []
         for seq, n in prefill:
             done = seq.num_cached + n == seq.prefill_target
             items.append(
@@ -274,39 +299,49 @@ class LLMEngine:
                     all_logits=seq.params.prompt_logprobs is not None and not seq.output_ids,
                 )
             )
-        if not items:
+        if not decode and not items:
             self.last_step = None  # nothing could run (idle, or every waiting prompt lacks blocks)
             return []
-        logits = self.runner.forward(items)
+        t1 = time.perf_counter()
+        logits = self.runner.execute(inputs, items)
+        if self.sync and logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        t2 = time.perf_counter()
         for i, all_logits in self.runner.last_all_logits.items():  # echo: prompt logprobs, chunk by chunk
-            seq, _ = prefill[i - len(decode)]
-            _record_prompt_logprobs(seq, all_logits)
-        # rows of `logits` follow items with want_logits: all decodes, then finished fresh prefills
-        sampled: list[Sequence] = list(decode)
+            _record_prompt_logprobs(prefill[i][0], all_logits)
+        # rows of `logits`: the batch's rows, then the fresh prefills that finished their prompt
+        finished_prefill: list[Sequence] = []
+        resumed: list[Sequence] = []  # recomputed after preemption: they rejoin the batch, sampling nothing now
         for seq, n in prefill:
             seq.num_cached += n
             self._commit_full_blocks(seq)
             if seq.num_cached == seq.prefill_target:
-                if seq.output_ids:  # resumed after preemption: decode its last token next step
-                    self.waiting.remove(seq)
-                    seq.status = Status.RUNNING
-                    self.running.append(seq)
-                else:
-                    sampled.append(seq)
-        tokens = sample(logits, [s.params for s in sampled], [s.num_sampled for s in sampled])
-        logprobs = _logprobs(logits, sampled, tokens)
+                (resumed if seq.output_ids else finished_prefill).append(seq)
+        rows = self.batch.sampling_rows(logits.device) if decode else None
+        if finished_prefill:
+            extra = SamplingRows.build([s.params for s in finished_prefill], [0] * len(finished_prefill), logits.device)
+            rows = extra if rows is None else rows.cat(extra)
+        # the step's only device -> host copy: one id per row (none if only non-final chunks ran)
+        ids = self.runner.sampler(logits, rows).cpu() if rows is not None else torch.empty(0, dtype=torch.long)
+        tokens = ids.tolist()
+        logprobs = _logprobs(logits, decode + finished_prefill, tokens)  # only rows that asked
+        t3 = time.perf_counter()
         events: list[TokenEvent] = []
-        for seq, tok, lp in zip(sampled, tokens, logprobs):
+        if decode:
+            self.batch.advance(ids[: len(decode)])
+        for seq, tok, lp in zip(decode, tokens, logprobs):
+            seq.num_cached += 1
+            self._commit_full_blocks(seq)  # before _finish_if_done frees the table
+            seq.output_ids.append(tok)
             if lp is not None:
                 seq.output_logprobs.append(lp)
-            if seq.status == Status.WAITING:
-                self.waiting.remove(seq)
-                seq.status = Status.RUNNING
-                if not self.prefill_only:
-                    self.running.append(seq)
-            else:
-                seq.num_cached += 1
-                self._commit_full_blocks(seq)
+            finished = self._finish_if_done(seq)
+            events.append(TokenEvent(seq.seq_id, tok, len(seq.output_ids) - 1, finished, seq.finish_reason, lp))
+        for seq, tok, lp in zip(finished_prefill, tokens[len(decode) :], logprobs[len(decode) :]):
+            if lp is not None:
+                seq.output_logprobs.append(lp)
+            self.waiting.remove(seq)
+            seq.status = Status.RUNNING
             seq.output_ids.append(tok)
             if self.prefill_only:
                 seq.finish_reason = "prefilled"
@@ -314,9 +349,21 @@ class LLMEngine:
                 events.append(TokenEvent(seq.seq_id, tok, 0, False, None, lp))
                 continue
             finished = self._finish_if_done(seq)
-            events.append(TokenEvent(seq.seq_id, tok, len(seq.output_ids) - 1, finished, seq.finish_reason, lp))
+            if not finished:
+                self.batch.add(seq)
+            events.append(TokenEvent(seq.seq_id, tok, 0, finished, seq.finish_reason, lp))
+        for seq in resumed:  # decode its last sampled token next step (after this step's rows moved)
+            self.waiting.remove(seq)
+            seq.status = Status.RUNNING
+            self.batch.add(seq)
+        t4 = time.perf_counter()
+        # decode rows attend over context_lens (start + 1 each); prefill items as in the cost model
         pairs = sum(len(it.token_ids) * (it.start_pos + len(it.token_ids)) for it in items)
-        self.last_step = StepStats(sum(n for _, n in prefill), len(decode), time.perf_counter() - t0, pairs)
+        if inputs is not None:
+            pairs += int(inputs.context_lens.sum())
+        self.last_step = StepStats(
+            sum(n for _, n in prefill), len(decode), t4 - t0, pairs, t1 - t0, t2 - t1, t3 - t2, t4 - t3
+        )
         return events
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -328,8 +375,8 @@ class LLMEngine:
             reason = "length"
         else:
             return False
-        if seq in self.running:
-            self.running.remove(seq)
+        if seq in self.batch:
+            self.batch.remove(seq)
         self._free(seq, reason)
         return True
 
@@ -358,7 +405,8 @@ class LLMEngine:
 
 
 def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprob | None]:
-    """Each sampled token's logprob (+ top k) for the sequences that asked; None for the rest."""
+    """Each sampled token's logprob (+ top k) for the sequences that asked; None for the rest.
+    Computed where the logits are; only the asking rows' values cross to the host."""
     asked = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     out: list[TokenLogprob | None] = [None] * len(seqs)
     if not asked:

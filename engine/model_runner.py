@@ -1,24 +1,33 @@
-"""ModelRunner: turns a list of (sequence, new tokens) into one forward pass over the paged pool.
+"""ModelRunner: turns one step's work into one forward pass over the paged pool.
 
 One call covers every case the workers need:
+- decode rows of the persistent batch (`DecodeInputs`, one new token each),
 - whole-prompt prefill (query_len = prompt length, nothing cached),
 - chunked prefill (query_len = chunk, earlier chunks already cached),
-- decode (query_len = 1),
 - and any mix of them in one batch (colocated chunked prefill, Sarathi-style).
+
+The step's inputs are built on the host with vectorized ops (one tensor per field per step, never
+one per sequence) and moved to the device in one non-blocking copy each. Logits stay on the
+device: the engine samples there (engine/sampler.py). Decode-only steps replay a captured CUDA
+graph when one is attached (`graphs`, set by the worker; see engine/gpu/cuda_graphs.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.attention_registry import default_backend
 from engine.config import CacheConfig, ModelConfig
+from engine.input_batch import DecodeInputs
 from engine.kv_cache import KVCache
 from engine.kv_layout import KVLayout
 from engine.model import LlamaModel
+from engine.sampler import Sampler
 from engine.weights import build_model
 
 
@@ -29,6 +38,21 @@ class StepItem:
     block_table: list[int]  # must already cover start_pos + len(token_ids) tokens
     want_logits: bool = True  # logits of the last new token (False for non-final prefill chunks)
     all_logits: bool = False  # also the logits of every new token (prompt logprobs), in `last_all_logits`
+
+
+class DecodeGraphs(Protocol):
+    """What the runner needs from captured decode graphs (engine/gpu/cuda_graphs.py has one)."""
+
+    def fits(self, n: int, width: int) -> bool: ...
+
+    def replay_step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> torch.Tensor: ...
 
 
 class ModelRunner:
@@ -48,47 +72,90 @@ class ModelRunner:
         self.layout = KVLayout.build(model_cfg, cache_cfg)
         self.cache = KVCache(self.layout, self.device)
         self.backend = backend or default_backend(self.device)
-        self.last_all_logits: dict[int, torch.Tensor] = {}  # forward(): items with all_logits -> [n, vocab]
+        self.sampler = Sampler(self.device)
+        self.graphs: DecodeGraphs | None = None  # decode-only steps replay these when set
+        self.graph_steps = 0  # decode steps that replayed a graph (tests and stats)
+        self.last_all_logits: dict[int, torch.Tensor] = {}  # execute(): item index with all_logits -> [n, vocab]
 
-    def _metadata(self, items: list[StepItem]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    # ---- inputs ------------------------------------------------------------------------------
+    def _prefill_inputs(self, items: list[StepItem]) -> DecodeInputs:
+        """Flat inputs of prefill items: one tensor per field, positions and slots vectorized."""
         bs = self.cache_cfg.block_size
-        ids, pos, slots = [], [], []
         for it in items:
-            n = len(it.token_ids)
-            if (it.start_pos + n + bs - 1) // bs > len(it.block_table):
-                raise ValueError(f"block table of {len(it.block_table)} blocks cannot hold {it.start_pos + n} tokens")
-            ids += it.token_ids
-            for p in range(it.start_pos, it.start_pos + n):
-                pos.append(p)
-                slots.append(it.block_table[p // bs] * bs + p % bs)
-        max_blocks = max(len(it.block_table) for it in items)
-        tables = torch.zeros(len(items), max_blocks, dtype=torch.long)
-        for i, it in enumerate(items):
-            tables[i, : len(it.block_table)] = torch.tensor(it.block_table, dtype=torch.long)
-        ctx = [it.start_pos + len(it.token_ids) for it in items]
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_lens=[len(it.token_ids) for it in items],
-            context_lens=ctx,
-            block_tables=tables.to(dev),
-            context_lens_t=torch.tensor(ctx, dtype=torch.int32, device=dev),
-        )
-        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev), meta)
+            if (it.start_pos + len(it.token_ids) + bs - 1) // bs > len(it.block_table):
+                raise ValueError(
+                    f"block table of {len(it.block_table)} blocks cannot hold {it.start_pos + len(it.token_ids)} tokens"
+                )
+        qlens = torch.tensor([len(it.token_ids) for it in items], dtype=torch.long)
+        starts = torch.tensor([it.start_pos for it in items], dtype=torch.long)
+        width = max(len(it.block_table) for it in items)
+        tables = torch.tensor([it.block_table + [0] * (width - len(it.block_table)) for it in items], dtype=torch.long)
+        ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long)
+        item = torch.repeat_interleave(torch.arange(len(items)), qlens)  # [T] which item each token is
+        first = torch.repeat_interleave(qlens.cumsum(0) - qlens, qlens)  # [T] flat index of its item's first token
+        pos = starts[item] + torch.arange(ids.shape[0]) - first
+        slots = tables[item, pos // bs] * bs + pos % bs
+        return DecodeInputs(ids, pos, slots, tables, (starts + qlens).to(torch.int32))
 
+    def _inputs(
+        self, decode: DecodeInputs | None, items: list[StepItem]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        parts = ([decode] if decode is not None else []) + ([self._prefill_inputs(items)] if items else [])
+        qlens = [1] * (decode.input_ids.shape[0] if decode is not None else 0) + [len(it.token_ids) for it in items]
+        if len(parts) == 1:
+            x = parts[0]
+        else:  # mixed step: decode rows first, then prefill items; tables padded to one width
+            width = max(p.block_tables.shape[1] for p in parts)
+            x = DecodeInputs(
+                input_ids=torch.cat([p.input_ids for p in parts]),
+                positions=torch.cat([p.positions for p in parts]),
+                slots=torch.cat([p.slots for p in parts]),
+                block_tables=torch.cat([F.pad(p.block_tables, (0, width - p.block_tables.shape[1])) for p in parts]),
+                context_lens=torch.cat([p.context_lens for p in parts]),
+            )
+        dev = self.device
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dev, non_blocking=True)
+
+        ctx = move(x.context_lens)
+        meta = AttentionMetadata(
+            slot_mapping=move(x.slots),
+            query_lens=qlens,
+            context_lens=x.context_lens.tolist(),
+            block_tables=move(x.block_tables),
+            context_lens_t=ctx,
+        )
+        return move(x.input_ids), move(x.positions), meta
+
+    # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, items: list[StepItem]) -> torch.Tensor:
-        """Run one step; returns fp32 logits [n, vocab] for the items with want_logits, in order."""
-        if not items:
-            return torch.empty(0, self.model_cfg.vocab_size)
-        input_ids, positions, meta = self._metadata(items)
+    def execute(self, decode: DecodeInputs | None, items: list[StepItem]) -> torch.Tensor:
+        """Run one step: decode rows (if any) then prefill items. Returns fp32 logits on the device,
+        [rows + items with want_logits, vocab], in that order."""
+        n_dec = 0 if decode is None else decode.input_ids.shape[0]
+        if not n_dec and not items:
+            return torch.empty(0, self.model_cfg.vocab_size, device=self.device)
+        input_ids, positions, meta = self._inputs(decode, items)
+        if not items and self.graphs is not None and self.graphs.fits(n_dec, meta.block_tables.shape[1]):
+            self.graph_steps += 1
+            return self.graphs.replay_step(
+                input_ids, positions, meta.slot_mapping, meta.block_tables, meta.context_lens_t
+            )
         hidden = self.model(input_ids, positions, self.backend, self.cache, meta)  # [T, hidden]
-        last = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1  # last new token of each item
-        want = torch.tensor([it.want_logits for it in items], device=self.device)
-        # Side output, rare (echo with logprobs): item index -> logits [n_new, vocab] on the device.
         self.last_all_logits = {}
-        for i, it in enumerate(items):
-            if it.all_logits:
-                end = int(last[i]) + 1
-                self.last_all_logits[i] = self.model.compute_logits(hidden[end - len(it.token_ids) : end])
-        return self.model.compute_logits(hidden[last[want]]).cpu()
+        if items:
+            want = [True] * n_dec + [it.want_logits for it in items]
+            last = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1  # last new token of each row
+            # Side output, rare (echo with logprobs): item index -> logits [n_new, vocab] on the device.
+            for i, it in enumerate(items):
+                if it.all_logits:
+                    end = int(last[n_dec + i]) + 1
+                    self.last_all_logits[i] = self.model.compute_logits(hidden[end - len(it.token_ids) : end])
+            hidden = hidden[last[torch.tensor(want, device=self.device)]]
+        return self.model.compute_logits(hidden)
+
+    def forward(self, items: list[StepItem]) -> torch.Tensor:
+        """Run one step of `items`; returns fp32 logits [n, vocab] on the host for the items with
+        want_logits, in order (tests and benchmarks; the engine uses `execute`)."""
+        return self.execute(None, items).cpu()

@@ -11,6 +11,7 @@ class SamplingParams:
     max_tokens: int = 16
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
+    top_k: int = 0  # keep the k most likely tokens (0 = all)
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -24,6 +25,8 @@ class SamplingParams:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0 (0 = off)")
 
 
 @dataclass(frozen=True)

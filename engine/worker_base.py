@@ -40,6 +40,7 @@ class EngineSettings(Protocol):
     max_prefill_tokens: int
     seed: int
     enable_prefix_caching: bool
+    enforce_eager: bool  # CUDA: never replay decode graphs (every step eager)
 
 
 def build_engine(cfg: EngineSettings, prefill_only: bool) -> LLMEngine:
@@ -49,7 +50,7 @@ def build_engine(cfg: EngineSettings, prefill_only: bool) -> LLMEngine:
     cache = CacheConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, kv_dtype=cfg.kv_dtype)
     runner = ModelRunner(model_cfg, cache, cfg.dtype, cfg.device, ckpt, seed=cfg.seed)
     eos = tuple(read_generation_eos(cfg.model)) if ckpt else ()
-    return LLMEngine(
+    engine = LLMEngine(
         runner,
         chunk_size=cfg.chunk_size,
         max_num_seqs=cfg.max_num_seqs,
@@ -58,6 +59,12 @@ def build_engine(cfg: EngineSettings, prefill_only: bool) -> LLMEngine:
         eos_ids=eos,
         enable_prefix_caching=cfg.enable_prefix_caching,
     )
+    # CUDA: decode-only steps replay captured graphs (prefill steps, and prefill workers, are eager)
+    if runner.device.type == "cuda" and not prefill_only and not cfg.enforce_eager:
+        from engine.gpu.cuda_graphs import attach_decode_graphs  # noqa: PLC0415 (CUDA only)
+
+        attach_decode_graphs(engine)
+    return engine
 
 
 def kv_figures(engine: LLMEngine) -> dict[str, int]:

@@ -46,6 +46,7 @@ class ServeConfig:
     block_size: int = 16
     prefix_cache: bool = True  # automatic prefix caching in every pool (--no-prefix-cache)
     max_num_seqs: int = 64
+    enforce_eager: bool = False  # CUDA: decode steps run eagerly instead of replaying captured graphs
     transport: str = "nixl"
     lease_s: float = 30.0  # prefill KV is freed if decode has not pulled it by then
     transfer_timeout_s: float = 30.0  # one KV pull; also capped by the lease time left
@@ -180,6 +181,7 @@ class ServeConfig:
             num_blocks=self.num_blocks,
             chunk_size=self.chunk_size,
             max_num_seqs=self.max_num_seqs,
+            enforce_eager=self.enforce_eager,
             lease_s=self.lease_s,
             transport=self.transport,
             transfer_timeout_s=self.transfer_timeout_s,

@@ -102,6 +102,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-num-seqs", type=int, default=None, help=f"sequences per decode batch (default {D.max_num_seqs})"
     )
     g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=None,
+        help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs (default: graphs)",
+    )
+    g.add_argument(
         "--transport", choices=TRANSPORTS, default=None, help=f"KV transport between pools (default {D.transport})"
     )
     g.add_argument(

@@ -217,3 +217,52 @@ def test_green_context_disagg_gives_colocated_tokens():
 if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     print(json.dumps(_interpreter_checks()))
+
+
+@cuda
+def test_serving_engine_replays_decode_graphs_with_eager_tokens():
+    """The serving path: an engine with graphs attached (as every decoding worker builds it) gives
+    the --enforce-eager engine's greedy tokens, and its decode-only steps replayed graphs."""
+    from engine.gpu.attention import CudaAttention  # noqa: PLC0415
+    from engine.gpu.cuda_graphs import attach_decode_graphs  # noqa: PLC0415
+    from engine.llm_engine import LLMEngine  # noqa: PLC0415
+    from engine.model_runner import ModelRunner  # noqa: PLC0415
+    from engine.sequence import SamplingParams, Sequence  # noqa: PLC0415
+
+    def run(graphs: bool) -> tuple[list[list[int]], int]:
+        cc = CacheConfig(block_size=16, num_blocks=128)
+        runner = ModelRunner(PRESETS["tiny"], cc, device="cuda", backend=CudaAttention())
+        engine = LLMEngine(runner, max_num_seqs=8)
+        if graphs:
+            attach_decode_graphs(engine)
+        seqs = [
+            Sequence(f"r{i}", list(range(3 + 7 * i)), SamplingParams(max_tokens=6 + 5 * i, ignore_eos=True))
+            for i in range(5)
+        ]
+        for s in seqs:
+            engine.add_request(s)
+        while engine.has_work:
+            engine.step()
+        return [s.output_ids for s in seqs], runner.graph_steps
+
+    eager, eager_replays = run(graphs=False)
+    graphed, replays = run(graphs=True)
+    assert graphed == eager
+    assert eager_replays == 0 and replays > 0
+
+
+@cuda
+def test_device_sampler_seeded_rows_are_batch_independent_on_cuda():
+    """Sampling on the GPU: a seeded row draws the same token alone and among 32 rows, and only
+    the ids come back."""
+    from engine.sampler import Sampler, SamplingRows  # noqa: PLC0415
+    from engine.sequence import SamplingParams  # noqa: PLC0415
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(32, 1000, device="cuda", generator=g) * 3
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50 * (i % 3), seed=i) for i in range(32)]
+    sampler = Sampler("cuda")
+    batch = sampler(logits, SamplingRows.build(params, [3] * 32, logits.device))
+    assert batch.is_cuda and batch.shape == (32,)
+    alone = [int(sampler(logits[i : i + 1], SamplingRows.build([params[i]], [3], logits.device))[0]) for i in range(32)]
+    assert batch.tolist() == alone

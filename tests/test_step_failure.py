@@ -30,15 +30,15 @@ def test_failed_step_fails_its_batch_and_the_worker_keeps_serving(monkeypatch):
     try:
         d.submit_prompt(_req("ref"))
         want = [e.token_id for e in _events(d, {"ref"})["ref"] if e.kind == "token"]
-        real, calls = d.engine.runner.forward, []
+        real, calls = d.engine.runner.execute, []
 
-        def forward_failing_once(items):
+        def execute_failing_once(decode, items):
             calls.append(len(items))
             if len(calls) == 3:  # mid-decode of "victim"
                 raise RuntimeError("injected: NaN in the logits")
-            return real(items)
+            return real(decode, items)
 
-        monkeypatch.setattr(d.engine.runner, "forward", forward_failing_once)
+        monkeypatch.setattr(d.engine.runner, "execute", execute_failing_once)
         d.submit_prompt(_req("victim", 40))
         victim = _events(d, {"victim"})["victim"]
         assert victim[-1].kind == "error" and "engine step failed" in victim[-1].error
@@ -62,15 +62,15 @@ def test_failed_prefill_step_fails_its_prompt_and_the_worker_keeps_serving(monke
     try:
         want = p.prefill(_req("ref")).first_token
         p.release("ref")
-        real, calls = p.engine.runner.forward, []
+        real, calls = p.engine.runner.execute, []
 
-        def forward_failing_once(items):
+        def execute_failing_once(decode, items):
             calls.append(len(items))
             if len(calls) == 1:
                 raise RuntimeError("injected: a kernel error")
-            return real(items)
+            return real(decode, items)
 
-        monkeypatch.setattr(p.engine.runner, "forward", forward_failing_once)
+        monkeypatch.setattr(p.engine.runner, "execute", execute_failing_once)
         with pytest.raises(WorkerError, match="prefill step failed: .*a kernel error"):
             p.prefill(_req("victim"))
         assert p.ping() == "prefill-step-fail"

@@ -12,8 +12,10 @@ A batch of n sequences replays the smallest captured size B >= n; the B - n padd
 write their K/V into `pad_block` (a block the caller keeps out of its allocator) and attend to
 that one slot, so they never touch a live sequence.
 
-`DecodeGraphRunner` wraps a `ModelRunner` and can stand in for it (LLMEngine calls `forward`):
-decode-only batches that fit a graph replay it; anything else runs eagerly.
+In serving, the worker captures the graphs once at start (unless `--enforce-eager`) and attaches
+them to its `ModelRunner` (`runner.graphs`): every decode-only step that fits replays a graph
+through `replay_step`, with its host work (persistent batch, sampling) unchanged; steps with
+prefill work run eagerly. `forward` keeps the older stand-in-for-a-runner use (benchmarks).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner, StepItem
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
@@ -93,6 +96,38 @@ class DecodeGraphRunner:
     def graph_size(self, n: int) -> int | None:
         return next((B for B in self.batch_sizes if B >= n), None)
 
+    def fits(self, n: int, width: int) -> bool:
+        """A decode step of n rows whose block tables are `width` wide can replay a graph."""
+        return bool(self.graphs) and self.graph_size(n) is not None and width <= self.max_blocks
+
+    @torch.inference_mode()
+    def replay_step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """A decode step whose inputs the runner already built on the device (slots and context
+        lengths included): copy them into the static buffers, pad, replay. Returns logits [n, vocab]
+        fp32, a view of the graph's static output (valid until the next replay)."""
+        n, width = input_ids.shape[0], block_tables.shape[1]
+        B = self.graph_size(n)
+        if B is None or width > self.max_blocks:
+            raise ValueError(
+                f"batch {n} x {width} blocks exceeds the captured graphs ({max(self.batch_sizes)} x {self.max_blocks})"
+            )
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slots[:n].copy_(slots)
+        self.tables[:n, :width].copy_(block_tables)
+        self.tables[:n, width:].fill_(self.pad_block)
+        self.ctx[:n].copy_(context_lens)
+        self._reset_padding(n)
+        self.graphs[B].replay()
+        return self.logits[B][:n]
+
     def _reset_padding(self, n: int) -> None:
         self.input_ids[n:].zero_()
         self.positions[n:].zero_()
@@ -143,3 +178,18 @@ class DecodeGraphRunner:
         ids = torch.tensor([it.token_ids[0] for it in items], dtype=torch.long)
         pos = torch.tensor([it.start_pos for it in items], dtype=torch.long)
         return self.replay(ids.to(dev), pos.to(dev), tables.to(dev)).cpu()
+
+
+def attach_decode_graphs(engine: LLMEngine, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES) -> DecodeGraphRunner:
+    """Capture decode graphs for a serving engine and attach them to its runner: from then on
+    every decode-only step of up to `engine.max_num_seqs` rows replays one (padded to the next
+    captured size). One KV block is taken from the engine's allocator for good as the padding
+    rows' scratch block, so padding never writes into a live sequence's pages."""
+    runner = engine.runner
+    pad = engine.blocks.allocate(1)[0]
+    sizes = tuple(b for b in batch_sizes if b < engine.max_num_seqs) + (engine.max_num_seqs,)
+    max_context = min(engine.max_context, runner.cache_cfg.num_blocks * runner.cache_cfg.block_size)
+    graphs = DecodeGraphRunner(runner, max_context=max_context, pad_block=pad, batch_sizes=sizes)
+    graphs.capture()
+    runner.graphs = graphs
+    return graphs

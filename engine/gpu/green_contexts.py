@@ -36,6 +36,7 @@ from engine.kv_cache import KVCache
 from engine.kv_layout import KVLayout
 from engine.llm_engine import LLMEngine, TokenEvent
 from engine.model_runner import ModelRunner
+from engine.sampler import Sampler
 from engine.sequence import Sequence
 
 
@@ -149,6 +150,8 @@ def share_model(runner: ModelRunner, cache_cfg: CacheConfig) -> ModelRunner:
     twin.cache_cfg = cache_cfg
     twin.layout = KVLayout.build(runner.model_cfg, cache_cfg)
     twin.cache = KVCache(twin.layout, runner.device)
+    twin.graphs = None  # graphs captured on the first runner read its pool, not this one
+    twin.sampler = Sampler(runner.device)  # its own generator: the twins sample from two threads
     return twin
 
 

@@ -1,0 +1,299 @@
+"""`pdserve bench step`: where an engine step's time goes, and transformers `generate` beside it.
+
+For each attention backend and batch size B, B prompts of `--prompt-len` random tokens go through
+the serving engine (`LLMEngine`, persistent batch, sampling on the device), all prefilled in one
+step, then `--new-tokens` greedy tokens each. Every step is split (engine `StepStats`) into:
+
+- schedule: choosing the step's work and building its inputs from the persistent batch,
+- forward: the model (on CUDA until its results are ready: the engine synchronizes for timing),
+- sample: sampling on the device and the B ids' trip to the host,
+- output: appending tokens, stop checks, rows leaving the batch;
+
+host = schedule + sample + output. Decode steps are summarised by their median.
+
+For a checkpoint (a registry model such as smollm2-135m-instruct, a Hugging Face directory or a
+.gguf file), transformers' `generate` runs the same prompts in the same run (greedy, the same
+number of new tokens, same torch threads), and its tokens are compared with the engine's: with
+fp32 weights and KV they must be equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import timing as eb
+from cli import CliError
+from cli.output import emit_json, stdout_reserved_for_json
+from costmodel.provenance import OUT_DIR_HELP, RESULTS_DIR, write_result
+
+DEFAULTS = {"batches": "1,16,64,256", "hf_batches": "1,16"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from engine.attention_registry import BACKENDS  # noqa: PLC0415 (subcommand modules load lazily)
+    from engine.config import PRESETS  # noqa: PLC0415
+
+    g = p.add_argument_group("model and device")
+    g.add_argument(
+        "--model",
+        default="tiny",
+        help=f"preset ({', '.join(PRESETS)}; random weights), registry model (e.g. smollm2-135m-instruct), "
+        "Hugging Face Llama directory or .gguf file (default tiny)",
+    )
+    g.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
+    g.add_argument("--dtype", choices=["fp8", "bf16", "fp32"], default="fp8", help="weight dtype (default fp8)")
+    g.add_argument(
+        "--kv-dtype", choices=["fp8", "bf16", "fp32"], default=None, help="default fp8, fp32 with --dtype fp32"
+    )
+    g.add_argument(
+        "--attention",
+        default="auto",
+        help=f"attention backends to compare, comma-separated ({', '.join(BACKENDS)}; default auto: "
+        "the device's fastest). `batched,reference` measures the CPU hot path against the oracle",
+    )
+    g.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode graphs (default: graphs)")
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads for both engines (default: every core; run it under the heavy lock "
+        "on a shared machine)",
+    )
+    g.add_argument("--seed", type=int, default=0, help="prompts and random weights")
+    w = p.add_argument_group("workload")
+    w.add_argument("--batches", default=DEFAULTS["batches"], help=f"batch sizes (default {DEFAULTS['batches']})")
+    w.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence (default 128)")
+    w.add_argument("--new-tokens", type=int, default=48, help="generated tokens per sequence (default 48)")
+    w.add_argument(
+        "--hf-batches",
+        default=DEFAULTS["hf_batches"],
+        help=f"batches that also run transformers `generate` (checkpoints only; '' = none; "
+        f"default {DEFAULTS['hf_batches']})",
+    )
+    o = p.add_argument_group("output")
+    o.add_argument("--out", default=None, help="result name under --out-dir (default: step-<model>-<device>)")
+    o.add_argument("--out-dir", default=None, help=OUT_DIR_HELP)
+    o.add_argument("--json", action="store_true", help="print the result as one JSON document instead of the table")
+    o.add_argument("--no-progress", action="store_true", help="no per-row progress lines on stderr")
+
+
+def _median_ms(xs: list[float]) -> float:
+    return statistics.median(xs) * 1e3 if xs else float("nan")
+
+
+def run_engine(runner: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    """All prompts through a fresh LLMEngine on `runner`: timings and the generated ids."""
+    from engine.llm_engine import LLMEngine  # noqa: PLC0415
+    from engine.sequence import SamplingParams, Sequence  # noqa: PLC0415
+
+    B = len(prompts)
+    engine = LLMEngine(runner, max_num_seqs=B, max_prefill_tokens=sum(map(len, prompts)))
+    engine.sync = True
+    if runner.graphs is not None:  # block 0, the first a fresh pool hands out, is the graphs' padding block
+        engine.blocks.allocate(1)
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    seqs = [Sequence(f"b{i}", p, params) for i, p in enumerate(prompts)]
+    for s in seqs:
+        engine.add_request(s)
+    steps = []
+    t0 = time.perf_counter()
+    while engine.has_work:
+        engine.step()
+        if engine.last_step is not None:
+            steps.append(engine.last_step)
+    total = time.perf_counter() - t0
+    if engine.blocks.num_free != engine.blocks.num_blocks - (1 if runner.graphs is not None else 0):
+        raise RuntimeError("bench step leaked KV blocks")
+    dec = [s for s in steps if s.prefill_tokens == 0]
+    return {
+        "e2e_s": total,
+        "tokens_per_s": B * new_tokens / total,
+        "prefill_steps_s": sum(s.seconds for s in steps if s.prefill_tokens),
+        "decode_steps": len(dec),
+        "decode_step_ms": _median_ms([s.seconds for s in dec]),
+        "host_ms": _median_ms([s.host_s for s in dec]),
+        "forward_ms": _median_ms([s.forward_s for s in dec]),
+        "schedule_ms": _median_ms([s.schedule_s for s in dec]),
+        "sample_ms": _median_ms([s.sample_s for s in dec]),
+        "output_ms": _median_ms([s.output_s for s in dec]),
+        "graph_steps": runner.graph_steps,
+        "_ids": [s.output_ids for s in seqs],
+    }
+
+
+def load_hf(model_dir: str, device: torch.device) -> Any:
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 (only for checkpoints)
+
+    p = Path(model_dir)
+    if p.suffix.lower() == ".gguf":
+        return AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).eval().to(device)
+    gguf = {"gguf_file": "model.gguf"} if (p / "model.gguf").exists() and not any(p.glob("*.safetensors")) else {}
+    return AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, **gguf).eval().to(device)
+
+
+@torch.inference_mode()
+def run_hf(hf: Any, prompts: list[list[int]], new_tokens: int, device: torch.device) -> dict[str, Any]:
+    ids = torch.tensor(prompts, device=device)
+    kw = dict(
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    eb.sync(device)
+    t0 = time.perf_counter()
+    out = hf.generate(ids, **kw)
+    eb.sync(device)
+    total = time.perf_counter() - t0
+    return {"e2e_s": total, "tokens_per_s": len(prompts) * new_tokens / total, "_ids": out[:, ids.shape[1] :].tolist()}
+
+
+def render(r: dict[str, Any]) -> str:
+    rows = []
+    for x in r["rows"]:
+        hf = x.get("transformers") or {}
+        rows.append(
+            [
+                x["attention"],
+                str(x["batch"]),
+                f"{x['decode_step_ms']:.2f}",
+                f"{x['host_ms']:.3f}",
+                f"{x['forward_ms']:.2f}",
+                f"{x['schedule_ms']:.3f}/{x['sample_ms']:.3f}/{x['output_ms']:.3f}",
+                f"{x['e2e_s']:.2f}",
+                f"{x['tokens_per_s']:.0f}",
+                f"{hf['e2e_s']:.2f}" if hf else "-",
+                f"{x['speedup_vs_transformers']:.2f}x" if hf else "-",
+                ("yes" if x["greedy_equal_transformers"] else "NO") if hf else "-",
+            ]
+        )
+    head = (
+        f"bench step: {r['model']} ({r['dtype']} weights, {r['kv_dtype']} KV) on {r['device']}, "
+        f"{r['prompt_len']}-token prompts, {r['new_tokens']} new tokens, {r['torch_threads']} torch threads"
+    )
+    headers = [
+        "attention",
+        "batch",
+        "decode step ms",
+        "host ms",
+        "forward ms",
+        "sched/sample/out ms",
+        "e2e s",
+        "tok/s",
+        "hf e2e s",
+        "vs hf",
+        "greedy = hf",
+    ]
+    return head + "\n" + eb.table(headers, rows)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.json:
+        with stdout_reserved_for_json():
+            return _main(args)
+    return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
+    from engine.attention_registry import BACKENDS, backend_by_name  # noqa: PLC0415
+    from engine.config import PRESETS, CacheConfig, is_checkpoint_dir, resolve_model_config  # noqa: PLC0415
+    from engine.model_registry import PullError  # noqa: PLC0415
+    from engine.model_registry import resolve as resolve_model  # noqa: PLC0415
+    from engine.model_runner import ModelRunner  # noqa: PLC0415
+
+    device = eb.resolve_device(args.device)
+    batches = eb.parse_ints(args.batches, "--batches")
+    hf_batches = eb.parse_ints(args.hf_batches, "--hf-batches") if args.hf_batches.strip() else []
+    backends = [b.strip() for b in args.attention.split(",") if b.strip()]
+    bad = [b for b in backends if b not in BACKENDS]
+    if not backends or bad:
+        raise CliError(f"--attention: choose from {', '.join(BACKENDS)} (got {args.attention!r})")
+    if args.prompt_len < 1 or args.new_tokens < 1:
+        raise CliError("--prompt-len and --new-tokens must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        raise CliError("--threads must be >= 1")
+    # Both engines run with the same explicit thread count: torch's default pool on a shared
+    # 2-core VM can oversubscribe, and the ratio is only fair if both see the same pool.
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    try:
+        model = resolve_model(args.model, progress=not args.no_progress)
+    except PullError as e:
+        raise CliError(str(e)) from None
+    if model not in PRESETS and not is_checkpoint_dir(model):
+        raise CliError(f"--model {args.model!r}: not a preset, registry model or checkpoint")
+    cfg = resolve_model_config(model)
+    ckpt = None if model in PRESETS else model
+    total = args.prompt_len + args.new_tokens
+    if total > cfg.max_position_embeddings:
+        raise CliError(f"{total} tokens exceed {cfg.name}'s context of {cfg.max_position_embeddings}")
+    kv_dtype = args.kv_dtype or ("fp32" if args.dtype == "fp32" else "fp8")
+    per_seq = -(-total // 16)
+    cache = CacheConfig(block_size=16, num_blocks=max(batches) * per_seq + 1, kv_dtype=kv_dtype)
+    runner = ModelRunner(cfg, cache, args.dtype, device, ckpt, seed=args.seed)
+    if device.type == "cuda" and not args.enforce_eager:
+        from engine.gpu.cuda_graphs import DecodeGraphRunner  # noqa: PLC0415 (CUDA only)
+
+        graphs = DecodeGraphRunner(runner, max_context=per_seq * 16, pad_block=0)
+        graphs.capture()
+        runner.graphs = graphs
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(0, cfg.vocab_size, (max(batches), args.prompt_len), generator=gen).tolist()
+    hf = load_hf(model, device) if ckpt and hf_batches else None
+    log = (lambda *a: None) if args.no_progress else (lambda *a: print("bench step:", *a, file=sys.stderr))
+    rows = []
+    for name in backends:
+        runner.backend = backend_by_name(name, device)
+        run_engine(runner, prompts[:2], 2)  # warm-up: allocator, kernels, first-call paths
+        for B in batches:
+            runner.graph_steps = 0
+            row: dict[str, Any] = {"attention": name, "backend": type(runner.backend).__name__, "batch": B}
+            row.update(run_engine(runner, prompts[:B], args.new_tokens))
+            if hf is not None and B in hf_batches:
+                if not rows or "transformers" not in rows[0]:
+                    run_hf(hf, prompts[:1], 2, device)  # warm-up
+                h = run_hf(hf, prompts[:B], args.new_tokens, device)
+                row["transformers"] = {k: v for k, v in h.items() if not k.startswith("_")}
+                row["speedup_vs_transformers"] = h["e2e_s"] / row["e2e_s"]
+                row["greedy_equal_transformers"] = h["_ids"] == row["_ids"]
+                row["greedy_equal_rows"] = sum(a == b for a, b in zip(h["_ids"], row["_ids"]))
+            row.pop("_ids")
+            rows.append(row)
+            log(f"{name} batch {B}: decode step {row['decode_step_ms']:.2f} ms, host {row['host_ms']:.3f} ms")
+    r: dict[str, Any] = {
+        "bench": "step",
+        "model": cfg.name if not ckpt else args.model,
+        "dtype": args.dtype,
+        "kv_dtype": kv_dtype,
+        "device": str(device),
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "torch_threads": torch.get_num_threads(),
+        "cuda_graphs": runner.graphs is not None,
+        "load_average": eb.load_average(),
+        "rows": rows,
+    }
+    if len(backends) > 1:  # the same batch under each backend, in this run
+        base = {x["batch"]: x for x in rows if x["attention"] == backends[-1]}
+        r["decode_step_ratio_vs_" + backends[-1]] = {
+            f"{x['attention']}@{x['batch']}": base[x["batch"]]["decode_step_ms"] / x["decode_step_ms"]
+            for x in rows
+            if x["attention"] != backends[-1]
+        }
+    out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
+    name = args.out or f"step-{Path(r['model']).name}-{device.type}"
+    path = write_result(name, r, config={k: v for k, v in vars(args).items() if not callable(v)}, out_dir=out_dir)
+    if args.json:
+        emit_json({**r, "result": str(path)})
+    else:
+        print(render(r))
+        print(f"results: {path}")
+    return 0

@@ -1,0 +1,106 @@
+"""The persistent batch (engine/input_batch.py): per-row state updated from diffs gives the same
+step inputs as building them from scratch, through joins, leaves (compaction) and block
+boundaries; and a seeded request samples the same tokens alone and inside a batch of 32."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from engine.config import PRESETS, CacheConfig
+from engine.input_batch import InputBatch
+from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
+from engine.sampler import sample
+from engine.sequence import SamplingParams, Sequence
+
+BS = 4
+
+
+def _expected(seq: Sequence) -> tuple[int, int, int, list[int]]:
+    """(input id, position, slot, blocks) of a running sequence's next decode step, from scratch."""
+    pos = seq.num_tokens - 1
+    return seq.output_ids[-1], pos, seq.block_table[pos // BS] * BS + pos % BS, seq.block_table[: pos // BS + 1]
+
+
+def test_rows_follow_joins_leaves_and_block_boundaries():
+    rng = random.Random(0)
+    batch = InputBatch(max_rows=8, max_blocks_per_row=16, block_size=BS, device=torch.device("cpu"))
+    free = list(range(200))
+    rng.shuffle(free)  # scattered, out-of-order block ids
+    live: list[Sequence] = []
+    for step in range(60):
+        if len(live) < 8 and rng.random() < 0.3:  # a sequence joins with a prompt of any length
+            prompt = [rng.randrange(300) for _ in range(rng.randrange(1, 11))]
+            seq = Sequence(
+                f"s{step}", prompt, output_ids=[rng.randrange(300)], block_table=[free.pop() for _ in range(12)]
+            )
+            batch.add(seq)
+            live.append(seq)
+        full = [s for s in live if s.num_tokens >= 12 * BS]  # its 12 blocks are used up
+        if live and (full or rng.random() < 0.2):  # a row leaves: the last row fills its place
+            gone = full[0] if full else live[rng.randrange(len(live))]
+            live.remove(gone)
+            batch.remove(gone)
+            free.extend(gone.block_table)
+        if not live:
+            continue
+        assert sorted(s.seq_id for s in batch.seqs) == sorted(s.seq_id for s in live)
+        x = batch.prepare()
+        for r, seq in enumerate(batch.seqs):
+            tok, pos, slot, blocks = _expected(seq)
+            assert (int(x.input_ids[r]), int(x.positions[r]), int(x.slots[r])) == (tok, pos, slot)
+            assert x.block_tables[r, : len(blocks)].tolist() == blocks  # appended exactly at the boundary
+            assert int(batch.num_blocks[r]) == len(blocks)
+            assert int(x.context_lens[r]) == pos + 1
+        sampled = torch.randint(0, 300, (len(batch),))
+        batch.advance(sampled)
+        for seq, tok in zip(batch.seqs, sampled.tolist()):
+            seq.output_ids.append(tok)
+
+
+def test_top_k_keeps_exactly_the_k_most_likely():
+    logits = torch.tensor([[3.0, 2.9, 2.8, -1.0, 0.0]])
+    drawn = {sample(logits, [SamplingParams(temperature=1.0, top_k=2, seed=s)], [0])[0] for s in range(200)}
+    assert drawn == {0, 1}
+
+
+def test_seeded_request_same_tokens_alone_and_in_a_batch_of_32():
+    runner = ModelRunner(PRESETS["tiny"], CacheConfig(block_size=16, num_blocks=160, kv_dtype="fp8"), "fp8")
+    probe = [
+        SamplingParams(max_tokens=12, temperature=0.9, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=1.3, top_p=0.8, top_k=20, seed=12, ignore_eos=True),
+    ]
+
+    def run(params: list[SamplingParams], prompts: list[list[int]]) -> list[list[int]]:
+        engine = LLMEngine(runner, max_num_seqs=64)
+        seqs = [Sequence(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        for s in seqs:
+            engine.add_request(s)
+        while engine.has_work:
+            engine.step()
+        assert engine.blocks.num_free == engine.blocks.num_blocks
+        return [s.output_ids for s in seqs]
+
+    g = torch.Generator().manual_seed(5)
+    prompt = lambda n: torch.randint(0, 320, (n,), generator=g).tolist()  # noqa: E731
+    probe_prompts = [prompt(21), prompt(7)]
+    alone = [run([p], [q])[0] for p, q in zip(probe, probe_prompts)]
+    # 30 other rows: greedy, unseeded random and other seeds, different lengths (so rows finish,
+    # compact and the probes move rows) around the two probes
+    others = [
+        SamplingParams(
+            max_tokens=3 + i % 9, temperature=(i % 3) * 0.7, seed=None if i % 2 else 100 + i, ignore_eos=True
+        )
+        for i in range(30)
+    ]
+    params = others[:13] + [probe[0]] + others[13:27] + [probe[1]] + others[27:]
+    prompts = [prompt(3 + i % 17) for i in range(13)] + [probe_prompts[0]]
+    prompts += [prompt(3 + i % 17) for i in range(14)] + [probe_prompts[1]] + [prompt(5) for _ in range(3)]
+    batched = run(params, prompts)
+    assert len(params) == 32
+    assert [batched[13], batched[28]] == alone
+    # and they sampled: not the greedy continuation
+    greedy = run([SamplingParams(max_tokens=12, ignore_eos=True)], [probe_prompts[0]])[0]
+    assert alone[0] != greedy
