@@ -30,7 +30,7 @@ from engine.kv_cache import KVCache, fp8_to_float32
 class _RowGroup:
     rows: slice  # decode rows of this group (positions in the step's decode order)
     tables: torch.Tensor  # [n, W] long: each row's blocks, padded
-    hidden: torch.Tensor  # [n, 1, 1, W * block_size] bool: key t is padding (t >= context length)
+    hidden: torch.Tensor  # [1, n, 1, W * block_size] bool: key t is padding (t >= context length)
 
 
 @dataclass
@@ -71,7 +71,7 @@ class BatchedAttention(TorchReferenceAttention):
             width = -(-max(ctx_d[g0:g1]) // bs)  # this group's longest context, in blocks
             t = torch.arange(width * bs, device=lens.device)
             hidden = t[None, :] >= lens[g0:g1, None].long()
-            groups.append(_RowGroup(slice(g0, g1), tables[g0:g1, :width], hidden[:, None, None, :]))
+            groups.append(_RowGroup(slice(g0, g1), tables[g0:g1, :width], hidden[None, :, None, :]))
         meta.backend_state = _StepState(tokens, groups, prefill)
 
     def forward(self, layer, q, k, v, cache, meta, scale):
@@ -97,17 +97,20 @@ class BatchedAttention(TorchReferenceAttention):
         """q [n, Hq, D] -> out [n, Hq, D] over the group's padded page window."""
         n, Hq, D = q.shape
         H = cache.layout.num_kv_heads
-        # [n, W, 2, bs, H, D] -> [2, n, H, W, bs, D]: one small (1-byte for fp8) copy, then widen
-        pages = cache.data[g.tables, layer].permute(2, 0, 4, 1, 3, 5)
-        kv = (fp8_to_float32(pages) if cache.is_fp8 else pages.contiguous()).to(q.dtype).view(2, n, H, -1, D)
-        qg = q.view(n, H, Hq // H, D)  # GQA: query head h*G + g uses KV head h
-        scores = torch.matmul(qg, kv[0].transpose(-1, -2))  # [n, H, G, T]
+        # One gather straight into [2, H, n, W, bs, D] (the pool is [blocks, L, 2, bs, H, D]): KV
+        # head outermost, so each head's [n, T, D] keys are one contiguous batch of matrices and
+        # no permuted copy of the window is needed after the gather.
+        blocks = g.tables.flatten()
+        pages = cache.data[:, layer].permute(1, 3, 0, 2, 4).index_select(2, blocks)  # [2, H, n*W, bs, D]
+        kv = (fp8_to_float32(pages) if cache.is_fp8 else pages).to(q.dtype).view(2, H, n, -1, D)
+        qh = q.view(n, H, Hq // H, D).transpose(0, 1)  # [H, n, G, D]; query head h*G + g uses KV head h
+        scores = torch.matmul(qh, kv[0].transpose(-1, -2))  # [H, n, G, T]
         if cache.scales is not None:  # fp8: per-token K scale on the scores, V scale on the probs
-            s = cache.scales[g.tables, layer].permute(2, 0, 4, 1, 3).reshape(2, n, H, 1, -1).to(q.dtype)
+            s = cache.scales[:, layer].permute(1, 3, 0, 2).index_select(2, blocks).view(2, H, n, 1, -1).to(q.dtype)
             scores = scores * (s[0] * scale)
         else:
             scores = scores * scale
         probs = scores.masked_fill_(g.hidden, float("-inf")).softmax(dim=-1)
         if cache.scales is not None:
             probs = probs * s[1]
-        return torch.matmul(probs, kv[1]).reshape(n, Hq, D)
+        return torch.matmul(probs, kv[1]).transpose(0, 1).reshape(n, Hq, D)

@@ -17,7 +17,7 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig, RopeScaling
 from engine.kv_cache import KVCache
-from engine.linear import make_linear
+from engine.linear import PackedWeight, make_linear
 
 
 class RMSNorm(nn.Module):
@@ -144,6 +144,8 @@ class LlamaModel(nn.Module):
             )
         )
 
+        self._head = PackedWeight()  # the lm_head GEMM (CPU: oneDNN-packed copy)
+
     def layer(self, i: int) -> DecoderLayer:
         """Decoder layer i, typed (a type checker sees nn.ModuleList items as plain Modules)."""
         return cast(DecoderLayer, self.layers[i])
@@ -170,4 +172,4 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> fp32 logits [B, vocab]."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return (hidden @ head.t()).float()
+        return self._head.matmul(hidden, head).float()
