@@ -31,7 +31,7 @@ import torch
 
 from benchmarks import timing as eb
 from cli import CliError
-from cli.output import emit_json, stdout_reserved_for_json
+from cli.output import emit_json
 from costmodel.provenance import OUT_DIR_HELP, RESULTS_DIR, write_result
 
 DEFAULTS = {"batches": "1,16,64,256", "hf_batches": "1,16"}
@@ -64,8 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="torch CPU threads for both engines (default: every core; run it under the heavy lock "
-        "on a shared machine)",
+        help="torch CPU threads, the same for both engines (default 1 on CPU: on the shared 2-core VM "
+        "two OpenMP threads spin against other processes and turn steps into 10-50x outliers)",
     )
     g.add_argument("--seed", type=int, default=0, help="prompts and random weights")
     w = p.add_argument_group("workload")
@@ -197,13 +197,6 @@ def render(r: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.json:
-        with stdout_reserved_for_json():
-            return _main(args)
-    return _main(args)
-
-
-def _main(args: argparse.Namespace) -> int:
     from engine.attention_registry import BACKENDS, backend_by_name  # noqa: PLC0415
     from engine.config import PRESETS, CacheConfig, is_checkpoint_dir, resolve_model_config  # noqa: PLC0415
     from engine.model_registry import PullError  # noqa: PLC0415
@@ -221,9 +214,9 @@ def _main(args: argparse.Namespace) -> int:
         raise CliError("--prompt-len and --new-tokens must be >= 1")
     if args.threads is not None and args.threads < 1:
         raise CliError("--threads must be >= 1")
-    # Both engines run with the same explicit thread count: torch's default pool on a shared
-    # 2-core VM can oversubscribe, and the ratio is only fair if both see the same pool.
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    # Both engines run with the same explicit thread count (the ratio is only fair if both see the
+    # same pool); 1 on CPU because a 2-thread pool on the shared 2-core VM oversubscribes.
+    torch.set_num_threads(args.threads or (1 if device.type == "cpu" else os.cpu_count() or 1))
     try:
         model = resolve_model(args.model, progress=not args.no_progress)
     except PullError as e:

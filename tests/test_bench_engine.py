@@ -133,3 +133,26 @@ def test_bad_input_is_one_line_error(argv, message, capsys, tmp_path):
     assert main([*argv, "--device", "cpu", "--no-progress", "--out-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_bench_step_splits_every_step_and_compares_backends(tmp_path, capsys):
+    """`bench step` on tiny: one row per (backend, batch), each decode step split into host parts
+    and forward, the backend ratio of the same run recorded."""
+    rc = main(
+        ["bench", "step", *COMMON, "--batches", "1,3", "--prompt-len", "20", "--new-tokens", "5",
+         "--attention", "batched,reference", "--out-dir", str(tmp_path), "--out", "s", "--json"]
+    )  # fmt: skip
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    assert json.loads((tmp_path / "s.json").read_text())["provenance"]["date_utc"]
+    assert [(x["attention"], x["batch"]) for x in r["rows"]] == [
+        ("batched", 1),
+        ("batched", 3),
+        ("reference", 1),
+        ("reference", 3),
+    ]
+    for x in r["rows"]:
+        assert x["decode_steps"] == 4  # 5 tokens: the first comes from the prefill step
+        for k in ("forward_ms", "schedule_ms", "sample_ms", "output_ms", "host_ms", "e2e_s"):
+            assert _positive(x[k]), (k, x)
+    assert set(r["decode_step_ratio_vs_reference"]) == {"batched@1", "batched@3"}

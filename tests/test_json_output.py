@@ -73,6 +73,19 @@ CASES: dict[tuple[str, ...], list[str]] = {
         "--out-dir",
         "{tmp}",
     ],
+    ("bench", "step"): [
+        *ENGINE,
+        "--batches",
+        "1,2",
+        "--prompt-len",
+        "8",
+        "--new-tokens",
+        "3",
+        "--attention",
+        "batched,reference",
+        "--out-dir",
+        "{tmp}",
+    ],
     # against a scripted OpenAI-compatible server (tests/fakes.py); the real server is covered by
     # `bench compare` in test_bench_compare.py
     ("bench", "serve"): [
