@@ -68,7 +68,9 @@ class InputBatch:
         """A sequence whose prompt is cached and whose first token is sampled joins the batch."""
         r = len(self.seqs)
         if r >= self.max_rows:
-            raise RuntimeError(f"input batch is full ({self.max_rows} rows)")
+            # a decode worker admits pulled sequences by blocks, not by max_num_seqs (blocks are
+            # given on demand, so it can hold more streams than that): grow rather than fail
+            self._grow(2 * self.max_rows)
         cached = seq.num_tokens - 1  # every token but the last sampled one has its K/V cached
         # the row's table is re-synced from the sequence on every join: a sequence preempted by
         # recompute comes back with a new table (its old blocks went back; some may now be shared
@@ -86,6 +88,15 @@ class InputBatch:
         self._count(seq, +1)
         self.seqs.append(seq)
         self._rows[seq.seq_id] = r
+
+    def _grow(self, rows: int) -> None:
+        """Reallocate every per-row buffer for `rows` rows, keeping the filled ones (rare)."""
+        for name in ("block_tables", "num_blocks", "lens", "next_ids", "temperature", "top_p", "top_k"):
+            old = getattr(self, name)
+            new = torch.zeros((rows, *old.shape[1:]), dtype=old.dtype, pin_memory=old.is_pinned())
+            new[: self.max_rows] = old
+            setattr(self, name, new)
+        self.max_rows = rows
 
     def remove(self, seq: Sequence) -> None:
         """The sequence leaves; the last row moves into its place."""

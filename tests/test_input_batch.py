@@ -104,3 +104,54 @@ def test_seeded_request_same_tokens_alone_and_in_a_batch_of_32():
     # and they sampled: not the greedy continuation
     greedy = run([SamplingParams(max_tokens=12, ignore_eos=True)], [probe_prompts[0]])[0]
     assert alone[0] != greedy
+
+
+def test_rows_stay_in_sync_with_blocks_on_demand_preemption_and_prefix_sharing():
+    """Rows take their block ids from the sequence at every (re)join: a row may join before its
+    next token's block exists (blocks on demand; `prepare` appends it once the engine grew the
+    table), a preempted sequence rejoins with a new table (partly shared from the prefix cache)."""
+    runner = ModelRunner(PRESETS["tiny"], CacheConfig(block_size=BS, num_blocks=40, kv_dtype="fp8"), "fp8")
+    g = torch.Generator().manual_seed(3)
+    system = torch.randint(0, 256, (22,), generator=g).tolist()
+    engine = LLMEngine(runner, chunk_size=5)
+    seqs = [
+        Sequence(
+            f"r{i}",
+            system + torch.randint(0, 256, (3 + 4 * i,), generator=g).tolist(),
+            SamplingParams(max_tokens=30, ignore_eos=True),
+        )
+        for i in range(6)
+    ]
+    for s in seqs:
+        engine.add_request(s)
+    rejoined = 0
+    while engine.has_work:
+        engine.step()
+        engine._grow_running()  # what the next step() does first (may preempt); idempotent there
+        b = engine.batch
+        x = b.prepare() if len(b) else None  # the next step's inputs
+        for r, seq in enumerate(b.seqs):
+            nb = int(b.num_blocks[r])
+            assert b.block_tables[r, :nb].tolist() == seq.block_table[:nb]
+            assert int(b.lens[r]) == seq.num_tokens - 1 and int(b.next_ids[r]) == seq.output_ids[-1]
+            rejoined += seq.preemptions > 0
+            if x is not None and nb * BS > seq.num_tokens - 1:
+                pos = seq.num_tokens - 1
+                assert int(x.slots[r]) == seq.block_table[pos // BS] * BS + pos % BS
+        engine.blocks.check()
+    assert engine.preemptions > 0 and rejoined > 0
+    assert engine.blocks.check().in_use == 0
+
+
+def test_batch_grows_past_max_rows_and_joins_without_the_next_block():
+    batch = InputBatch(max_rows=2, max_blocks_per_row=8, block_size=BS, device=torch.device("cpu"))
+    # 8 tokens cached (2 full blocks), the next token needs a 3rd block the table lacks yet
+    seqs = [Sequence(f"s{i}", list(range(8)), output_ids=[7], block_table=[10 * i, 10 * i + 1]) for i in range(5)]
+    for s in seqs:
+        batch.add(s)
+    assert batch.max_rows >= 5 and [s.seq_id for s in batch.seqs] == [s.seq_id for s in seqs]
+    for i, s in enumerate(seqs):
+        s.block_table.append(10 * i + 2)  # the engine grows the table before the step
+    x = batch.prepare()
+    assert x.slots.tolist() == [(10 * i + 2) * BS for i in range(5)]
+    assert x.block_tables.tolist() == [[10 * i, 10 * i + 1, 10 * i + 2] for i in range(5)]
