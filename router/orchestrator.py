@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from contracts.worker import CacheEvents, GenerateRequest, PrefillResult, StreamEvent, WorkerError, WorkerStats
+from contracts.worker import GenerateRequest, PrefillResult, StreamEvent, WorkerError, WorkerStats
 from engine.config import ModelConfig
 from engine.prefix_cache import block_hashes
 from router.dispatch import AutoDispatcher
@@ -88,6 +88,9 @@ class Orchestrator:
         self.block_size, self.cache_sync_s = block_size, cache_sync_s
         self.prefix_index = PrefixIndex()  # policy "prefix": which worker caches which blocks
         self._cache_sync: asyncio.Task | None = None
+        # one drain at a time per worker: draining is destructive, and two drains applied out of
+        # order could re-add an evicted hash (or drop a stored one)
+        self._sync_locks: dict[str, asyncio.Lock] = {}
         self._phase: dict[str, str] = {}  # request id -> "prefill" | "pull" | "decode"
         self._health_interval_s = health_interval_s
         self._health: asyncio.Task | None = None
@@ -212,6 +215,11 @@ class Orchestrator:
                     tl["preemptions"] = tl.get("preemptions", 0) + 1
                     continue
                 self._on_token(tl, ev)
+                if ev.finished and self.policy == "prefix":
+                    # Read-your-writes for the next turn: a client that sends turn 2 once turn 1
+                    # ended must find turn 1's blocks in the index, not wait for the next poll
+                    # (under load a poll round can take longer than the client's reply).
+                    await self._sync_workers([w for w in (prefill, decode) if w is not None])
                 yield ev
                 if ev.finished:
                     finished = True
@@ -313,12 +321,18 @@ class Orchestrator:
     async def _sync_prefix_index(self) -> None:
         """Policy "prefix": poll every live worker's cache events into the index."""
         while not self._closed:
-            workers = [w for w in self.prefill + self.decode if w.alive]
-            results = await asyncio.gather(*(w.cache_events() for w in workers), return_exceptions=True)
-            for w, r in zip(workers, results):
-                if isinstance(r, CacheEvents):
-                    self.prefix_index.apply(w.name, r)
+            await self._sync_workers(self.prefill + self.decode)
             await asyncio.sleep(self.cache_sync_s)
+
+    async def _sync_workers(self, workers: list[WorkerHandle]) -> None:
+        """Drain these workers' cache events into the index (a failed call is retried next poll)."""
+
+        async def one(w: WorkerHandle) -> None:
+            async with self._sync_locks.setdefault(w.name, asyncio.Lock()):
+                r = await w.cache_events()
+                self.prefix_index.apply(w.name, r)
+
+        await asyncio.gather(*(one(w) for w in workers if w.alive), return_exceptions=True)
 
     async def _pump(self, worker: WorkerHandle) -> None:
         """Collect token events from one decode worker and route them to request queues."""

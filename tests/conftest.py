@@ -148,3 +148,17 @@ def smollm2_hf_tokenizer(smollm2_gguf_only):
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     return AutoTokenizer.from_pretrained(smollm2_gguf_only, gguf_file="model.gguf")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster with token authentication (as pdserve's own), one per test module: the
+    serving tests' workers are Ray actors. Ray is imported here, not at the top, so test files that
+    never start a cluster do not pay for (or need) it."""
+    import ray  # noqa: PLC0415
+
+    from router.ray_cluster import start_local_ray  # noqa: PLC0415
+
+    start_local_ray(num_cpus=8, object_store_bytes=128 * 1024**2, log_to_driver=False)
+    yield
+    ray.shutdown()

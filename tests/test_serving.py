@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-ray = pytest.importorskip("ray")
+pytest.importorskip("ray")  # the servers below run on Ray (conftest.ray_cluster)
 from openai import APIStatusError, AsyncOpenAI, OpenAI  # noqa: E402
 
 from engine.config import PRESETS, CacheConfig  # noqa: E402
@@ -24,7 +24,6 @@ from engine.model_runner import ModelRunner  # noqa: E402
 from engine.sequence import SamplingParams, Sequence  # noqa: E402
 from engine.tokenizer import ByteTokenizer  # noqa: E402
 from router.config import ServeConfig  # noqa: E402
-from router.ray_cluster import start_local_ray  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
 
 PROMPTS = [
@@ -33,13 +32,6 @@ PROMPTS = [
     "A long document about disaggregated serving. " * 3,
 ]  # 15, 90 and 135 bytes
 MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    start_local_ray(num_cpus=8, object_store_bytes=128 * 1024**2, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
