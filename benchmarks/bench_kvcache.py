@@ -8,10 +8,11 @@ Two parts (`--part capacity|multiturn|both`):
   concurrent running sequences (mean and peak over steps), preemptions, steps to finish.
 - multiturn (real servers: Ray, NIXL, uvicorn, the openai client): 2P2D disaggregated, chats that
   share a system prompt and grow turn by turn (each turn's prompt = the previous prompt + its
-  reply + a new user message, sent as token ids). Run twice on fresh servers: prefix caching off
-  with round_robin routing, then caching on with `--policy prefix`. Reported per run: TTFT by turn
-  (server side: arrival to first token, from the request timeline), KV bytes pulled per request,
-  prefix hit rate on each side.
+  reply + a new user message, sent as token ids; benchmarks/multiturn.py). Run on a fresh server
+  for each setting: prefix caching off + round_robin (the baseline), caching on + round_robin,
+  caching on + `--policy prefix` (the target). Reported per run: TTFT by turn (server side:
+  arrival to first token, from the request timeline), KV bytes pulled per request, prefix hit
+  rate on each side; and baseline / target from turn 2.
 
 Writes one JSON with provenance (benchmarks/results/local/ by default) and prints one table.
 """
@@ -23,10 +24,11 @@ import asyncio
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.multiturn import MultiTurnWorkload, run_chats, summarize, table
 from cli.output import emit_json
 from costmodel.provenance import OUT_DIR_HELP, write_result
 
@@ -84,158 +86,130 @@ def run_capacity(cfg: CapacityConfig, reserve: bool) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- multi-turn
+# (prefix caching, routing policy): the issue's baseline first, its target last
+SETTINGS = ((False, "round_robin"), (True, "round_robin"), (True, "prefix"))
+
+
 @dataclass(frozen=True)
-class MultiTurnConfig:
-    conversations: int = 8
-    turns: int = 4
-    system_len: int = 384
-    user_len: int = 32
-    output_len: int = 32
+class ServerSetup:
+    model: str = "tiny"
     prefill: int = 2
     decode: int = 2
     num_blocks: int = 1024
-    seed: int = 0
 
 
-async def _conversation(client: Any, cfg: MultiTurnConfig, system: list[int], rng: random.Random) -> list[dict]:
-    prompt, out = list(system), []
-    for turn in range(cfg.turns):
-        prompt += [rng.randrange(32, 127) for _ in range(cfg.user_len)]
-        resp = await client.completions.create(
-            model="tiny",
-            prompt=prompt,
-            max_tokens=cfg.output_len,
-            temperature=0,
-            extra_body={"ignore_eos": True},
-        )
-        tl = resp.model_extra["pdserve"]["timeline"]
-        out.append({"turn": turn + 1, **{k: tl.get(k) for k in _TL_KEYS}, "bytes": tl["transfer"]["bytes"]})
-        prompt += tl["token_ids"]
-    return out
-
-
-_TL_KEYS = ("prompt_tokens", "first_token_ms", "prefill_cached_tokens", "decode_cached_tokens", "kv_blocks_pulled")
-
-
-def run_multiturn(cfg: MultiTurnConfig, caching: bool, policy: str) -> dict[str, Any]:
-    from openai import AsyncOpenAI  # noqa: PLC0415
-
-    from router.config import ServeConfig  # noqa: PLC0415
+def run_multiturn(setup: ServerSetup, wl: MultiTurnWorkload, caching: bool, policy: str) -> dict[str, Any]:
+    """One fresh server (empty caches, empty router index), the whole workload, its summary."""
+    from router.config import ServeConfig  # noqa: PLC0415 - Ray only when this part runs
     from router.serve_cli import ServerThread  # noqa: PLC0415
 
     serve = ServeConfig(
         mode="disagg",
-        model="tiny",
-        prefill=cfg.prefill,
-        decode=cfg.decode,
+        model=setup.model,
+        prefill=setup.prefill,
+        decode=setup.decode,
         policy=policy,
         prefix_cache=caching,
-        num_blocks=cfg.num_blocks,
+        num_blocks=setup.num_blocks,
         port=0,
     )
-    rng = random.Random(cfg.seed)
-    system = [rng.randrange(32, 127) for _ in range(cfg.system_len)]
-    seeds = [rng.random() for _ in range(cfg.conversations)]
     with ServerThread(serve, startup_timeout_s=300) as srv:
-
-        async def main() -> list[list[dict]]:
-            client = AsyncOpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=300)
-            return await asyncio.gather(*(_conversation(client, cfg, system, random.Random(s)) for s in seeds))
-
-        convs = asyncio.run(main())
-    rows = [r for c in convs for r in c]
-    by_turn = {}
-    for t in range(1, cfg.turns + 1):
-        rs = [r for r in rows if r["turn"] == t]
-        by_turn[t] = {
-            "ttft_p50_ms": statistics.median(r["first_token_ms"] for r in rs),
-            "bytes_per_request": statistics.fmean(r["bytes"] for r in rs),
-        }
-    later = [r for r in rows if r["turn"] >= 2]
-    prompt_tokens = sum(r["prompt_tokens"] for r in rows)
-    return {
-        "label": f"{'cache' if caching else 'no-cache'}+{policy}",
-        "by_turn": by_turn,
-        "ttft_p50_ms_turn2plus": statistics.median(r["first_token_ms"] for r in later),
-        "bytes_per_request_turn2plus": statistics.fmean(r["bytes"] for r in later),
-        "prefill_hit_rate": sum(r["prefill_cached_tokens"] or 0 for r in rows) / prompt_tokens,
-        "decode_hit_rate": sum(r["decode_cached_tokens"] or 0 for r in rows) / prompt_tokens,
-        "requests": len(rows),
-    }
+        rows = asyncio.run(run_chats(srv.base_url, wl))
+    return {"label": f"{'cache' if caching else 'no-cache'}+{policy}", **summarize(rows, wl.turns)}
 
 
 # ----------------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    c, w, m = CapacityConfig(), MultiTurnWorkload(), ServerSetup()
     p.add_argument("--part", choices=["capacity", "multiturn", "both"], default="both")
-    p.add_argument("--num-blocks", type=int, default=CapacityConfig.num_blocks, help="capacity: KV blocks in the pool")
-    p.add_argument("--requests", type=int, default=CapacityConfig.requests, help="capacity: requests sent")
-    p.add_argument("--max-tokens", type=int, default=CapacityConfig.max_tokens, help="capacity: each request's budget")
-    p.add_argument("--output-min", type=int, default=CapacityConfig.output_min, help="capacity: shortest output")
-    p.add_argument("--output-max", type=int, default=CapacityConfig.output_max, help="capacity: longest output")
-    p.add_argument("--conversations", type=int, default=MultiTurnConfig.conversations, help="multiturn: chats")
-    p.add_argument("--turns", type=int, default=MultiTurnConfig.turns, help="multiturn: turns per chat")
-    p.add_argument("--system-len", type=int, default=MultiTurnConfig.system_len, help="multiturn: shared prefix")
+    p.add_argument("--num-blocks", type=int, default=c.num_blocks, help="capacity: KV blocks in the pool")
+    p.add_argument("--requests", type=int, default=c.requests, help="capacity: requests sent")
+    p.add_argument("--max-tokens", type=int, default=c.max_tokens, help="capacity: each request's budget")
+    p.add_argument("--output-min", type=int, default=c.output_min, help="capacity: shortest output")
+    p.add_argument("--output-max", type=int, default=c.output_max, help="capacity: longest output")
+    p.add_argument("--model", default=m.model, help="multiturn: model served (e.g. smollm2-135m-instruct)")
+    p.add_argument("--prefill", type=int, default=m.prefill, help="multiturn: prefill workers")
+    p.add_argument("--decode", type=int, default=m.decode, help="multiturn: decode workers")
+    p.add_argument("--conversations", type=int, default=w.conversations, help="multiturn: chats")
+    p.add_argument("--turns", type=int, default=w.turns, help="multiturn: turns per chat")
+    p.add_argument("--system-len", type=int, default=w.system_len, help="multiturn: shared prefix")
+    p.add_argument("--user-len", type=int, default=w.user_len, help="multiturn: tokens per user message")
+    p.add_argument("--output-len", type=int, default=w.output_len, help="multiturn: tokens per reply")
     p.add_argument("--json", action="store_true", help="print the result as one JSON document")
     p.add_argument("--out", default=None, help="result name (default: kvcache)")
     p.add_argument("--out-dir", default=None, help=OUT_DIR_HELP)
 
 
+def _capacity(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    cap = CapacityConfig(
+        num_blocks=args.num_blocks,
+        requests=args.requests,
+        max_tokens=args.max_tokens,
+        output_min=args.output_min,
+        output_max=args.output_max,
+    )
+    runs = [run_capacity(cap, reserve=False), run_capacity(cap, reserve=True)]
+    ratio = runs[0]["mean_running"] / runs[1]["mean_running"]
+    lines = [
+        f"capacity: {cap.num_blocks} blocks x {cap.block_size} tokens, {cap.requests} requests, prompt "
+        f"{cap.prompt_len}, max_tokens {cap.max_tokens}, outputs {cap.output_min}-{cap.output_max}",
+        f"{'policy':<12}{'mean running':>14}{'peak':>8}{'preemptions':>13}{'steps':>8}",
+        *(
+            f"{r['policy']:<12}{r['mean_running']:>14.1f}{r['peak_running']:>8}{r['preemptions']:>13}{r['steps']:>8}"
+            for r in runs
+        ),
+        f"on demand / reserved, mean concurrent sequences: {ratio:.2f}x",
+    ]
+    return {"config": asdict(cap), "runs": runs, "mean_running_ratio": ratio}, lines
+
+
+def _multiturn(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    setup = ServerSetup(model=args.model, prefill=args.prefill, decode=args.decode)
+    wl = MultiTurnWorkload(
+        conversations=args.conversations,
+        turns=args.turns,
+        system_len=args.system_len,
+        user_len=args.user_len,
+        output_len=args.output_len,
+    )
+    runs = [run_multiturn(setup, wl, caching, policy) for caching, policy in SETTINGS]
+    base, best = runs[0], runs[-1]  # neither vs caching + prefix routing: the issue's target
+    ttft_ratio = base["ttft_p50_ms_turn2plus"] / best["ttft_p50_ms_turn2plus"]
+    bytes_ratio = base["bytes_per_request_turn2plus"] / max(1.0, best["bytes_per_request_turn2plus"])
+    lines = [
+        f"multiturn: {setup.model}, {setup.prefill}P{setup.decode}D, {wl.conversations} chats x {wl.turns} turns, "
+        f"system prompt {wl.system_len}, user {wl.user_len}, output {wl.output_len} tokens",
+        *table([(r["label"], r) for r in runs], wl.turns),
+        f"from turn 2, {best['label']} vs {base['label']}: TTFT p50 {ttft_ratio:.2f}x lower, "
+        f"KV bytes/request {bytes_ratio:.2f}x lower",
+    ]
+    result = {
+        "server": asdict(setup),
+        "workload": asdict(wl),
+        "runs": runs,
+        "ttft_p50_ratio_turn2plus": ttft_ratio,
+        "bytes_ratio_turn2plus": bytes_ratio,
+    }
+    return result, lines
+
+
 def main(args: argparse.Namespace) -> int:
     from cli import CliError  # noqa: PLC0415
 
-    if min(args.num_blocks, args.requests, args.conversations, args.turns, args.system_len, args.output_min) < 1:
-        raise CliError("--num-blocks, --requests, --conversations, --turns, --system-len, --output-min must be >= 1")
+    if min(args.num_blocks, args.requests, args.output_min, args.prefill, args.decode) < 1:
+        raise CliError("--num-blocks, --requests, --output-min, --prefill, --decode must be >= 1")
     if not args.output_min <= args.output_max <= args.max_tokens:
         raise CliError("need --output-min <= --output-max <= --max-tokens")
+    try:
+        MultiTurnWorkload(args.conversations, args.turns, args.system_len, args.user_len, args.output_len).validate()
+    except ValueError as e:
+        raise CliError(str(e)) from None
     result: dict[str, Any] = {}
-    lines = []
-    if args.part in ("capacity", "both"):
-        cap = CapacityConfig(
-            num_blocks=args.num_blocks,
-            requests=args.requests,
-            max_tokens=args.max_tokens,
-            output_min=args.output_min,
-            output_max=args.output_max,
-        )
-        runs = [run_capacity(cap, reserve=False), run_capacity(cap, reserve=True)]
-        ratio = runs[0]["mean_running"] / runs[1]["mean_running"]
-        result["capacity"] = {"config": cap.__dict__, "runs": runs, "mean_running_ratio": ratio}
-        lines += [
-            f"capacity: {cap.num_blocks} blocks x {cap.block_size} tokens, {cap.requests} requests, prompt "
-            f"{cap.prompt_len}, max_tokens {cap.max_tokens}, outputs {cap.output_min}-{cap.output_max}",
-            f"{'policy':<12}{'mean running':>14}{'peak':>8}{'preemptions':>13}{'steps':>8}",
-            *(
-                f"{r['policy']:<12}{r['mean_running']:>14.1f}{r['peak_running']:>8}{r['preemptions']:>13}{r['steps']:>8}"
-                for r in runs
-            ),
-            f"on demand / reserved, mean concurrent sequences: {ratio:.2f}x",
-        ]
-    if args.part in ("multiturn", "both"):
-        mt = MultiTurnConfig(conversations=args.conversations, turns=args.turns, system_len=args.system_len)
-        runs = [run_multiturn(mt, False, "round_robin"), run_multiturn(mt, True, "prefix")]
-        base, best = runs
-        result["multiturn"] = {
-            "config": mt.__dict__,
-            "runs": runs,
-            "ttft_p50_ratio_turn2plus": base["ttft_p50_ms_turn2plus"] / best["ttft_p50_ms_turn2plus"],
-            "bytes_ratio_turn2plus": base["bytes_per_request_turn2plus"]
-            / max(1.0, best["bytes_per_request_turn2plus"]),
-        }
-        lines += [
-            f"multiturn: {mt.prefill}P{mt.decode}D, {mt.conversations} chats x {mt.turns} turns, system prompt "
-            f"{mt.system_len}, user {mt.user_len}, output {mt.output_len} tokens",
-            f"{'run':<22}"
-            + "".join(f"{'TTFT p50 t' + str(t):>14}" for t in range(1, mt.turns + 1))
-            + f"{'bytes/req t2+':>15}{'hit P':>8}{'hit D':>8}",
-            *(
-                f"{r['label']:<22}"
-                + "".join(f"{r['by_turn'][t]['ttft_p50_ms']:>12.1f}ms" for t in range(1, mt.turns + 1))
-                + f"{r['bytes_per_request_turn2plus']:>15,.0f}{r['prefill_hit_rate']:>8.2f}{r['decode_hit_rate']:>8.2f}"
-                for r in runs
-            ),
-            f"from turn 2: TTFT p50 {result['multiturn']['ttft_p50_ratio_turn2plus']:.2f}x lower, "
-            f"KV bytes/request {result['multiturn']['bytes_ratio_turn2plus']:.2f}x lower with caching + prefix",
-        ]
+    lines: list[str] = []
+    for part, run in (("capacity", _capacity), ("multiturn", _multiturn)):
+        if args.part in (part, "both"):
+            result[part], more = run(args)
+            lines += more
     path = write_result(
         args.out or "kvcache", result, {"part": args.part}, Path(args.out_dir) if args.out_dir else None
     )

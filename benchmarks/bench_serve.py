@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serve_client import ClientConfig, ClientError, run_requests
+from benchmarks.multiturn import MultiTurnWorkload, NoTimeline, run_chats, summarize, table
+from benchmarks.serve_client import ClientConfig, ClientError, normalize_base_url, run_requests
 from cli import CliError
 from cli.output import emit_json
 from costmodel.provenance import OUT_DIR_HELP, write_result
@@ -138,7 +139,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--model", default=None, help="model name (default: first model listed by /v1/models)")
     s.add_argument("--api-key", default=d_c.api_key)
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=["random", "article", "sharegpt"], default="random")
+    g.add_argument("--workload", choices=["random", "article", "sharegpt", "multiturn"], default="random")
     g.add_argument("--sharegpt-file", default=None, help="ShareGPT-format JSON (for --workload sharegpt)")
     g.add_argument("--sharegpt-max-output-len", type=int, default=d_w.sharegpt_max_output_len)
     g.add_argument("--num-requests", type=int, default=d_w.num_requests, help="random/sharegpt requests")
@@ -170,6 +171,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--doc-rate", type=float, default=None, help="documents/s, Poisson (default: fixed spacing)")
     a.add_argument("--doc-start-s", type=float, default=d_w.doc_start_s)
     a.add_argument("--doc-interval-s", type=float, default=d_w.doc_interval_s)
+    d_m = MultiTurnWorkload()
+    m = p.add_argument_group("multi-turn chat (--workload multiturn; a pdserve server: it reads the timeline)")
+    m.add_argument("--conversations", type=int, default=d_m.conversations, help="chats, run concurrently")
+    m.add_argument("--turns", type=int, default=d_m.turns, help="turns per chat, one after another")
+    m.add_argument("--system-len", type=int, default=d_m.system_len, help="tokens of the shared system prompt")
+    m.add_argument("--user-len", type=int, default=d_m.user_len, help="tokens of each user message")
+    m.add_argument("--reply-len", type=int, default=d_m.output_len, help="tokens of each reply")
     c = p.add_argument_group("client")
     c.add_argument("--max-concurrency", type=int, default=None)
     c.add_argument("--temperature", type=float, default=0.0)
@@ -228,7 +236,38 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(workload, client, args.slo_ttft_ms, args.slo_tpot_ms)
 
 
+def multiturn_main(args: argparse.Namespace) -> int:
+    """`--workload multiturn`: TTFT by turn, prefix hit rate per side and KV bytes per request of
+    the server as it is deployed (bench kvcache compares cache and routing settings)."""
+    wl = MultiTurnWorkload(args.conversations, args.turns, args.system_len, args.user_len, args.reply_len, args.seed)
+    try:
+        wl.validate()
+        url = normalize_base_url(args.base_url)
+        rows = asyncio.run(run_chats(url, wl, args.model, args.api_key))
+    except NoTimeline as e:
+        raise CliError(str(e)) from None
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    summary = summarize(rows, wl.turns)
+    name = args.out or f"serve_multiturn_{_dt.datetime.now():%Y%m%d_%H%M%S}"
+    config = {"workload": asdict(wl), "base_url": url, "model": args.model}
+    out_dir = Path(args.results_dir) if args.results_dir else None
+    path = write_result(name, {**summary, "records": rows}, config, out_dir)
+    if args.json:
+        emit_json({"result_file": str(path), **summary})
+    else:
+        print(
+            f"multiturn @ {url}: {wl.conversations} chats x {wl.turns} turns, system prompt {wl.system_len}, "
+            f"user {wl.user_len}, reply {wl.output_len} tokens (TTFT: server side, arrival to first token)"
+        )
+        print("\n".join(table([("this server", summary)], wl.turns)))
+        print(f"results: {path}")
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.workload == "multiturn":
+        return multiturn_main(args)
     config = config_from_args(args)
     try:
         config.workload.validate()
