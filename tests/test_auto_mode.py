@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
 import pytest
@@ -31,7 +30,9 @@ from router.config import ConfigError, ServeConfig  # noqa: E402
 from router.ray_cluster import start_local_ray  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
 
-STREAM_PROMPT, STREAM_TOKENS = "Hello, pdserve!", 48
+# The stream is long enough (hundreds of decode steps) to still be in flight, under CI load, when
+# the second request is dispatched: 48 tokens once finished first and the second request saw no stream.
+STREAM_PROMPT, STREAM_TOKENS = "Hello, pdserve!", 400
 DOC_PROMPT, DOC_TOKENS = "A long document about disaggregated serving. " * 3, 8
 
 
@@ -88,13 +89,14 @@ def test_auto_places_each_request_and_records_why(ray_cluster, calibration):
                 extra_body={"ignore_eos": True},
             ):  # fmt: skip
                 chunks.append(c)
-                first.set()
+                if len(chunks) >= 4:
+                    first.set()
             got["stream"] = chunks[-1].model_extra["pdserve"]["timeline"]
 
         t = threading.Thread(target=stream)
         t.start()
         assert first.wait(60)
-        time.sleep(0.1)  # a few decode steps in: the stream is in flight on the one decode worker
+        # a few decode steps in: the stream is in flight on the one decode worker
         resp = client.completions.create(
             model="tiny", prompt=DOC_PROMPT, max_tokens=DOC_TOKENS, temperature=0, extra_body={"ignore_eos": True}
         )
