@@ -30,6 +30,7 @@ from engine.sequence import TokenLogprob
 from engine.tokenizer import Detokenizer, Tokenizer
 from router import logprobs_format as lpf
 from router import openai_protocol as oa
+from router import openai_responses as oar
 from router.config import ServeConfig
 from router.metrics import ServeMetrics
 
@@ -97,8 +98,8 @@ class _Run:
 
     def __init__(self, st: ServerState, p: oa.Prepared, t_arrival: float):
         self.st, self.p, self.t0 = st, p, t_arrival
-        self.rid = oa.new_request_id(p.kind)
-        self.created = oa.now_created()
+        self.rid = oar.new_request_id(p.kind)
+        self.created = oar.now_created()
         self.req = GenerateRequest(self.rid, p.prompt_ids, p.params)
         self.q: asyncio.Queue[Any] = asyncio.Queue()
         self.token_times: list[float] = []
@@ -128,7 +129,7 @@ class _Run:
     async def pieces(self) -> AsyncIterator[str]:
         """Text per generated token ('' while a character or a possible stop string is incomplete).
         Sets `finish_reason` when the request ends normally; raises WorkerError on failure."""
-        detok, stops = Detokenizer(self.st.tokenizer), oa.StopFilter(self.p.stop)
+        detok, stops = Detokenizer(self.st.tokenizer), oar.StopFilter(self.p.stop)
         self.pump = asyncio.ensure_future(self._pump())
         while True:
             item = await self.q.get()
@@ -208,7 +209,7 @@ class _Run:
         return len(self.token_times)
 
     def usage(self) -> dict[str, int]:
-        return oa.usage(len(self.p.prompt_ids), self.completion_tokens)
+        return oar.usage(len(self.p.prompt_ids), self.completion_tokens)
 
     def close(self) -> None:
         """Exactly once, however the request ended: free the slot, abort if needed, record metrics."""
@@ -260,28 +261,28 @@ async def _sse_events(run: _Run, request: Request) -> AsyncIterator[str]:
         async for text in run.pieces():
             if first and p.echo:
                 text = p.prompt_text + text
-            yield oa.sse(oa.stream_chunk(p, rid, created, text, None, first, logprobs=run.take_logprobs(text, first)))
+            yield oar.sse(oar.stream_chunk(p, rid, created, text, None, first, logprobs=run.take_logprobs(text, first)))
             first = False
         if run.finish_reason is None:  # the client left; nobody to tell
             return
         tl = run.st.orch().timeline(rid)
-        yield oa.sse(
-            oa.stream_chunk(
+        yield oar.sse(
+            oar.stream_chunk(
                 p, rid, created, "", run.finish_reason, first, timeline=None if p.include_usage else (tl or {})
             )
         )
         if p.include_usage:
-            yield oa.sse(oa.usage_chunk(p, rid, created, run.usage(), tl))
+            yield oar.sse(oar.usage_chunk(p, rid, created, run.usage(), tl))
     except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band, like vLLM
         run.failed = True
         if isinstance(e, WorkerError):
             log.error("request %s failed: %s", rid, e)
         else:
             log.exception("request %s failed", rid)
-        yield oa.sse(oa.error_body(f"The request failed: {e}", "server_error", code="worker_error"))
+        yield oar.sse(oa.error_body(f"The request failed: {e}", "server_error", code="worker_error"))
     finally:
         watcher.cancel()
-    yield oa.SSE_DONE
+    yield oar.SSE_DONE
 
 
 async def _complete(run: _Run, request: Request) -> Response:
@@ -301,7 +302,7 @@ async def _complete(run: _Run, request: Request) -> Response:
     if run.finish_reason is None:  # the client left
         return Response(status_code=499)
     full_text = run.p.prompt_text + text if run.p.echo else text
-    body = oa.full_response(
+    body = oar.full_response(
         run.p,
         run.rid,
         run.created,
@@ -424,7 +425,7 @@ def create_app(orchestrator: Any, tokenizer: Tokenizer, cfg: ServeConfig, *, lif
                 param="request_id",
                 code="request_not_found",
             )
-        return oa.json_safe(tl)
+        return oar.json_safe(tl)
 
     @app.get("/metrics", dependencies=protected)
     async def metrics() -> Response:

@@ -12,6 +12,7 @@ import pytest
 
 from engine.tokenizer import ByteTokenizer
 from router import openai_protocol as oa
+from router import openai_responses as oar
 from router.config import ConfigError, ServeConfig
 
 TOK = ByteTokenizer()
@@ -219,7 +220,7 @@ def test_max_completion_tokens_wins():
 
 # ------------------------------------------------------------------------------ stop strings
 def feed(stops, deltas):
-    f = oa.StopFilter(tuple(stops))
+    f = oar.StopFilter(tuple(stops))
     out = [f.push(d) for d in deltas]
     return out, f
 
@@ -256,31 +257,31 @@ P_CHAT = chat(stream=True, stream_options={"include_usage": True})
 
 
 def test_full_responses():
-    use = oa.usage(5, 3)
+    use = oar.usage(5, 3)
     assert use == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
-    r = oa.full_response(completion(), "cmpl-1", 100, "abc", "length", use, {"transfer": {"gbytes_per_s": math.inf}})
+    r = oar.full_response(completion(), "cmpl-1", 100, "abc", "length", use, {"transfer": {"gbytes_per_s": math.inf}})
     assert r["object"] == "text_completion" and r["choices"][0]["text"] == "abc"
     assert r["choices"][0]["finish_reason"] == "length" and r["usage"] == use
     assert r["pdserve"]["timeline"]["transfer"]["gbytes_per_s"] is None  # strict JSON has no inf
     json.dumps(r, allow_nan=False)
-    r = oa.full_response(chat(), "chatcmpl-1", 100, "hi", "stop", use, None)
+    r = oar.full_response(chat(), "chatcmpl-1", 100, "hi", "stop", use, None)
     assert r["object"] == "chat.completion"
     assert r["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
 
 
 def test_stream_chunks():
-    c = oa.stream_chunk(P_CHAT, "chatcmpl-1", 1, "a", None, first=True)
+    c = oar.stream_chunk(P_CHAT, "chatcmpl-1", 1, "a", None, first=True)
     assert c["object"] == "chat.completion.chunk" and c["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
-    assert oa.stream_chunk(P_CHAT, "x", 1, "", None)["choices"][0]["delta"] == {"content": ""}
-    last = oa.stream_chunk(P_CHAT, "x", 1, "", "stop", timeline={"a": 1})
+    assert oar.stream_chunk(P_CHAT, "x", 1, "", None)["choices"][0]["delta"] == {"content": ""}
+    last = oar.stream_chunk(P_CHAT, "x", 1, "", "stop", timeline={"a": 1})
     assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "stop"
     assert last["pdserve"] == {"timeline": {"a": 1}}
-    c = oa.stream_chunk(P_CMPL, "cmpl-1", 1, "t", None)
+    c = oar.stream_chunk(P_CMPL, "cmpl-1", 1, "t", None)
     assert c["choices"][0] == {"index": 0, "text": "t", "logprobs": None, "finish_reason": None}
-    u = oa.usage_chunk(P_CMPL, "cmpl-1", 1, oa.usage(1, 2), None)
+    u = oar.usage_chunk(P_CMPL, "cmpl-1", 1, oar.usage(1, 2), None)
     assert u["choices"] == [] and u["usage"]["total_tokens"] == 3 and "pdserve" in u
-    assert oa.sse({"a": 1}) == 'data: {"a":1}\n\n' and oa.SSE_DONE == "data: [DONE]\n\n"
-    assert oa.new_request_id("completion").startswith("cmpl-") and oa.new_request_id("chat").startswith("chatcmpl-")
+    assert oar.sse({"a": 1}) == 'data: {"a":1}\n\n' and oar.SSE_DONE == "data: [DONE]\n\n"
+    assert oar.new_request_id("completion").startswith("cmpl-") and oar.new_request_id("chat").startswith("chatcmpl-")
 
 
 # ------------------------------------------------------------------------------ ServeConfig
