@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import time
@@ -266,10 +267,12 @@ def main(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     result: dict[str, Any] = {}
     lines: list[str] = []
+    load_start = os.getloadavg()  # the machine is shared: how busy it was, beside the figures
     for part, run in (("capacity", _capacity), ("multiturn", _multiturn)):
         if args.part in (part, "both"):
             result[part], more = run(args)
             lines += more
+    result["load_average"] = {"start": load_start, "end": os.getloadavg()}
     path = write_result(
         args.out or "kvcache", result, {"part": args.part}, Path(args.out_dir) if args.out_dir else None
     )
