@@ -5,7 +5,10 @@ Two parts (`--part capacity|multiturn|both`):
 - capacity (in this process, one engine, the tiny model): the same stream of requests
   (`max_tokens` 1024, outputs drawn in 100-300 tokens: the request ends there, as at an EOS) on
   the same pool, blocks given on demand vs prompt + max_tokens reserved at admission. Reported:
-  concurrent running sequences (mean and peak over steps), preemptions, steps to finish.
+  concurrent running sequences (the capacity: mean over the steps while requests still wait for
+  the pool; also the mean over all busy steps and the peak), preemptions, steps to finish; beside
+  them, the article's capacity table and its KV accounting applied to this pool (predicted, not
+  measured: costmodel/kv_capacity.py).
 - multiturn (real servers: Ray, NIXL, uvicorn, the openai client): 2P2D disaggregated, chats that
   share a system prompt and grow turn by turn (each turn's prompt = the previous prompt + its
   reply + a new user message, sent as token ids; benchmarks/multiturn.py). Run on a fresh server
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import time
@@ -30,6 +34,8 @@ from typing import Any
 
 from benchmarks.multiturn import MultiTurnWorkload, run_chats, summarize, table
 from cli.output import emit_json
+from costmodel import cost_model as cm
+from costmodel import kv_capacity as kv
 from costmodel.provenance import OUT_DIR_HELP, write_result
 
 
@@ -47,40 +53,57 @@ class CapacityConfig:
     seed: int = 0
 
 
+def draw_requests(cfg: CapacityConfig) -> list[tuple[list[int], int]]:
+    """(prompt ids, output length) of each request: the same seeded stream for both policies."""
+    rng = random.Random(cfg.seed)
+    return [
+        ([rng.randrange(32, 127) for _ in range(cfg.prompt_len)], rng.randint(cfg.output_min, cfg.output_max))
+        for _ in range(cfg.requests)
+    ]
+
+
 def run_capacity(cfg: CapacityConfig, reserve: bool) -> dict[str, Any]:
     from engine.config import PRESETS, CacheConfig  # noqa: PLC0415 - torch only when this part runs
     from engine.llm_engine import LLMEngine  # noqa: PLC0415
     from engine.model_runner import ModelRunner  # noqa: PLC0415
     from engine.sequence import SamplingParams, Sequence  # noqa: PLC0415
 
-    rng = random.Random(cfg.seed)
     runner = ModelRunner(
         PRESETS["tiny"], CacheConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, kv_dtype="fp8"), "fp8"
     )
     engine = LLMEngine(runner, max_num_seqs=cfg.max_num_seqs, reserve_budget=reserve, enable_prefix_caching=False)
     target: dict[str, int] = {}
-    for i in range(cfg.requests):
-        prompt = [rng.randrange(32, 127) for _ in range(cfg.prompt_len)]
+    for i, (prompt, output_len) in enumerate(draw_requests(cfg)):
         seq = Sequence(f"c{i}", prompt, SamplingParams(max_tokens=cfg.max_tokens, ignore_eos=True))
-        target[seq.seq_id] = rng.randint(cfg.output_min, cfg.output_max)
+        target[seq.seq_id] = output_len
         engine.add_request(seq)
-    running, steps, t0 = [], 0, time.perf_counter()
+    running, saturated, steps, t0 = [], [], 0, time.perf_counter()
+    emitted = 0
     while engine.has_work:
+        waiting = bool(engine.waiting)  # requests still queued: the pool, not the demand, is the limit
         events = engine.step()
         steps += 1
         running.append(len(engine.running))
+        if waiting:
+            saturated.append(len(engine.running))
         for ev in events:  # the drawn output length plays the part of an EOS
+            emitted += 1
             if not ev.finished and ev.index + 1 >= target[ev.seq_id]:
                 engine.abort(ev.seq_id)
         engine.blocks.check() if steps % 64 == 0 else None
     assert engine.blocks.check().in_use == 0
+    assert emitted == sum(target.values()), "every request emits exactly its drawn output length, once"
     busy = [r for r in running if r]
     return {
         "policy": "reserved" if reserve else "on_demand",
+        # the capacity: sequences the pool holds while requests are still waiting for it
+        "mean_running_saturated": statistics.fmean(saturated) if saturated else statistics.fmean(busy),
+        "saturated_steps": len(saturated),
         "mean_running": statistics.fmean(busy),
         "peak_running": max(running),
         "preemptions": engine.preemptions,
         "steps": steps,
+        "tokens_emitted": emitted,
         "seconds": time.perf_counter() - t0,
     }
 
@@ -140,6 +163,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out-dir", default=None, help=OUT_DIR_HELP)
 
 
+def _article(cap: CapacityConfig) -> dict[str, Any]:
+    """The article's arithmetic beside the measurement: its capacity table (Llama-3.1-70B FP8 on
+    one H100, each sequence charged its real 4,096-token context) and the same KV accounting
+    applied to this pool and workload (costmodel/kv_capacity.py)."""
+    from engine.config import PRESETS  # noqa: PLC0415 - the pool's model, as run_capacity serves it
+
+    pool = kv.pool_capacity(
+        cm.ModelSpec.from_config(PRESETS["tiny"]),
+        cap.num_blocks,
+        cap.block_size,
+        cap.prompt_len,
+        cap.max_tokens,
+        [n for _, n in draw_requests(cap)],
+    )
+    rates = (0.25, 0.5, 1.0, 2.0)
+    table = cm.capacity_table(cm.ARTICLE_MODEL, cm.ARTICLE_HW, rates)
+    batch = kv.article_batch_kv(cm.ARTICLE_MODEL, cm.ARTICLE_HW)
+    return {
+        "source": "arithmetic (the article's cost model), not measured",
+        "article_table": [asdict(r) for r in table],
+        "article_batch_kv": {**asdict(batch), "fits_one_gpu": batch.fits_one_gpu, "batch": 32, "ctx": 4096},
+        "this_pool": {**asdict(pool), "ratio": pool.ratio, "ratio_blocks": pool.ratio_blocks},
+    }
+
+
 def _capacity(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     cap = CapacityConfig(
         num_blocks=args.num_blocks,
@@ -149,18 +197,31 @@ def _capacity(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         output_max=args.output_max,
     )
     runs = [run_capacity(cap, reserve=False), run_capacity(cap, reserve=True)]
-    ratio = runs[0]["mean_running"] / runs[1]["mean_running"]
+    ratio = runs[0]["mean_running_saturated"] / runs[1]["mean_running_saturated"]
+    art = _article(cap)
+    pool, ab = art["this_pool"], art["article_batch_kv"]
+    predicted = {"on_demand": pool["on_demand_sequences"], "reserved": pool["reserved_sequences"]}
+    in_blocks = {"on_demand": pool["on_demand_sequences_blocks"], "reserved": pool["reserved_sequences_blocks"]}
     lines = [
-        f"capacity: {cap.num_blocks} blocks x {cap.block_size} tokens, {cap.requests} requests, prompt "
-        f"{cap.prompt_len}, max_tokens {cap.max_tokens}, outputs {cap.output_min}-{cap.output_max}",
-        f"{'policy':<12}{'mean running':>14}{'peak':>8}{'preemptions':>13}{'steps':>8}",
+        f"capacity: {cap.num_blocks} blocks x {cap.block_size} tokens ({pool['pool_tokens']:,} tokens, "
+        f"{pool['pool_bytes'] / 2**20:.1f} MiB of FP8 KV), {cap.requests} requests, prompt {cap.prompt_len}, "
+        f"max_tokens {cap.max_tokens}, outputs {cap.output_min}-{cap.output_max}",
+        "article's capacity table (Llama-3.1-70B FP8, one H100, arithmetic): decode sequences that fit "
+        + ", ".join(f"{r['decode_sequences']:.1f} at {r['prefills_per_s']:g}" for r in art["article_table"])
+        + f" prefills/s, each charged its real context: 4,096 tokens = {ab['kv_bytes_per_sequence'] / 1e6:.0f} MB",
+        f"the same accounting for this pool: reserved charges the budget ({pool['reserved_context']} tokens), "
+        f"on demand the context really held ({pool['on_demand_context']:.1f} tokens, mean over running steps)",
+        f"{'policy':<12}{'predicted':>11}{'in blocks':>11}{'measured':>10}{'peak':>6}{'preemptions':>13}{'steps':>8}",
         *(
-            f"{r['policy']:<12}{r['mean_running']:>14.1f}{r['peak_running']:>8}{r['preemptions']:>13}{r['steps']:>8}"
+            f"{r['policy']:<12}{predicted[r['policy']]:>11.1f}{in_blocks[r['policy']]:>11.1f}"
+            f"{r['mean_running_saturated']:>10.1f}{r['peak_running']:>6}{r['preemptions']:>13}{r['steps']:>8}"
             for r in runs
         ),
-        f"on demand / reserved, mean concurrent sequences: {ratio:.2f}x",
+        f"on demand / reserved, concurrent sequences while requests wait: measured {ratio:.2f}x, "
+        f"article arithmetic {pool['ratio']:.2f}x ({pool['ratio_blocks']:.2f}x in whole blocks)",
     ]
-    return {"config": asdict(cap), "runs": runs, "mean_running_ratio": ratio}, lines
+    result = {"config": asdict(cap), "runs": runs, "concurrent_ratio": ratio, "article": art}
+    return result, lines
 
 
 def _multiturn(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
@@ -206,10 +267,12 @@ def main(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     result: dict[str, Any] = {}
     lines: list[str] = []
+    load_start = os.getloadavg()  # the machine is shared: how busy it was, beside the figures
     for part, run in (("capacity", _capacity), ("multiturn", _multiturn)):
         if args.part in (part, "both"):
             result[part], more = run(args)
             lines += more
+    result["load_average"] = {"start": load_start, "end": os.getloadavg()}
     path = write_result(
         args.out or "kvcache", result, {"part": args.part}, Path(args.out_dir) if args.out_dir else None
     )

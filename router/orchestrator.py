@@ -37,6 +37,7 @@ REPLACE_BACKOFF_MAX_S = 5.0  # between attempts to replace a dead worker whose n
 ReplaceFn = Callable[[WorkerHandle], Awaitable["WorkerHandle | None"]]
 HEALTH_INTERVAL_S = 1.0  # every worker is pinged this often (a dead idle prefill worker is found)
 HEALTH_TIMEOUT_S = 10.0  # a ping unanswered this long (after transient-error retries) means dead
+STATS_REFRESH_S = 0.25  # worker stats (load for least_loaded/prefix, step fits for auto) this fresh
 # What a prefill worker's death can still break: requests waiting for it, or pulling its KV.
 # Past the pull ("decode"), the KV lives on the decode worker and the stream needs nothing from it.
 NEEDS_PREFILL = ("prefill", "pull")
@@ -100,8 +101,8 @@ class Orchestrator:
     async def start(self) -> None:
         for w in self.decode:
             self._pumps[w.name] = asyncio.create_task(self._pump(w))
-        if self.dispatcher is not None:
-            self._pumps["_step_fit"] = asyncio.create_task(self._refine_fits())
+        if self.dispatcher is not None or self.policy != "round_robin":
+            self._pumps["_stats"] = asyncio.create_task(self._refresh_stats())
         if self.policy == "prefix":
             self._cache_sync = asyncio.create_task(self._sync_prefix_index())
         if self._health_interval_s > 0:
@@ -282,17 +283,20 @@ class Orchestrator:
             return None
         return prefill
 
-    async def _refine_fits(self) -> None:
-        """Auto: read the workers' recent steps into the dispatcher's fits, a few times a second."""
-        assert self.dispatcher is not None
+    async def _refresh_stats(self) -> None:
+        """Read every worker's stats a few times a second: least_loaded (and prefix's tie-break)
+        weigh queue depth and free blocks from them, and auto's dispatcher refines its step fits
+        from their recent steps. Without this loop only a /metrics scrape refreshed them."""
         while not self._closed:
             try:
-                self.dispatcher.observe_stats(await self.stats())
+                stats = await self.stats()
+                if self.dispatcher is not None:
+                    self.dispatcher.observe_stats(stats)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # noqa: BLE001 - a missed refresh only delays the refinement
-                log.debug("step-fit refresh failed: %r", e)
-            await asyncio.sleep(0.25)
+            except Exception as e:  # noqa: BLE001 - a missed refresh only leaves the last stats a while longer
+                log.debug("stats refresh failed: %r", e)
+            await asyncio.sleep(STATS_REFRESH_S)
 
     # ---- internals -----------------------------------------------------------------------------
     async def _abort_on(self, rid: str, prefill: WorkerHandle | None, decode: WorkerHandle) -> None:

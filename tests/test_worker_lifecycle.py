@@ -21,7 +21,7 @@ from decode_worker.worker import DecodeWorker
 from engine.config import PRESETS
 from engine.sequence import SamplingParams
 from prefill_worker.worker import PrefillWorker
-from router.orchestrator import Orchestrator
+from router.orchestrator import STATS_REFRESH_S, Orchestrator
 from router.worker_handle import WorkerHandle
 
 _names = itertools.count()
@@ -350,6 +350,38 @@ def test_orchestrator_colocated_timeline_and_active_counts():
         _wait(lambda: _all_free(d), what="every block freed")
     finally:
         d.shutdown()
+
+
+def test_least_loaded_reads_stats_refreshed_without_a_metrics_scrape():
+    """least_loaded weighs the workers' own stats (queue depth, free blocks): the orchestrator
+    refreshes them itself, so a worker busy with work the router did not count (here a request
+    submitted to it directly) is avoided although no /metrics scrape ever ran."""
+    busy = DecodeWorker(_cfg(num_blocks=128), f"ll-busy-{next(_names)}", colocated=True)
+    idle = DecodeWorker(_cfg(num_blocks=128), f"ll-idle-{next(_names)}", colocated=True)
+    dh = [WorkerHandle(w.name, "decode", w, is_ray=False) for w in (busy, idle)]
+    orch = Orchestrator("colocated", PRESETS["tiny"], [], dh, policy="least_loaded")
+    busy.submit_prompt(_req("direct", 1500, LONG))  # grows on `busy` for seconds; the router never saw it
+
+    async def main():
+        await orch.start()
+        try:
+            deadline = time.monotonic() + 10
+            while busy.stats().blocks_free >= idle.stats().blocks_free:
+                assert time.monotonic() < deadline, "the direct request never took blocks"
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(3 * STATS_REFRESH_S)  # at least one refresh after it took them
+            await _drain(orch, _req("ll1", 2))
+            assert orch.timeline("ll1")["decode_worker"] == idle.name
+        finally:
+            await orch.shutdown()
+
+    try:
+        asyncio.run(main())
+        assert busy.abort("direct")
+        _wait(lambda: _all_free(busy, idle), what="every block freed")
+    finally:
+        busy.shutdown()
+        idle.shutdown()
 
 
 def test_orchestrator_failed_transfer_is_an_error_and_frees_both_pools(make_pair):
