@@ -150,6 +150,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     g.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per worker")
     g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="turn automatic prefix caching off in every pool (the simulator has no cache: with it on, "
+        "a document sent again is neither prefilled nor pulled in full)",
+    )
     g.add_argument("--startup-timeout-s", type=float, default=300.0)
     w = p.add_argument_group("workload (the article mix; defaults are CPU-sized)")
     for flag, key in (
@@ -431,6 +437,8 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     )
     gpus = 0.0 if device == "cpu" else None
     cfg_kw = dict(model=args.model, device=device, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs)
+    if args.no_prefix_cache:
+        cfg_kw["prefix_cache"] = False
     from benchmarks.link_probe import cluster_kwargs, rehearsal_link  # noqa: PLC0415 - keeps this file short
 
     cfg_kw.update(cluster_kwargs(args))
