@@ -95,7 +95,7 @@ def predict_documents(
                 "transfer_bytes": s.prompt_len * cm.kv_bytes_per_token(setup.steps.model, setup.steps.kv_dtype)
                 if pulled
                 else None,
-                "decode_wait_ms": (r.admitted - t[0] - r.transfer_s) * 1e3 if pulled else None,
+                "decode_wait_ms": max(0.0, round((r.admitted - t[0] - r.transfer_s) * 1e3, 6)) if pulled else None,
             }
         )
     return out
