@@ -471,15 +471,26 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
             sc = cp.sim_config(
                 r.spec.mode, r.spec.chunk_size, r.spec.prefill, r.spec.decode, args.max_num_seqs, setup.link
             )
-            predictions[r.spec.label] = cp.predict(r.spec.label, sc, setup, specs, args.slo_ttft_ms, args.slo_tpot_ms)
+            sim_specs = served_prompt_lengths(specs, r)
+            predictions[r.spec.label] = cp.predict(
+                r.spec.label, sc, setup, sim_specs, args.slo_ttft_ms, args.slo_tpot_ms
+            )
             if r.probes is not None:
                 from benchmarks.link_probe import predict_documents  # noqa: PLC0415
 
                 r.probes = [
                     {"measured": m, "simulated": p}
-                    for m, p in zip(r.probes, predict_documents(setup, sc, specs, args.link_gbps, r.probes))
+                    for m, p in zip(r.probes, predict_documents(setup, sc, sim_specs, args.link_gbps, r.probes))
                 ]
     return _payload(args, device, wl, specs, runs, predictions, setup, setup_error, cal, check_equality(runs))
+
+
+def served_prompt_lengths(specs: list[RequestSpec], run: ModeRun) -> list[RequestSpec]:
+    """The workload as the server saw it: each prompt's length in the model's own tokens
+    (usage.prompt_tokens of the timed run). A real tokenizer turns a 1024-word document into ~600
+    tokens; the simulator must price those, not the workload's nominal length."""
+    served = {x.request_id: x.prompt_tokens for x in run.bench.records if x.prompt_tokens} if run.bench else {}
+    return [replace(s, prompt_len=served.get(s.request_id, s.prompt_len)) for s in specs]
 
 
 def find_calibration(given: str | None, out_dir: Path, model: str, device_kind: str) -> Path:
