@@ -122,7 +122,8 @@ def plot(table: list[dict[str, Any]], path: Path) -> None:
                 )
         ax.set_xticks(list(pos), labels)
         ax.set_ylabel(unit)
-        ax.legend(fontsize=7)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.35)  # headroom: the legend sits above the bars
+        ax.legend(fontsize=7, ncol=2, loc="upper center")
     a.set_title("one document alone (stall: timed run)")
     c.set_title("KV pull and decode admission")
     for key, name in (("transfer_share_of_ttst", "of TTST"), ("transfer_share_of_second_gap", "of TTST - TTFT")):
