@@ -150,6 +150,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     g.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per worker")
     g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="turn automatic prefix caching off in every pool (the simulator has no cache: with it on, "
+        "a document sent again is neither prefilled nor pulled in full)",
+    )
     g.add_argument("--startup-timeout-s", type=float, default=300.0)
     w = p.add_argument_group("workload (the article mix; defaults are CPU-sized)")
     for flag, key in (
@@ -431,6 +437,8 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     )
     gpus = 0.0 if device == "cpu" else None
     cfg_kw = dict(model=args.model, device=device, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs)
+    if args.no_prefix_cache:
+        cfg_kw["prefix_cache"] = False
     from benchmarks.link_probe import cluster_kwargs, rehearsal_link  # noqa: PLC0415 - keeps this file short
 
     cfg_kw.update(cluster_kwargs(args))
@@ -463,15 +471,26 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
             sc = cp.sim_config(
                 r.spec.mode, r.spec.chunk_size, r.spec.prefill, r.spec.decode, args.max_num_seqs, setup.link
             )
-            predictions[r.spec.label] = cp.predict(r.spec.label, sc, setup, specs, args.slo_ttft_ms, args.slo_tpot_ms)
+            sim_specs = served_prompt_lengths(specs, r)
+            predictions[r.spec.label] = cp.predict(
+                r.spec.label, sc, setup, sim_specs, args.slo_ttft_ms, args.slo_tpot_ms
+            )
             if r.probes is not None:
                 from benchmarks.link_probe import predict_documents  # noqa: PLC0415
 
                 r.probes = [
                     {"measured": m, "simulated": p}
-                    for m, p in zip(r.probes, predict_documents(setup, sc, specs, args.link_gbps, r.probes))
+                    for m, p in zip(r.probes, predict_documents(setup, sc, sim_specs, args.link_gbps, r.probes))
                 ]
     return _payload(args, device, wl, specs, runs, predictions, setup, setup_error, cal, check_equality(runs))
+
+
+def served_prompt_lengths(specs: list[RequestSpec], run: ModeRun) -> list[RequestSpec]:
+    """The workload as the server saw it: each prompt's length in the model's own tokens
+    (usage.prompt_tokens of the timed run). A real tokenizer turns a 1024-word document into ~600
+    tokens; the simulator must price those, not the workload's nominal length."""
+    served = {x.request_id: x.prompt_tokens for x in run.bench.records if x.prompt_tokens} if run.bench else {}
+    return [replace(s, prompt_len=served.get(s.request_id, s.prompt_len)) for s in specs]
 
 
 def find_calibration(given: str | None, out_dir: Path, model: str, device_kind: str) -> Path:

@@ -77,12 +77,16 @@ def markdown(table: list[dict[str, Any]]) -> str:
 
         lines.append(
             f"| {x['mode']} | {x['link_gbps']:g} Gbit/s | {pair(x['ttft_ms'])} | {pair(x['ttst_ms'])} | "
-            f"{_f(x['decode_wait_ms']['measured'])} | {pair(x['transfer_ms'])} | {pair(x['stall_max_ms'])} | "
+            f"{pair(x['decode_wait_ms'])} | {pair(x['transfer_ms'])} | {pair(x['stall_max_ms'])} | "
             f"{_f(x['pull_gbits_per_s'], '{:.2f}')} | {pair(x['transfer_share_of_ttst'], '{:.0%}')} | "
             f"{pair(x['transfer_share_of_second_gap'], '{:.0%}')} |"
         )
     return (
-        head + "\n".join(lines) + "\n\nmeasured (simulated for that link); each document alone, mean over documents\n"
+        head
+        + "\n".join(lines)
+        + "\n\nmeasured (simulated: the simulator with this machine's calibration, the KV priced at that link's "
+        "rate); each document alone, mean over documents; max stall: the longest gap of a chat stream in the "
+        "timed run\n"
     )
 
 
@@ -94,27 +98,34 @@ def plot(table: list[dict[str, Any]], path: Path) -> None:
 
     table = [x for x in table if x["transfer_ms"]["measured"] is not None]  # the modes that pull KV
     has_sim = any(x["ttst_ms"]["simulated"] is not None for x in table)
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, c, b) = plt.subplots(1, 3, figsize=(15, 4.2))
     labels = [f"{x['mode']}\n{x['link_gbps']:g} Gbit/s" for x in table]
     pos = range(len(table))
-    parts = [("TTFT", "ttft_ms"), ("2nd token", "ttst_ms"), ("transfer", "transfer_ms")]
-    w = 0.13
-    for i, (name, key) in enumerate(parts):
-        a.bar([p + (2 * i - 2.5) * w for p in pos], [x[key]["measured"] or 0 for x in table], w, label=f"{name}")
-        if not has_sim:
-            continue
-        a.bar(
-            [p + (2 * i - 1.5) * w for p in pos],
-            [x[key]["simulated"] or 0 for x in table],
-            w,
-            alpha=0.45,
-            hatch="//",
-            label=f"{name} (simulated)",
-        )
-    a.set_xticks(list(pos), labels)
-    a.set_ylabel("ms (one document alone)")
-    a.set_title("document latency on the rehearsal link")
-    a.legend(fontsize=7)
+    panels = (
+        (a, [("TTFT", "ttft_ms"), ("2nd token", "ttst_ms"), ("max stall", "stall_max_ms")], "ms"),
+        (c, [("transfer", "transfer_ms"), ("decode wait", "decode_wait_ms")], "ms"),
+    )
+    for ax, parts, unit in panels:
+        n = len(parts) * (2 if has_sim else 1)
+        w = 0.8 / n
+        for i, (name, key) in enumerate(parts):
+            j = 2 * i if has_sim else i
+            ax.bar([p + (j - (n - 1) / 2) * w for p in pos], [x[key]["measured"] or 0 for x in table], w, label=name)
+            if has_sim:
+                ax.bar(
+                    [p + (j + 1 - (n - 1) / 2) * w for p in pos],
+                    [x[key]["simulated"] or 0 for x in table],
+                    w,
+                    alpha=0.45,
+                    hatch="//",
+                    label=f"{name} (simulated)",
+                )
+        ax.set_xticks(list(pos), labels)
+        ax.set_ylabel(unit)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.35)  # headroom: the legend sits above the bars
+        ax.legend(fontsize=7, ncol=2, loc="upper center")
+    a.set_title("one document alone (stall: timed run)")
+    c.set_title("KV pull and decode admission")
     for key, name in (("transfer_share_of_ttst", "of TTST"), ("transfer_share_of_second_gap", "of TTST - TTFT")):
         b.plot(labels, [100 * (x[key]["measured"] or 0) for x in table], "o-", label=f"measured, {name}")
         if has_sim:

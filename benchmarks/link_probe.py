@@ -4,7 +4,7 @@ After a mode's timed run, each document of the workload is sent again, alone (no
 flight), streamed: the client times its first and second token, and the request's timeline
 (GET /v1/requests/{id}/timeline) gives the KV pull (bytes, ms, measured Gbit/s) and the decode
 admission wait. Beside each figure: the simulator's prediction for the same request on a link of
-G Gbit/s (labelled simulated), and the nominal pull time bytes / G.
+G Gbit/s (labelled simulated); the timeline also gives the nominal pull time bytes / G.
 
 The figure the article turns on: the transfer's share of time-to-second-token. TTFT never waits
 for the KV (the prefill worker samples the first token); the second token does.
@@ -61,6 +61,9 @@ def probe_documents(base_url: str, model: str, specs: list[RequestSpec], timeout
                     "transfer_bytes": t.get("bytes"),
                     "transfer_gbits_per_s": t.get("gbits_per_s"),
                     "link_nominal_ms": t.get("link_nominal_ms"),
+                    # prefix-cache hits shrink what is prefilled and pulled (the simulator has no cache)
+                    "prefill_cached_tokens": tl.get("prefill_cached_tokens"),
+                    "decode_cached_tokens": tl.get("decode_cached_tokens"),
                 }
             )
     return out
@@ -69,26 +72,36 @@ def probe_documents(base_url: str, model: str, specs: list[RequestSpec], timeout
 def predict_documents(
     setup: Any, sim_cfg: Any, specs: list[RequestSpec], link_gbps: float, measured: list[dict]
 ) -> list[dict]:
-    """The simulator's TTFT/TTST for each probed document alone on the link (simulated), and the
-    nominal pull time of the bytes that really moved."""
+    """The simulator's figures for each probed document alone on the link (simulated): TTFT, time
+    to second token, and when disaggregated the KV transfer (the cost model's bytes for the whole
+    prompt at G Gbit/s) and the decode admission wait (prefill end to the decode batch's next
+    step, less the transfer: the link's queue and the step in flight)."""
     from costmodel import compare_predict as cp  # noqa: PLC0415 - the simulator, only when predicting
+    from costmodel import cost_model as cm  # noqa: PLC0415
 
     by_id = {s.request_id: s for s in specs}
     out = []
     for m in measured:
         s = replace(by_id[m["request_id"]], arrival_s=0.0, max_tokens=max(2, by_id[m["request_id"]].max_tokens))
-        rec = cp.simulate_specs(sim_cfg, setup.steps, [s])[0]
-        t = rec.chunk_times_s
-        nbytes = m.get("transfer_bytes")
+        r = cp.simulate_requests(sim_cfg, setup.steps, [s])[0]
+        t = r.token_times
+        pulled = r.transfer_s is not None and r.admitted is not None and bool(t)
         out.append(
             {
                 "request_id": s.request_id,
                 "ttft_ms": t[0] * 1e3 if t else None,
                 "ttst_ms": t[1] * 1e3 if len(t) > 1 else None,
-                "transfer_ms": nbytes * 8 / (link_gbps * 1e9) * 1e3 if nbytes else None,
+                "transfer_ms": r.transfer_s * 1e3 if pulled else None,
+                "transfer_bytes": s.prompt_len * cm.kv_bytes_per_token(setup.steps.model, setup.steps.kv_dtype)
+                if pulled
+                else None,
+                "decode_wait_ms": max(0.0, round((r.admitted - t[0] - r.transfer_s) * 1e3, 6)) if pulled else None,
             }
         )
     return out
+
+
+SIMULATED = ("ttft_ms", "ttst_ms", "decode_wait_ms", "transfer_ms")  # the figures the simulator predicts
 
 
 def summary(measured: list[dict], predicted: list[dict] | None) -> dict[str, Any]:
@@ -102,7 +115,7 @@ def summary(measured: list[dict], predicted: list[dict] | None) -> dict[str, Any
     for key in ("ttft_ms", "ttst_ms", "decode_wait_ms", "transfer_ms", "transfer_gbits_per_s", "prefill_ms"):
         out[key] = {
             "measured": mean(measured, key),
-            "simulated": mean(predicted, key) if predicted and key in ("ttft_ms", "ttst_ms", "transfer_ms") else None,
+            "simulated": mean(predicted, key) if predicted and key in SIMULATED else None,
         }
     tx, ttst = out["transfer_ms"]["measured"], out["ttst_ms"]["measured"]
     out["transfer_share_of_ttst"] = {

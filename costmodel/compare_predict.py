@@ -125,18 +125,24 @@ def sim_config(
     return SimConfig("colocated", workers=decode, max_batch=max_num_seqs, link=link)
 
 
-def simulate_specs(cfg: SimConfig, steps: StepModel, specs: list[RequestSpec]) -> list[RequestRecord]:
-    """Simulate exactly `specs` (no closed loop, no random arrivals) and return client-style records."""
+def simulate_requests(cfg: SimConfig, steps: StepModel, specs: list[RequestSpec]) -> list[Request]:
+    """Simulate exactly `specs` (no closed loop, no random arrivals): the simulator's requests, in
+    order, with their token times (and, disaggregated, their KV transfer and decode admission)."""
     sim = Sim(cfg, steps, Workload(streams=0, chat_rate=0.0, doc_rate=0.0, duration=1.0))
-    reqs: list[tuple[RequestSpec, Request]] = []
+    reqs: list[Request] = []
     for i, s in enumerate(specs):
         r = Request(i, "doc" if s.kind == "document" else "chat", s.arrival_s, s.prompt_len, s.max_tokens)
         sim.requests.append(r)
         sim.at(s.arrival_s, sim.dispatch, r)
-        reqs.append((s, r))
+        reqs.append(r)
     sim.run()
+    return reqs
+
+
+def simulate_specs(cfg: SimConfig, steps: StepModel, specs: list[RequestSpec]) -> list[RequestRecord]:
+    """Simulate exactly `specs` and return client-style records."""
     records = []
-    for s, r in reqs:
+    for s, r in zip(specs, simulate_requests(cfg, steps, specs)):
         t = r.token_times
         records.append(
             RequestRecord(

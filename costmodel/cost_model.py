@@ -235,11 +235,17 @@ class ModelSpec:
 
     @classmethod
     def resolve(cls, model: str) -> ModelSpec:
-        """A preset name, a checkpoint directory or a config.json path."""
+        """A preset name, a registry model already pulled (e.g. smollm2-135m-instruct), a checkpoint
+        directory or a config.json path."""
+        from engine.model_registry import PullError  # noqa: PLC0415
+        from engine.model_registry import resolve as registry_resolve  # noqa: PLC0415
+
         try:
-            return cls.from_config(resolve_model_config(model))
+            return cls.from_config(resolve_model_config(registry_resolve(model, pull_missing=False)))
         except KeyError as e:
             raise ValueError(f"{model}: config.json lacks {e} (a Llama-family config is expected)") from None
+        except (PullError, FileNotFoundError) as e:
+            raise ValueError(str(e)) from None
         except json.JSONDecodeError as e:
             raise ValueError(f"{model}: not valid JSON ({e})") from None
 

@@ -38,6 +38,11 @@ class Request:
     output: int  # tokens to generate, the first (from prefill) included
     prefilled: int = 0
     token_times: list[float] = field(default_factory=list)
+    # disagg only: the KV pull's own time on the link, and when a decode worker's batch took the
+    # request in (what pdserve's timeline calls decode_admitted; decode wait = admitted - first
+    # token - transfer, the link's queue included)
+    transfer_s: float | None = None
+    admitted: float | None = None
 
     @property
     def done(self) -> bool:
@@ -205,7 +210,8 @@ class Sim:
         dw = min(self.decode, key=lambda w: w.load)
         assert isinstance(dw, DecodeWorker)  # KV is only sent in disaggregated mode
         start = max(self.now, dw.link_free)
-        dw.link_free = start + self.steps.transfer(r.prompt, self.cfg.link)
+        r.transfer_s = self.steps.transfer(r.prompt, self.cfg.link)
+        dw.link_free = start + r.transfer_s
         dw.inflight += 1
         self.at(dw.link_free, dw.receive, r)
 
@@ -334,6 +340,10 @@ class ColocatedWorker(Worker):
 
 
 class PrefillWorker(Worker):
+    @property
+    def load(self) -> int:
+        return len(self.queue) + int(self.busy)  # the prompt in flight counts: it left the queue
+
     def plan(self):
         if not self.queue:
             return None
@@ -367,7 +377,9 @@ class DecodeWorker(Worker):
 
     def plan(self):
         while self.queue and len(self.running) < self.sim.cfg.max_batch:
-            self.running.append(self.queue.popleft())
+            r = self.queue.popleft()
+            r.admitted = self.sim.now
+            self.running.append(r)
         return self._decode_step() if self.running else None
 
 

@@ -174,3 +174,44 @@ def test_prediction_of_the_freeze_on_the_calibrated_device():
     assert prefill_ms <= stall("colocated") <= prefill_ms + 2 * step_ms
     assert stall("colocated", 64) < stall("colocated") / 2
     assert stall("disagg") <= 1.5 * step_ms
+
+
+def test_predictions_price_the_served_tokens_and_the_link():
+    """A real tokenizer makes a 1024-word document ~600 tokens: the simulator is fed the server's
+    usage.prompt_tokens. The link probe's simulated pull is the cost model's KV bytes at G Gbit/s,
+    and a document alone is admitted by an idle decode worker at once (simulated wait 0)."""
+    from benchmarks.link_probe import predict_documents, rehearsal_link, summary  # noqa: PLC0415
+    from costmodel import cost_model as cm  # noqa: PLC0415
+    from costmodel.serve_metrics import RequestRecord  # noqa: PLC0415
+
+    specs = build_workload(WorkloadConfig(workload="article", chat_streams=2, doc_prompt_len=1024, doc_count=1))
+    served = {s.request_id: (600 if s.kind == "document" else 40) for s in specs}
+    records = [
+        RequestRecord(s.request_id, s.kind, s.prompt_len, s.max_tokens, 0.0, prompt_tokens=served[s.request_id])
+        for s in specs
+    ]
+    run = bc.ModeRun(
+        bc.build_modes("disagg", "", 1, 1)[0], {}, 0.0, {}, [], BenchResult(None, "tiny", records, None, 0.0)
+    )
+    sim_specs = bc.served_prompt_lengths(specs, run)
+    assert [s.prompt_len for s in sim_specs] == [served[s.request_id] for s in specs]
+
+    setup = cp.setup_from_calibration("tiny", CALIBRATION)
+    link = rehearsal_link(1.0)
+    sc = cp.sim_config("disagg", None, 1, 1, 64, link)
+    doc = next(s for s in sim_specs if s.kind == "document")
+    measured = [
+        {"request_id": doc.request_id, "ttft_ms": 1.0, "ttst_ms": 2.0, "decode_wait_ms": 3.0, "transfer_ms": 1.0}
+    ]
+    (p,) = predict_documents(setup, sc, sim_specs, 1.0, measured)
+    want_bytes = 600 * cm.kv_bytes_per_token(setup.steps.model, setup.steps.kv_dtype)
+    assert p["transfer_bytes"] == want_bytes
+    assert p["transfer_ms"] == pytest.approx(want_bytes * 8 / 1e9 * 1e3)
+    assert p["decode_wait_ms"] == 0.0 and p["ttst_ms"] > p["ttft_ms"] + p["transfer_ms"]
+    s = summary(measured, [p])
+    assert {k: s[k]["simulated"] is not None for k in ("ttft_ms", "ttst_ms", "decode_wait_ms", "transfer_ms")} == {
+        "ttft_ms": True,
+        "ttst_ms": True,
+        "decode_wait_ms": True,
+        "transfer_ms": True,
+    }

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -23,7 +24,7 @@ import httpx
 import pytest
 
 from cluster.layout import ClusterLayout
-from cluster.netns import kill_node_processes, leftovers, veth_tx_bytes
+from cluster.netns import leftovers, veth_tx_bytes
 
 PDSERVE = str(Path(sys.executable).with_name("pdserve"))
 NAME = f"t{os.getpid() % 1000}"  # unique per test run: never touches another cluster
@@ -226,7 +227,7 @@ def test_2p1d_across_nodes_greedy_and_pull_rate(cluster):
 
 @needs_root
 def test_node_loss_fails_its_requests_and_serving_resumes(cluster):
-    """Decode workers on nodes 2 and 3; every process of node 2 is killed mid-stream."""
+    """Decode workers on nodes 2 and 3; `pdserve cluster kill 2` kills every process of node 2 mid-stream."""
     srv = Server(
         cluster,
         8002,
@@ -287,7 +288,9 @@ def test_node_loss_fails_its_requests_and_serving_resumes(cluster):
         except threading.BrokenBarrierError:
             raise AssertionError(f"a stream ended before decoding: {results}") from None
         killed_at = time.monotonic()
-        assert kill_node_processes(cluster.nodes[2].namespace) > 0  # what `pdserve cluster kill 2` does
+        r = pdserve("cluster", "kill", "2", "--name", NAME, timeout=30)  # node loss, as a user causes it
+        killed = re.search(r"node 2 lost \((\d+) processes killed\)", r.stdout)
+        assert r.returncode == 0 and killed and int(killed.group(1)) > 0, (r.stdout, r.stderr)
         deadline = time.monotonic() + 150  # the survivors decode 2000 tokens on a shared 2-core machine
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))

@@ -82,6 +82,28 @@ def test_single_request_disagg_pays_the_link():
         assert r.token_times[0] - 0.5 == pytest.approx(cm.prefill(M, HW, p).time_s)
         want = cm.kv_transfer_seconds(M, p, link) + cm.decode_step_tokens(M, HW, 1, p + 1).time_s
         assert r.token_times[1] - r.token_times[0] == pytest.approx(want)
+        # alone, the decode worker is idle: it admits the request the moment its KV has crossed
+        assert r.transfer_s == pytest.approx(cm.kv_transfer_seconds(M, p, link))
+        assert r.admitted == pytest.approx(r.token_times[0] + r.transfer_s)
+
+
+def test_decode_admission_waits_for_the_link_and_the_step_in_flight():
+    """Two documents back to back on 2 prefill workers, one decode worker behind one link: the
+    second KV queues behind the first on the link, then joins at the next decode step's start."""
+    cfg = SimConfig("disagg", prefill_workers=2, decode_workers=1, link=cm.LINKS["ib-100g"])
+    sim = Sim(cfg, STEPS, Workload(streams=0, doc_rate=0, duration=1))
+    a, b = (sim.new_request("doc", 0.0, random.Random(0)) for _ in range(2))
+    for r in (a, b):
+        r.prompt, r.output = 4096, 40
+    sim.run()
+    tx = cm.kv_transfer_seconds(M, 4096, cfg.link)
+    assert a.transfer_s == b.transfer_s == pytest.approx(tx)
+    assert a.token_times[0] == b.token_times[0]  # both prefilled at once
+    b_kv_in = b.token_times[0] + 2 * tx  # behind a's pull
+    # b joins at the first decode step boundary at or after its KV is in: a's steps
+    boundaries = [t for t in a.token_times[1:] if t >= b_kv_in - 1e-12]
+    assert b.admitted == pytest.approx(boundaries[0])
+    assert b.admitted - b.token_times[0] - b.transfer_s >= tx - 1e-12  # its wait includes the link's queue
 
 
 def test_more_decode_workers_never_lower_goodput():
