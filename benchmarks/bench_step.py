@@ -95,6 +95,7 @@ def run_engine(runner: Any, prompts: list[list[int]], new_tokens: int) -> dict[s
     from engine.sequence import SamplingParams, Sequence  # noqa: PLC0415
 
     B = len(prompts)
+    threads = torch.get_num_threads()
     engine = LLMEngine(runner, max_num_seqs=B, max_prefill_tokens=sum(map(len, prompts)))
     engine.sync = True
     if runner.graphs is not None:  # block 0, the first a fresh pool hands out, is the graphs' padding block
@@ -125,6 +126,7 @@ def run_engine(runner: Any, prompts: list[list[int]], new_tokens: int) -> dict[s
         "sample_ms": _median_ms([s.sample_s for s in dec]),
         "output_ms": _median_ms([s.output_s for s in dec]),
         "graph_steps": runner.graph_steps,
+        "torch_threads": threads,
         "_ids": [s.output_ids for s in seqs],
     }
 
@@ -150,11 +152,17 @@ def run_hf(hf: Any, prompts: list[list[int]], new_tokens: int, device: torch.dev
         pad_token_id=0,
     )
     eb.sync(device)
+    threads = torch.get_num_threads()  # recorded beside the engine's: the comparison is only fair at equal pools
     t0 = time.perf_counter()
     out = hf.generate(ids, **kw)
     eb.sync(device)
     total = time.perf_counter() - t0
-    return {"e2e_s": total, "tokens_per_s": len(prompts) * new_tokens / total, "_ids": out[:, ids.shape[1] :].tolist()}
+    return {
+        "e2e_s": total,
+        "tokens_per_s": len(prompts) * new_tokens / total,
+        "torch_threads": threads,
+        "_ids": out[:, ids.shape[1] :].tolist(),
+    }
 
 
 def render(r: dict[str, Any]) -> str:

@@ -12,8 +12,11 @@ are applied to the scores (K) and to the probabilities (V), as the Triton kernel
 the reference's arithmetic up to float rounding order.
 
 The windows and masks depend only on the step, so `prepare` builds them once per step and every
-layer reuses them. Prefill rows (several new tokens) are compute-bound and few per step; they
-take the reference's per-sequence path.
+layer reuses them. Prefill rows (several new tokens) are compute-bound and few per step; they go
+one sequence at a time, like the reference, but as one 4-D SDPA call with grouped-query heads
+(`enable_gqa`), which CPU torch sends to its flash kernel: the reference's 3-D call with K/V
+repeated per query head takes the math path, measured 3.7x slower for a 128-token SmolLM2
+prompt, with bit-identical output (and chunk rows equal to the whole prompt's rows).
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, TorchReferenceAttention, attend_one
+from engine.attention import AttentionMetadata, TorchReferenceAttention
 from engine.kv_cache import KVCache, fp8_to_float32
 
 
@@ -87,10 +91,30 @@ class BatchedAttention(TorchReferenceAttention):
         if st.tokens is not None:
             out[st.tokens] = out_d
         for start, qlen, ctx, i in st.prefill:
-            out[start : start + qlen] = attend_one(
+            out[start : start + qlen] = self._prefill(
                 layer, q[start : start + qlen], cache, meta.block_tables[i], ctx, scale
             )
         return out
+
+    @staticmethod
+    def _prefill(
+        layer: int, q: torch.Tensor, cache: KVCache, block_table: torch.Tensor, ctx: int, scale: float
+    ) -> torch.Tensor:
+        """One sequence's qlen new tokens, the last of its ctx positions: q [qlen, Hq, D] -> out
+        [qlen, Hq, D], causal with an offset for the cached prefix (`attend_one`'s semantics)."""
+        qlen = q.shape[0]
+        kc, vc = cache.gather(layer, block_table, ctx, out_dtype=q.dtype)  # [ctx, Hkv, D]
+        q_pos = torch.arange(ctx - qlen, ctx, device=q.device)[:, None]
+        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos  # [qlen, ctx]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            kc.transpose(0, 1)[None],
+            vc.transpose(0, 1)[None],
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )  # [1, Hq, qlen, D]
+        return o[0].transpose(0, 1)
 
     @staticmethod
     def _decode(layer: int, q: torch.Tensor, cache: KVCache, g: _RowGroup, scale: float) -> torch.Tensor:

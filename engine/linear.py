@@ -8,11 +8,20 @@ matmuls crawl on CPU).
 CPU fp32 GEMMs go through `PackedWeight`: oneDNN's pre-blocked copy of the weight, made once.
 Measured on the 2-core dev VM (1 thread, SmolLM2-135M shapes): 1.3-1.5x faster than `x @ w.t()`
 for the decode step's 16 rows and ~2x for the 49k-row lm_head, and no slower for prefill.
+
+A GEMM can carry its elementwise epilogue (`post`): "silu", "mul" by a tensor or "add" a
+tensor (the residual). On the oneDNN path it is fused into the GEMM's output pass instead of a
+second pass over [T, out] in memory; elsewhere it is the same torch op after the GEMM. `swiglu`
+runs a fused [gate; up] weight as two fused GEMMs, silu(x @ gate.t()) * (x @ up.t()): measured
+17% faster for SmolLM2's MLP on a 2048-token prefill, outputs within 2e-6 of the unfused path.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.kv_cache import FP8, FP8_MAX, quantize_fp8
@@ -23,24 +32,51 @@ def quantize_weight_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_fp8(w)
 
 
+Post = Literal["none", "silu", "mul", "add"]
+
+
+def apply_post(y: torch.Tensor, post: Post, other: torch.Tensor | None) -> torch.Tensor:
+    """The unfused epilogue: what the oneDNN path computes inside the GEMM."""
+    if post == "silu":
+        return F.silu(y)
+    if post == "mul":
+        assert other is not None
+        return y * other
+    if post == "add":
+        assert other is not None
+        return y + other
+    return y
+
+
 class PackedWeight:
     """A CPU fp32 weight [out, in] in oneDNN's blocked layout, re-packed if the weight changes
-    in place (tracked by the tensor's version counter; inference tensors have none, and are
-    re-packed only if their storage changes, or on `reset`). Elsewhere: a plain `x @ w.t()`."""
+        in place (tracked by the tensor's version counter; inference tensors have none, and are
+        re-packed only if their storage changes, or on `reset`). Elsewhere, and for a single row: a
+    plain GEMM (MKL on CPU) with the epilogue after it."""
 
     def __init__(self) -> None:
         self._packed: torch.Tensor | None = None
         self._key: tuple[int, int] | None = None
 
-    def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [..., in] @ w.t() -> [..., out]."""
+    def matmul(
+        self, x: torch.Tensor, w: torch.Tensor, post: Post = "none", other: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [..., in] @ w.t() -> [..., out], then `post` (with `other` [..., out] for mul/add)."""
         if not (_MKLDNN and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32):
-            return x @ w.t()
+            return apply_post(x @ w.t(), post, other)
+        if x.numel() == x.shape[-1]:  # one row (batch-1 decode): MKL's GEMV streams the plain weight
+            # faster than oneDNN's packed kernel (measured: batch-1 decode step ~10% faster)
+            return apply_post(F.linear(x, w), post, other)
         key = (w.data_ptr(), -1 if w.is_inference() else w._version)
         if self._packed is None or self._key != key:
             self._packed, self._key = torch.ops.mkldnn._reorder_linear_weight(w, None), key
         x2 = x.reshape(-1, x.shape[-1])
-        out = torch.ops.mkldnn._linear_pointwise(x2, self._packed, None, "none", [], "")
+        if post in ("mul", "add"):
+            assert other is not None
+            other2 = other.reshape(-1, w.shape[0]).contiguous()
+            out = torch.ops.mkldnn._linear_pointwise.binary(x2, other2, self._packed, None, post)
+        else:  # oneDNN's "swish" (alpha 1) is silu
+            out = torch.ops.mkldnn._linear_pointwise(x2, self._packed, None, _ONEDNN_UNARY[post], [], "")
         return out.reshape(*x.shape[:-1], w.shape[0])
 
     def reset(self) -> None:
@@ -48,19 +84,57 @@ class PackedWeight:
 
 
 _MKLDNN = torch.backends.mkldnn.is_available()
+_ONEDNN_UNARY = {"none": "none", "silu": "swish"}
 
 
-class Fp8Linear(nn.Module):
+class _Linear(nn.Module):
+    """What both layers share: the epilogue-carrying forward and the SwiGLU of a [gate; up]
+    weight. A layer gives the weight to multiply by on the host path (`_host_weight`), or None
+    where it has a GEMM of its own (`_own_matmul`: FP8 on CUDA)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self._packed = PackedWeight()
+        self._halves = (PackedWeight(), PackedWeight())  # swiglu: the gate and up halves
+
+    def _host_weight(self, x: torch.Tensor) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def _own_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _reset_packed(self) -> None:
+        for p in (self._packed, *self._halves):
+            p.reset()
+
+    def forward(self, x: torch.Tensor, post: Post = "none", other: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, in] -> post(x @ W.t()) [T, out]; e.g. post="add", other=residual."""
+        w = self._host_weight(x)
+        if w is None:
+            return apply_post(self._own_matmul(x), post, other)
+        return self._packed.matmul(x, w, post, other)
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for this layer's [gate; up] output halves: x [T, in] -> [T, out / 2]."""
+        w = self._host_weight(x)
+        if w is None:
+            gate, up = self._own_matmul(x).chunk(2, dim=-1)
+            return F.silu(gate) * up
+        half = self.out_features // 2
+        gate = self._halves[0].matmul(x, w[:half], "silu")
+        return self._halves[1].matmul(x, w[half:], "mul", gate)
+
+
+class Fp8Linear(_Linear):
     weight: torch.Tensor  # [out, in] float8_e4m3fn (buffer)
     weight_scale: torch.Tensor  # [out] float32 (buffer)
 
     def __init__(self, in_features: int, out_features: int, device: torch.device | str = "cpu"):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        super().__init__(in_features, out_features)
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=FP8, device=device))
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
         self._dequant: torch.Tensor | None = None  # CPU only: fp32 copy made once, on first use
-        self._packed = PackedWeight()
 
     def load(self, w: torch.Tensor) -> None:
         """Quantize a full-precision weight [out, in] into this layer."""
@@ -68,42 +142,42 @@ class Fp8Linear(nn.Module):
         self.weight.copy_(q)
         self.weight_scale.copy_(s)
         self._dequant = None
-        self._packed.reset()
+        self._reset_packed()
 
     def dequantized(self) -> torch.Tensor:
         return self.weight.float() * self.weight_scale[:, None]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _host_weight(self, x: torch.Tensor) -> torch.Tensor | None:
         if x.is_cuda:
-            x2 = x.reshape(-1, self.in_features)
-            # dynamic per-token activation scale: [T, 1]
-            x_scale = (x2.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
-            xq = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-            out = torch._scaled_mm(
-                xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale[None, :], out_dtype=x.dtype
-            )
-            return out.reshape(*x.shape[:-1], self.out_features)
+            return None
         if self._dequant is None:
             self._dequant = self.dequantized()
-        return self._packed.matmul(x, self._dequant)
+        return self._dequant
+
+    def _own_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        # dynamic per-token activation scale: [T, 1]
+        x_scale = (x2.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+        xq = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        out = torch._scaled_mm(
+            xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale[None, :], out_dtype=x.dtype
+        )
+        return out.reshape(*x.shape[:-1], self.out_features)
 
 
-class DenseLinear(nn.Module):
+class DenseLinear(_Linear):
     weight: torch.Tensor  # [out, in] (buffer)
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        super().__init__(in_features, out_features)
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=dtype, device=device))
-        self._packed = PackedWeight()
 
     def load(self, w: torch.Tensor) -> None:
         self.weight.copy_(w.to(self.weight.dtype))
-        self._packed.reset()
+        self._reset_packed()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
-        return self._packed.matmul(x, w)
+    def _host_weight(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
 
 
 WEIGHT_DTYPES = ("fp8", "bf16", "fp32")

@@ -81,7 +81,16 @@ class Attention(nn.Module):
         self.o_proj = make_linear(cfg.q_size, cfg.hidden_size, weight_dtype, device)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend, cache: KVCache, meta):
+    def forward(
+        self,
+        x,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+        cache: KVCache,
+        meta,
+        residual: torch.Tensor,
+    ):
+        """residual + attention(x): the residual add rides on the o_proj GEMM (engine/linear.py)."""
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -89,19 +98,19 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         o = backend.forward(self.layer, q, k, v, cache, meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(o.reshape(T, self.q_size))
+        return self.o_proj(o.reshape(T, self.q_size), "add", residual)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, weight_dtype: str, device=None):
         super().__init__()
-        self.intermediate = cfg.intermediate_size
         self.gate_up_proj = make_linear(cfg.hidden_size, 2 * cfg.intermediate_size, weight_dtype, device)
         self.down_proj = make_linear(cfg.intermediate_size, cfg.hidden_size, weight_dtype, device)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x, residual: torch.Tensor):
+        """residual + down(silu(gate(x)) * up(x)), the activation, product and add fused into the
+        GEMMs on CPU fp32 (engine/linear.py)."""
+        return self.down_proj(self.gate_up_proj.swiglu(x), "add", residual)
 
 
 class DecoderLayer(nn.Module):
@@ -113,8 +122,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, weight_dtype, device)
 
     def forward(self, x, rope, backend, cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, backend, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(self.input_layernorm(x), rope, backend, cache, meta, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class LlamaModel(nn.Module):
