@@ -269,4 +269,4 @@ def _cell(x: dict[str, Any]) -> str:
     m, p, e = x.get("measured"), x.get("predicted"), x.get("error")
     if m is None:
         return "-"
-    return f"{m:,.1f} / " + ("-" if p is None else f"{p:,.1f} ({e:+.0%})")
+    return f"{m:,.1f} / " + ("-" if p is None else f"{p:,.1f}" + ("" if e is None else f" ({e:+.0%})"))
