@@ -15,11 +15,15 @@ prompts that finish join it). For a prompt of P tokens after its cached prefix o
           stall = sum over its chunks of what the chunk adds to a step    (what each stream loses)
           ITL   = the longest step its chunks are in                      (the longest gap a stream sees)
   Remote  TTFT  = the same replay on the prefill worker (whole prompts, batched as they wait)
+          stall = its prefill time x (1 - 1/k): on shared cores the streams' steps run k times
+                  slower beside it (k measured, router/shared_cores.py); 0 on separate devices
           then  + KV bytes / measured link + one decode step (admission): the second token
 
-A request's TTFT also holds the Ray hops and the event pump: that serving overhead is learned per
-placement from the outcomes as realized TTFT - the worker's own queue + prefill time (so queueing,
-which the replay models, cannot leak into it), exponentially weighted, and added to the TTFT.
+A request's TTFT also holds the Ray hops and the event pump: the hop to the worker (a burst's
+prompts reach the worker's queue that much later, together) and the hop back are learned per
+placement from the outcomes, from the worker's own stamps (its queue + prefill time and when its
+first token or prefill ended), exponentially weighted; queueing, which the replay models, cannot
+leak into them.
 
 Under the SLO pair (the request's TTFT, the streams' mean inter-token latency, i.e. TPOT, which is
 what goodput counts): local is admissible if its TTFT meets --slo-ttft-ms and every stream in
@@ -27,13 +31,14 @@ flight still meets --slo-itl-ms on average with the stall added (a stream whose 
 its longest gap must); remote if its TTFT meets --slo-ttft-ms. A TTFT "meets" the SLO when it does
 with the dispatcher's own running mean |relative TTFT error| for that placement added: a request
 predicted just under the SLO is a coin toss. If both are admissible the cheaper in user-seconds
-wins (local: TTFT + S * stall; remote: TTFT + transfer + admission); if one is, it; if neither, the
+wins (local: TTFT + S * stall; remote: TTFT + transfer + admission + S * stall); if one is, it; if neither, the
 one with the earlier first token (a late request still frees its worker sooner). Each decision is
 stamped into the request's timeline with both predictions, and the outcome (realized TTFT, and for
 local the longest gap the other streams saw) when it is known.
 
-Not modelled: on a CPU the prefill and decode processes share the cores, so a step on one slows a
-step on the other; the online fits learn the rates as they are under that sharing.
+On a CPU the prefill and decode processes share the cores: a decode-worker step run while the
+prefill worker is predicted busy costs the measured sharing factor times the fit's price; the
+prefill fit learns its rate beside decoding directly (router/shared_cores.py).
 """
 
 from __future__ import annotations
@@ -175,7 +180,7 @@ class WorkerQueue:
         base = f.decode_seconds(ctxs) if ctxs else 0.0
         # from the last boundary seen when prompts are ahead; idle: now, or (decoding) on average
         # half a decode step later, when the step in progress ends
-        t = self.anchor if self.jobs else now + (base / 2 if self.chunk and ctxs else 0.0)
+        t = self.anchor if self.jobs else target.arrival + (base / 2 if self.chunk and ctxs else 0.0)
         budget0 = self.chunk or MAX_PREFILL_TOKENS
         started, stall, itl = math.inf, 0.0, 0.0
         for _ in range(MAX_REPLAY_STEPS):
@@ -260,11 +265,15 @@ class AutoDispatcher:
         self.slo_ttft_s, self.slo_itl_s = slo_ttft_s, slo_itl_s
         self.cores = SharedCores(self.fits)  # the slowdown of a step run beside the other pool's
         self.counts = {"local": 0, "remote": 0}
-        self.overhead_s = {"local": 0.0, "remote": 0.0}  # learned: realized TTFT - the worker's own time
+        # learned per placement: router -> worker (the prompt reaches the worker's queue this much
+        # later) and worker -> router (its first token reaches the router this much later)
+        self.hop_in_s = {"local": 0.0, "remote": 0.0}
+        self.hop_out_s = {"local": 0.0, "remote": 0.0}
         self.ttft_abs_error = {"local": 0.0, "remote": 0.0}  # learned: mean |relative TTFT error|
         self.errors: dict[str, _ErrorHist] = {"ttft": _ErrorHist(), "stall": _ErrorHist()}
         self.queues: dict[str, WorkerQueue] = {}  # worker name -> its queue model
-        self._open: dict[str, tuple[str, str]] = {}  # request id -> (placement, worker) until its first token
+        # request id -> (placement, worker, whether that worker's queue was empty) until its first token
+        self._open: dict[str, tuple[str, str, bool]] = {}
 
     # ---- online refinement -------------------------------------------------------------------
     def observe_stats(self, stats: list[WorkerStats], now: float | None = None) -> None:
@@ -297,8 +306,8 @@ class AutoDispatcher:
         return lambda t: k if t < prefill_busy_until else 1.0
 
     def _remote_scale(self, decode_busy: bool) -> Callable[[float], float]:
-        k = self.cores.factor("prefill") if decode_busy else 1.0
-        return lambda t: k
+        """The prefill fit is learned from steps that ran beside decoding (shared_cores.py)."""
+        return _one
 
     def predict_local(
         self,
@@ -314,8 +323,9 @@ class AutoDispatcher:
         ctxs = [s.context for s in streams]
         q = self._queue(worker, self.chunk)
         scale = self._local_scale(self._prefill_busy_until(prefill_worker))
-        r = q.replay(f, ctxs, _Job(rid or "?", now, min(cached, prompt - 1), prompt), now, scale)
-        ttft = r.finish - now + self.overhead_s["local"]
+        at = now + self.hop_in_s["local"]
+        r = q.replay(f, ctxs, _Job(rid or "?", at, min(cached, prompt - 1), prompt), now, scale)
+        ttft = r.finish - now + self.hop_out_s["local"]
         base = f.decode_seconds(ctxs) * scale(now) if ctxs else 0.0
         worst = max((_mean_itl(s, base, r.stall_s, r.itl_s) for s in streams), default=0.0)
         lax = 1 + self.ttft_abs_error["local"]
@@ -339,17 +349,22 @@ class AutoDispatcher:
         q = self._queue(worker, None)
         local = self.queues.get(local_worker)
         scale = self._remote_scale(bool(streams) or bool(local and local.jobs))
-        r = q.replay(fp, [], _Job(rid or "?", now, min(cached, prompt - 1), prompt), now, scale)
-        ttft = r.finish - now + self.overhead_s["remote"]
+        at = now + self.hop_in_s["remote"]
+        r = q.replay(fp, [], _Job(rid or "?", at, min(cached, prompt - 1), prompt), now, scale)
+        ttft = r.finish - now + self.hop_out_s["remote"]
         transfer = prompt * self.kv_bytes_per_token / self.link_bps
         ctxs = [s.context for s in streams]
-        # the streams' step while this prefill runs beside them, and the admission step after it
+        # the streams' step while this prefill runs beside them (shared cores: k times slower, so
+        # each stream loses 1 - 1/k of the prefill's time), and the admission step after it
         k = self.cores.factor("decode")
         admission = self.fits["decode"].current.decode_seconds(ctxs) if ctxs else 0.0
         ok = ttft * (1 + self.ttft_abs_error["remote"]) <= self.slo_ttft_s
         queue = max(0.0, r.started - now)
-        pred = Prediction(ttft, 0.0, transfer + admission, ttft + transfer + admission, ok, queue)
-        pred.decode_step_s, pred.prefill_s = admission * k, max(0.0, r.finish - r.started)
+        compute = max(0.0, r.finish - r.started)
+        stall = compute * (1 - 1 / k) if ctxs and k > 1 else 0.0
+        cost = ttft + transfer + admission + len(streams) * stall
+        pred = Prediction(ttft, stall, transfer + admission, cost, ok, queue)
+        pred.decode_step_s, pred.prefill_s = admission * k, compute
         return pred
 
     def decide(
@@ -382,10 +397,10 @@ class AutoDispatcher:
         if request_id is not None:
             worker = local_worker if choice == "local" else prefill_worker
             cached = cached_local if choice == "local" else cached_remote
-            self._queue(worker, self.chunk if choice == "local" else None).add(
-                _Job(request_id, t, min(cached, prompt - 1), prompt)
-            )
-            self._open[request_id] = (choice, worker)
+            q = self._queue(worker, self.chunk if choice == "local" else None)
+            idle = not q.jobs
+            q.add(_Job(request_id, t + self.hop_in_s[choice], min(cached, prompt - 1), prompt))
+            self._open[request_id] = (choice, worker, idle)
         sides = {"local": cached_local, "remote": cached_remote}
         return Decision(choice, loc, rem, len(streams), prompt, reason, sides)
 
@@ -420,12 +435,18 @@ class AutoDispatcher:
             self.errors["ttft"].observe(out["ttft_error"])
             w = OVERHEAD_WEIGHT
             self.ttft_abs_error[choice] = (1 - w) * self.ttft_abs_error[choice] + w * abs(out["ttft_error"])
-        worker_ms = tl.get("queue_ms", 0.0) + tl.get("prefill_ms", 0.0)
-        if "queue_ms" in tl and "prefill_ms" in tl:
-            # what the worker's own queue and steps do not explain: the hops, learned for the
-            # next prediction of this placement (queueing is the replay's, never this term's)
-            hop = max(0.0, (tl["first_token_ms"] - worker_ms) / 1e3)
-            self.overhead_s[choice] = (1 - OVERHEAD_WEIGHT) * self.overhead_s[choice] + OVERHEAD_WEIGHT * hop
+        if "queue_ms" in tl and "prefill_ms" in tl and (placed is None or placed[2]):
+            # what the worker's own queue and steps do not explain: the hops, learned for the next
+            # prediction of this placement (queueing is the replay's, never these terms'). The
+            # worker's first token (remote: its prefill end) is stamped on the worker's clock
+            # (the same host's), so its receipt of the prompt is that minus its own time. Learned
+            # only from prompts sent to an idle queue: a worker takes a new prompt in between its
+            # steps, so one sent mid-step is received at the step's end, a wait the replay has.
+            worker_ms = tl["queue_ms"] + tl["prefill_ms"]
+            end_ms = tl.get("prefill_end_ms", tl["first_token_ms"])
+            w = OVERHEAD_WEIGHT
+            for hops, x in ((self.hop_in_s, end_ms - worker_ms), (self.hop_out_s, tl["first_token_ms"] - end_ms)):
+                hops[choice] = (1 - w) * hops[choice] + w * max(0.0, x / 1e3)
             out["worker_ms"] = round(worker_ms, 3)
         gap = tl.get("local_max_gap_ms")
         if choice == "local" and gap is not None and d["streams_in_flight"]:
@@ -441,7 +462,8 @@ class AutoDispatcher:
             "fits": {k: v.current.to_dict() for k, v in self.fits.items()},
             "observed_steps": {k: v.observed for k, v in self.fits.items()},
             "link_gbytes_per_s": self.link_bps / cm.GB,
-            "serving_overhead_ms": {k: v * 1e3 for k, v in self.overhead_s.items()},
+            "hop_in_ms": {k: v * 1e3 for k, v in self.hop_in_s.items()},
+            "hop_out_ms": {k: v * 1e3 for k, v in self.hop_out_s.items()},
             "shared_cores": self.cores.to_dict(),
             "ttft_mean_abs_error": dict(self.ttft_abs_error),
             "errors": {

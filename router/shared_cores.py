@@ -6,13 +6,19 @@ so is that prefill. The calibration (`pdserve bench chunks`) times steps alone. 
 steps the workers report (each with its end time) into those that ran alone and those that ran
 beside the other pool's steps:
 
-- alone (overlap < 10% of the step): refine the pool's step-cost fit, as before;
-- beside (overlap >= 50%): the ratio measured / fit goes into the pool's sharing factor, the
-  running mean of the last `window` such steps (1.0 until one is seen).
+- decode pool, alone (overlap < 10% of the step): refine the pool's step-cost fit;
+- decode pool, beside (overlap >= 50%): the ratio measured / fit goes into the pool's sharing
+  factor, the running mean of the last `window` such steps (1.0 until one is seen). The
+  dispatcher multiplies a decode-worker step it predicts by it while the prefill worker is
+  predicted busy, and prices a remote prefill's stall on the streams from it.
+- prefill pool: every step refines its fit. Its steps nearly always run beside decoding streams
+  (a prefill worker serves requests that are going to decode), so the fit learns the rate under
+  that sharing directly; few of its steps run alone, too few to fit shape and factor apart.
 
-The dispatcher multiplies a step it predicts by that factor when the other pool is predicted to
-be busy then. A step is sorted once the other pool's activity over it is known: the other
-worker's log has passed its end, or that worker was idle at the last look.
+A decode step is sorted once the prefill pool's activity over it is known: that worker's log has
+passed its end, or it was idle at the last look. (On the 2-core VM a decode step beside a
+2048-token prefill measured an order of magnitude slower than alone: the prefill's threads take
+both cores.)
 """
 
 from __future__ import annotations
@@ -75,6 +81,11 @@ class SharedCores:
     def _sort(self, role: str, pool: _Pool, other: _Pool) -> None:
         fit, changed, keep = self.fits[role], False, []
         for st in pool.pending:
+            if role == "prefill":
+                fit.observe(st.shape, st.seconds)
+                pool.alone += 1  # counted as steps read: see the module docstring
+                changed = True
+                continue
             if st.end > other.known_until:
                 keep.append(st)
                 continue
@@ -94,9 +105,10 @@ class SharedCores:
             fit.refit()
 
     def to_dict(self) -> dict:
+        d = self.pools["decode"]
         return {
-            role: {"factor": round(p.factor, 4), "steps_beside": p.beside, "steps_alone": p.alone}
-            for role, p in self.pools.items()
+            "decode": {"factor": round(d.factor, 4), "steps_beside": d.beside, "steps_alone": d.alone},
+            "prefill": {"steps": self.pools["prefill"].alone},
         }
 
 

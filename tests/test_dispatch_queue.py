@@ -50,17 +50,25 @@ def _dispatcher(tmp_path, slo_ttft_ms=1000.0, slo_itl_ms=50.0):
 
 def test_queueing_is_predicted_and_never_learned_as_overhead(tmp_path):
     d = _dispatcher(tmp_path)
-    first = [d.decide(2048, 0, 0, [], 100.0, request_id=f"doc-{i}").choice for i in range(2)]
-    assert sorted(first) == ["local", "remote"]  # the second goes where nothing waits
-    second = d.decide(2048, 0, 0, [], 100.0, request_id="doc-2")
+    first = [d.decide(2048, 0, 0, [], 100.0, request_id=f"doc-{i}") for i in range(2)]
+    assert sorted(x.choice for x in first) == ["local", "remote"]  # the second goes where nothing waits
+    third = d.decide(2048, 0, 0, [], 100.0, request_id="doc-2")
     # whichever way the third went, its prediction holds the wait for the one ahead of it there
-    chosen = second.local if second.choice == "local" else second.remote
+    chosen = third.local if third.choice == "local" else third.remote
     assert chosen.queue_s > 0.3
-    # the realized TTFT held 900 ms of queueing the worker timed: the learned hop is the rest
-    tl = {"request_id": "doc-2", "arrival": 100.0, "dispatch": second.to_dict(), "first_token_ms": 1000.0,
-          "queue_ms": 900.0, "prefill_ms": 95.0}  # fmt: skip
+    # it waited 900 ms: sent to a busy worker, its outcome teaches no hop (the wait is the replay's)
+    tl = {"request_id": "doc-2", "arrival": 100.0, "dispatch": third.to_dict(), "first_token_ms": 1000.0,
+          "prefill_end_ms": 998.0, "queue_ms": 900.0, "prefill_ms": 95.0}  # fmt: skip
     d.record_outcome(tl)
-    assert d.overhead_s[second.choice] == pytest.approx(0.2 * 0.005)
+    assert d.hop_in_s == {"local": 0.0, "remote": 0.0} and d.hop_out_s == {"local": 0.0, "remote": 0.0}
+    # one sent to an idle worker: the hops are what its worker's own stamps do not cover
+    idle = next(x for x in first if x.choice == third.choice)
+    rid = f"doc-{first.index(idle)}"
+    tl = {"request_id": rid, "arrival": 100.0, "dispatch": idle.to_dict(), "first_token_ms": 600.0,
+          "prefill_end_ms": 598.0, "queue_ms": 0.5, "prefill_ms": 594.5}  # fmt: skip
+    d.record_outcome(tl)
+    assert d.hop_in_s[idle.choice] == pytest.approx(0.2 * 0.003)
+    assert d.hop_out_s[idle.choice] == pytest.approx(0.2 * 0.002)
 
 
 def test_a_stream_that_keeps_its_tpot_slo_admits_a_local_prefill(tmp_path):
