@@ -43,9 +43,10 @@ prefill fit learns its rate beside decoding directly (router/shared_cores.py).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,8 @@ from contracts.worker import WorkerStats
 from costmodel import cost_model as cm
 from costmodel.step_fit import OnlineStepFit, StepCostFit, StepShape
 from router.shared_cores import SharedCores
+
+log = logging.getLogger("pdserve.router.dispatch")
 
 DEFAULT_CHUNK = 128  # local prefill chunk when the decode pool has none configured
 MAX_PREFILL_TOKENS = 8192  # a prefill worker's whole-prompt budget per step (engine default)
@@ -137,6 +140,34 @@ class _ErrorHist:
 
 
 @dataclass
+class _ReplayCost:
+    """What the dispatcher's calls cost the router's event loop (they run on it, synchronously):
+    replay iterations and wall time, per entry point."""
+
+    calls: int = 0
+    steps: int = 0
+    max_steps: int = 0
+    seconds: float = 0.0
+    max_s: float = 0.0
+
+    def observe(self, steps: int, seconds: float) -> None:
+        self.calls += 1
+        self.steps += steps
+        self.max_steps = max(self.max_steps, steps)
+        self.seconds += seconds
+        self.max_s = max(self.max_s, seconds)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "calls": self.calls,
+            "replay_steps": self.steps,
+            "max_replay_steps": self.max_steps,
+            "total_ms": round(self.seconds * 1e3, 3),
+            "max_ms": round(self.max_s * 1e3, 3),
+        }
+
+
+@dataclass
 class _Job:
     rid: str
     arrival: float  # when the router sent it (unix seconds)
@@ -151,10 +182,27 @@ class _Replay:
     stall_s: float  # what its chunks added to the steps they ran in
     itl_s: float  # the longest of those steps
     jobs: list[_Job]  # the queue's state right after the target finished
+    steps: int = 0  # loop iterations it took (an idle stretch is one): its cost, O(jobs x chunks)
 
 
-def _one(t: float) -> float:
-    return 1.0
+@dataclass(frozen=True)
+class Slowdown:
+    """A step starting at t costs `factor` times the fit's price while t < `until` (the other
+    pool predicted busy beside it), the fit's price after. Piecewise constant, so the replay can
+    cross an idle stretch in one jump instead of one decode step at a time."""
+
+    factor: float = 1.0
+    until: float = -math.inf
+
+    def at(self, t: float) -> float:
+        return self.factor if t < self.until else 1.0
+
+    def constant_until(self, t: float) -> float:
+        """The end of the stretch from t over which `at` does not change."""
+        return self.until if t < self.until else math.inf
+
+
+NO_SLOWDOWN = Slowdown()
 
 
 class WorkerQueue:
@@ -167,12 +215,17 @@ class WorkerQueue:
         self.chunk = chunk
         self.jobs: list[_Job] = []
         self.anchor = 0.0
+        self.steps_run = 0  # replay iterations so far (the dispatcher reports its cost)
 
     def replay(
-        self, f: StepCostFit, streams: list[int], target: _Job, now: float, scale: Callable[[float], float] = _one
+        self, f: StepCostFit, streams: list[int], target: _Job, now: float, scale: Slowdown = NO_SLOWDOWN
     ) -> _Replay:
         """Run the worker's scheduler over its queue plus `target` (if not already in it); a step
-        starting at t costs `scale(t)` times what f says (the other pool busy beside it)."""
+        starting at t costs `scale.at(t)` times what f says (the other pool busy beside it).
+
+        Its cost is O(jobs x chunks): every iteration prefills a chunk, or crosses a whole idle
+        stretch (no prompt waiting: decode-only steps until the next arrival) in one jump, so a
+        queue anchored long ago costs no more than a fresh one."""
         jobs = [_Job(j.rid, j.arrival, j.start, j.end) for j in self.jobs]
         if not any(j.rid == target.rid for j in jobs):
             jobs.append(_Job(target.rid, target.arrival, target.start, target.end))
@@ -183,7 +236,7 @@ class WorkerQueue:
         t = self.anchor if self.jobs else target.arrival + (base / 2 if self.chunk and ctxs else 0.0)
         budget0 = self.chunk or MAX_PREFILL_TOKENS
         started, stall, itl = math.inf, 0.0, 0.0
-        for _ in range(MAX_REPLAY_STEPS):
+        for steps in range(1, MAX_REPLAY_STEPS + 1):
             waiting = [j for j in jobs if j.arrival <= t and j.start < j.end]
             work: list[tuple[_Job, int]] = []
             budget = budget0
@@ -196,14 +249,18 @@ class WorkerQueue:
                 work.append((j, n))
                 budget -= n
             if not work:
-                pending = [j.arrival for j in jobs if j.start < j.end]
+                arrives = min(j.arrival for j in jobs if j.start < j.end)
                 if self.chunk and ctxs:
-                    t += f.decode_seconds(ctxs) * scale(t)  # a decode-only step runs meanwhile
+                    # decode-only steps run meanwhile: as many as start before the next arrival
+                    # (at least the one in progress), the slowdown constant over them
+                    step = f.decode_seconds(ctxs) * scale.at(t)
+                    edge = min(arrives, scale.constant_until(t))
+                    t += max(1, math.ceil((edge - t) / step)) * step if step > 0 else max(0.0, arrives - t)
                 else:
-                    t = max(t, min(pending))
+                    t = max(t, arrives)
                 continue
             decode = ctxs if self.chunk else []
-            k = scale(t)
+            k = scale.at(t)
             step = f.seconds(StepShape.of(decode, [(j.start, n) for j, n in work])) * k
             for j, n in work:
                 if j.rid == target.rid:
@@ -216,8 +273,10 @@ class WorkerQueue:
                 if j.start >= j.end and self.chunk:
                     ctxs.append(j.end + 1)  # a local prompt's first token: it decodes from now on
             if any(j.rid == target.rid and j.start >= j.end for j, _ in work):
-                return _Replay(t, started, stall, itl, [j for j in jobs if j.start < j.end])
-        return _Replay(math.inf, started, stall, itl, jobs)
+                self.steps_run += steps
+                return _Replay(t, started, stall, itl, [j for j in jobs if j.start < j.end], steps)
+        self.steps_run += MAX_REPLAY_STEPS
+        return _Replay(math.inf, started, stall, itl, jobs, MAX_REPLAY_STEPS)
 
     def add(self, job: _Job) -> None:
         if not self.jobs:
@@ -225,17 +284,18 @@ class WorkerQueue:
         self.jobs.append(job)
 
     def realized(
-        self, rid: str, t: float, f: StepCostFit, streams: list[int], scale: Callable[[float], float] = _one
-    ) -> None:
+        self, rid: str, t: float, f: StepCostFit, streams: list[int], scale: Slowdown = NO_SLOWDOWN
+    ) -> _Replay | None:
         """`rid` got its first token at `t`, a step boundary: what the replay says is left of the
         prompts behind it stays queued, from `t`; it and every prompt ahead of it (FIFO) are done."""
         k = next((i for i, j in enumerate(self.jobs) if j.rid == rid), None)
         if k is None:
-            return
+            return None
         r = self.replay(f, streams, self.jobs[k], t, scale)
         left = {j.rid: j for j in r.jobs}
         self.jobs = [left.get(j.rid, _Job(j.rid, j.arrival, j.end - 1, j.end)) for j in self.jobs[k + 1 :]]
         self.anchor = t
+        return r
 
     def forget(self, rid: str) -> None:
         self.jobs = [j for j in self.jobs if j.rid != rid]
@@ -274,6 +334,7 @@ class AutoDispatcher:
         self.queues: dict[str, WorkerQueue] = {}  # worker name -> its queue model
         # request id -> (placement, worker, whether that worker's queue was empty) until its first token
         self._open: dict[str, tuple[str, str, bool]] = {}
+        self.cost = {"decide": _ReplayCost(), "outcome": _ReplayCost()}  # on the router's event loop
 
     # ---- online refinement -------------------------------------------------------------------
     def observe_stats(self, stats: list[WorkerStats], now: float | None = None) -> None:
@@ -301,13 +362,12 @@ class AutoDispatcher:
                 out = max(out, q.replay(f, [], q.jobs[-1], q.anchor, self._remote_scale(True)).finish)
         return out
 
-    def _local_scale(self, prefill_busy_until: float) -> Callable[[float], float]:
-        k = self.cores.factor("decode")
-        return lambda t: k if t < prefill_busy_until else 1.0
+    def _local_scale(self, prefill_busy_until: float) -> Slowdown:
+        return Slowdown(self.cores.factor("decode"), prefill_busy_until)
 
-    def _remote_scale(self, decode_busy: bool) -> Callable[[float], float]:
+    def _remote_scale(self, decode_busy: bool) -> Slowdown:
         """The prefill fit is learned from steps that ran beside decoding (shared_cores.py)."""
-        return _one
+        return NO_SLOWDOWN
 
     def predict_local(
         self,
@@ -326,7 +386,7 @@ class AutoDispatcher:
         at = now + self.hop_in_s["local"]
         r = q.replay(f, ctxs, _Job(rid or "?", at, min(cached, prompt - 1), prompt), now, scale)
         ttft = r.finish - now + self.hop_out_s["local"]
-        base = f.decode_seconds(ctxs) * scale(now) if ctxs else 0.0
+        base = f.decode_seconds(ctxs) * scale.at(now) if ctxs else 0.0
         worst = max((_mean_itl(s, base, r.stall_s, r.itl_s) for s in streams), default=0.0)
         lax = 1 + self.ttft_abs_error["local"]
         ok = ttft * lax <= self.slo_ttft_s and worst <= self.slo_itl_s
@@ -380,6 +440,7 @@ class AutoDispatcher:
     ) -> Decision:
         """Predict both placements and pick one; with `request_id` the choice is committed (it
         joins that worker's queue model until `record_outcome`)."""
+        t0, steps0 = time.perf_counter(), self._steps_run()
         t = time.time() if now is None else now
         rid = request_id or ""
         loc = self.predict_local(prompt, cached_local, streams, t, local_worker, rid, prefill_worker)
@@ -402,7 +463,16 @@ class AutoDispatcher:
             q.add(_Job(request_id, t + self.hop_in_s[choice], min(cached, prompt - 1), prompt))
             self._open[request_id] = (choice, worker, idle)
         sides = {"local": cached_local, "remote": cached_remote}
+        self._cost("decide", t0, steps0)
         return Decision(choice, loc, rem, len(streams), prompt, reason, sides)
+
+    def _steps_run(self) -> int:
+        return sum(q.steps_run for q in self.queues.values())
+
+    def _cost(self, what: str, t0: float, steps0: int) -> None:
+        seconds, steps = time.perf_counter() - t0, self._steps_run() - steps0
+        self.cost[what].observe(steps, seconds)
+        log.debug("%s: %d replay steps, %.3f ms", what, steps, seconds * 1e3)
 
     def forget(self, request_id: str) -> None:
         """A request that ended before its first token (abort, error) leaves its worker's queue."""
@@ -419,6 +489,7 @@ class AutoDispatcher:
         d = tl.get("dispatch")
         if not d or "outcome" in d or "first_token_ms" not in tl:
             return
+        t0, steps0 = time.perf_counter(), self._steps_run()
         rid = tl.get("request_id", "")
         placed = self._open.pop(rid, None)
         choice = d["decision"]
@@ -455,6 +526,7 @@ class AutoDispatcher:
             if out["stall_error"] is not None:
                 self.errors["stall"].observe(out["stall_error"])
         d["outcome"] = out
+        self._cost("outcome", t0, steps0)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -466,6 +538,7 @@ class AutoDispatcher:
             "hop_out_ms": {k: v * 1e3 for k, v in self.hop_out_s.items()},
             "shared_cores": self.cores.to_dict(),
             "ttft_mean_abs_error": dict(self.ttft_abs_error),
+            "event_loop_cost": {k: v.to_dict() for k, v in self.cost.items()},
             "errors": {
                 k: {
                     "buckets": list(ERROR_BUCKETS),

@@ -6,7 +6,7 @@ import pytest
 from contracts.worker import WorkerStats
 from costmodel.cost_model import Calibration, ModelSpec
 from costmodel.step_fit import OnlineStepFit, StepCostFit, StepShape
-from router.dispatch import AutoDispatcher, Stream, WorkerQueue, _Job
+from router.dispatch import AutoDispatcher, Slowdown, Stream, WorkerQueue, _Job
 from router.shared_cores import SharedCores
 
 FIT = StepCostFit(0.004, 50e-6, 0.1e-6, 1e-3)  # 4 ms a step, 50 us a token, 1 ms a decode sequence
@@ -38,6 +38,39 @@ def test_remote_replay_waits_for_the_step_in_progress_and_batches_the_waiting():
     # a's first token came late: the model restarts from there, b still queued whole
     q.realized("a", 2 * one, FIT, [])
     assert [j.rid for j in q.jobs] == ["b"] and q.anchor == 2 * one
+
+
+def test_a_queue_anchored_long_ago_replays_in_a_few_steps_and_the_same_schedule():
+    # a prompt sent an hour ago is still queued (no first token seen), 8 streams decode: the replay
+    # starts at the anchor and crosses the hour of decode-only steps in one jump, not ~300k steps
+    # (it used to hit MAX_REPLAY_STEPS and predict a first token never)
+    q = WorkerQueue(chunk=128)
+    q.add(_Job("old", 0.0, 0, 64))
+    streams = [300] * 8
+    slow = Slowdown(2.0, until=1800.0)  # the prefill worker busy for the first half hour
+    r = q.replay(FIT, streams, _Job("new", 3600.0, 0, 64), 3600.0, slow)
+    assert r.steps <= 5
+    # the same schedule as stepping one decode step at a time (the engine's): "old" prefills first,
+    # then decode steps (2x slower until 1800 s) until "new" arrives, which waits for the step in
+    # progress
+    t = FIT.seconds(StepShape.of(streams, [(0, 64)])) * 2.0
+    ctxs = streams + [65]
+    while t < 3600.0:
+        t += FIT.decode_seconds(ctxs) * slow.at(t)
+    assert r.started == pytest.approx(t, abs=1e-6)
+    assert r.finish == pytest.approx(t + FIT.seconds(StepShape.of(ctxs, [(0, 64)])), abs=1e-6)
+
+
+def test_a_decision_on_stale_queues_costs_few_replay_steps(tmp_path):
+    d = _dispatcher(tmp_path)
+    d.decide(2048, 0, 0, [], 0.0, request_id="doc-0")  # remote or local: a queue anchored at 0
+    d.decide(2048, 0, 0, [], 0.0, request_id="doc-1")  # the other one too
+    streams = [Stream(300, 100, 1.0, 400)] * 8
+    dec = d.decide(64, 0, 0, streams, 3600.0, request_id="chat")  # an hour later, neither realized
+    assert dec.local.ttft_s < 1.0 and dec.remote.ttft_s < 1.0  # both queues ran dry long ago
+    # each replay: at most the prompts' chunks (16 + 1 locally) plus a jump per idle stretch
+    assert d.cost["decide"].max_steps <= 3 * (2048 // 128 + 4)
+    assert d.summary()["event_loop_cost"]["decide"]["calls"] == 3
 
 
 def _dispatcher(tmp_path, slo_ttft_ms=1000.0, slo_itl_ms=50.0):
