@@ -6,7 +6,9 @@ For each mode, in turn, a fresh pdserve server (Ray actors + uvicorn on a free l
    once, so the first prefill of each shape is not timed and no timed prompt is in the prefix
    cache (the timed prompts are uncached, as the simulator assumes);
 2. the timed run: the workload through `bench serve`'s client (arrivals on schedule, streamed,
-   per-chunk timestamps) -> TTFT/ITL/TPOT/E2E, goodput, stall per document;
+   per-chunk timestamps) -> TTFT/ITL/TPOT/E2E, goodput, stall per document; with the process's
+   objects frozen first (`benchmarks/gc_pauses.py`: client and router share this process, and a
+   full collection of it paused both for up to 0.54 s), its collections recorded;
 3. the equality pass: every request of the workload at once, non-streamed, greedy; the token ids
    come back in `pdserve.timeline.token_ids`. Token ids must be identical in every mode: a
    mismatch is printed loudly and the command exits 1. It runs after the timed run so that its
@@ -30,6 +32,7 @@ from typing import Any
 from benchmarks import demo_samples
 from benchmarks.bench_serve import BenchConfig, run_benchmark
 from benchmarks.compare_report import pack
+from benchmarks.gc_pauses import QuietGC
 from benchmarks.serve_client import ClientConfig
 from cli.output import emit_json
 from costmodel.provenance import OUT_DIR_HELP
@@ -88,6 +91,7 @@ class ModeRun:
     probes: list[dict[str, Any]] | None = None  # --link-gbps: each document alone (benchmarks/link_probe.py)
     margins: dict[str, list[float | None]] | None = None  # equality pass: top-2 margin per token
     serving_overhead: dict[str, Any] | None = None  # measured in the warm-up (see serving_overhead)
+    gc: dict[str, Any] | None = None  # the garbage collector during the timed run (benchmarks/gc_pauses.py)
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -307,7 +311,8 @@ def run_mode(
         _log(f"  up in {startup:.1f} s at {srv.base_url}; warm-up (the schedule again, other text)")
         warmup = asyncio.run(run_benchmark(replace(bench, client=client), warm))
         _log("  timed run (arrivals on schedule, streamed)")
-        result = asyncio.run(run_benchmark(replace(bench, client=client), specs))
+        with QuietGC() as quiet:  # no full collection of the whole process mid-run
+            result = asyncio.run(run_benchmark(replace(bench, client=client), specs))
         _log(f"  equality pass ({len(specs)} requests at once)")
         ids, transfers, margins = asyncio.run(equality_pass(srv.base_url, cfg.model_name, specs))
         samples = None
@@ -332,6 +337,7 @@ def run_mode(
         probes=probes,
         margins=margins,
         serving_overhead=serving_overhead(warmup.records),
+        gc=quiet.summary(),
     )
 
 
@@ -554,6 +560,7 @@ def _payload(args, device, wl, specs, runs, predictions, setup, setup_error, cal
             "load_average": r.load_average,
             "samples": r.samples,
             "serving_overhead": r.serving_overhead,
+            "gc_timed_run": r.gc,
         }
         if r.bench is not None:
             entry["metrics"] = asdict(r.bench.metrics)
