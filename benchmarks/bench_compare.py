@@ -2,12 +2,17 @@
 
 For each mode, in turn, a fresh pdserve server (Ray actors + uvicorn on a free loopback port,
 `router.serve_cli.ServerThread`) is started and given:
-1. the equality pass: every request of the seeded workload at once, non-streamed, greedy; the
-   token ids come back in `pdserve.timeline.token_ids`. It also warms the server up (first
-   prefill of each shape) before anything is timed. Token ids must be identical in every mode:
-   a mismatch is printed loudly and the command exits 1.
-2. the timed run: the same workload through `bench serve`'s client (arrivals on schedule,
-   streamed, per-chunk timestamps) -> TTFT/ITL/TPOT/E2E, goodput, stall per document.
+1. a warm-up: requests of the workload's shapes with other random text (the next seed), all at
+   once, so the first prefill of each shape is not timed and no timed prompt is in the prefix
+   cache (the timed prompts are uncached, as the simulator assumes);
+2. the timed run: the workload through `bench serve`'s client (arrivals on schedule, streamed,
+   per-chunk timestamps) -> TTFT/ITL/TPOT/E2E, goodput, stall per document; with the process's
+   objects frozen first (`benchmarks/gc_pauses.py`: client and router share this process, and a
+   full collection of it paused both for up to 0.54 s), its collections recorded;
+3. the equality pass: every request of the workload at once, non-streamed, greedy; the token ids
+   come back in `pdserve.timeline.token_ids`. Token ids must be identical in every mode: a
+   mismatch is printed loudly and the command exits 1. It runs after the timed run so that its
+   burst (and its prefix-cache hits) shape nothing that is timed, auto's online fits included.
 Beside each measured figure: the simulator's prediction on a calibrated device model
 (`costmodel/compare_predict.py`), labelled "simulated". Results: one JSON with provenance, a
 Markdown report and PNG plots (`benchmarks/compare_report.py`), and one table on stdout.
@@ -27,6 +32,7 @@ from typing import Any
 from benchmarks import demo_samples
 from benchmarks.bench_serve import BenchConfig, run_benchmark
 from benchmarks.compare_report import pack
+from benchmarks.gc_pauses import QuietGC
 from benchmarks.serve_client import ClientConfig
 from cli.output import emit_json
 from costmodel.provenance import OUT_DIR_HELP
@@ -84,6 +90,8 @@ class ModeRun:
     samples: list[dict[str, Any]] | None = None  # a real model's answers to a few questions (demo_samples)
     probes: list[dict[str, Any]] | None = None  # --link-gbps: each document alone (benchmarks/link_probe.py)
     margins: dict[str, list[float | None]] | None = None  # equality pass: top-2 margin per token
+    serving_overhead: dict[str, Any] | None = None  # measured in the warm-up (see serving_overhead)
+    gc: dict[str, Any] | None = None  # the garbage collector during the timed run (benchmarks/gc_pauses.py)
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -304,15 +312,19 @@ def run_mode(
     t0 = time.perf_counter()
     with ServerThread(cfg, startup_timeout_s=timeout_s) as srv:
         startup = time.perf_counter() - t0
-        _log(f"  up in {startup:.1f} s at {srv.base_url}; equality pass ({len(specs)} requests at once)")
+        client = replace(bench.client, base_url=srv.base_url, model=cfg.model_name)
+        warm = warmup_specs(bench, specs)
+        _log(f"  up in {startup:.1f} s at {srv.base_url}; warm-up (the schedule again, other text)")
+        warmup = asyncio.run(run_benchmark(replace(bench, client=client), warm))
+        _log("  timed run (arrivals on schedule, streamed)")
+        with QuietGC() as quiet:  # no full collection of the whole process mid-run
+            result = asyncio.run(run_benchmark(replace(bench, client=client), specs))
+        _log(f"  equality pass ({len(specs)} requests at once)")
         ids, transfers, margins = asyncio.run(equality_pass(srv.base_url, cfg.model_name, specs))
         samples = None
         if cfg.model not in PRESETS:  # a real model: a few answers a person can read
             _log("  real outputs (a few chat questions)")
             samples = demo_samples.ask(srv.base_url, cfg.model_name)
-        _log("  timed run (arrivals on schedule, streamed)")
-        client = replace(bench.client, base_url=srv.base_url, model=cfg.model_name)
-        result = asyncio.run(run_benchmark(replace(bench, client=client), specs))
         probes = None
         if probe:
             from benchmarks.link_probe import probe_documents  # noqa: PLC0415 - --link-gbps only
@@ -330,7 +342,33 @@ def run_mode(
         samples=samples,
         probes=probes,
         margins=margins,
+        serving_overhead=serving_overhead(warmup.records),
+        gc=quiet.summary(),
     )
+
+
+def warmup_specs(bench: BenchConfig, specs: list[RequestSpec]) -> list[RequestSpec]:
+    """The workload's schedule and shapes with other random text (the next seed's prompts)."""
+    other = {s.request_id: s for s in build_workload(replace(bench.workload, seed=bench.workload.seed + 1))}
+    return [replace(s, prompt=other[s.request_id].prompt) if s.request_id in other else s for s in specs]
+
+
+def serving_overhead(records: list[Any]) -> dict[str, float | None]:
+    """What the warm-up's requests waited beyond their worker's own queue + prefill (client TTFT
+    minus that: the HTTP/SSE, router and Ray hops), and beyond the router's TTFT; medians, ms."""
+    import statistics  # noqa: PLC0415
+
+    hop, client_extra = [], []
+    for r in records:
+        if not r.ok or r.send_s is None:
+            continue
+        ttft = (r.chunk_times_s[0] - r.send_s) * 1e3
+        if r.worker_queue_ms is not None and r.worker_prefill_ms is not None:
+            hop.append(ttft - r.worker_queue_ms - r.worker_prefill_ms)
+        if r.router_ttft_ms is not None:
+            client_extra.append(ttft - r.router_ttft_ms)
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    return {"hop_ms": med(hop), "client_beyond_router_ms": med(client_extra), "requests": len(hop)}
 
 
 def _load() -> list[float] | None:
@@ -472,8 +510,9 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
                 r.spec.mode, r.spec.chunk_size, r.spec.prefill, r.spec.decode, args.max_num_seqs, setup.link
             )
             sim_specs = served_prompt_lengths(specs, r)
+            hop = (r.serving_overhead or {}).get("hop_ms") or 0.0
             predictions[r.spec.label] = cp.predict(
-                r.spec.label, sc, setup, sim_specs, args.slo_ttft_ms, args.slo_tpot_ms
+                r.spec.label, sc, setup, sim_specs, args.slo_ttft_ms, args.slo_tpot_ms, hop / 1e3
             )
             if r.probes is not None:
                 from benchmarks.link_probe import predict_documents  # noqa: PLC0415
@@ -537,6 +576,8 @@ def _payload(args, device, wl, specs, runs, predictions, setup, setup_error, cal
             "startup_s": r.startup_s,
             "load_average": r.load_average,
             "samples": r.samples,
+            "serving_overhead": r.serving_overhead,
+            "gc_timed_run": r.gc,
         }
         if r.bench is not None:
             entry["metrics"] = asdict(r.bench.metrics)
@@ -567,6 +608,11 @@ def _payload(args, device, wl, specs, runs, predictions, setup, setup_error, cal
             from benchmarks import compare_auto as ca  # noqa: PLC0415 - keeps this file short
 
             entry["per_request"] = ca.per_request(r.bench.records, p.records if p is not None else None)
+            entry["headline"] = ca.headline(
+                r.bench.records, r.bench.metrics, p.records if p is not None else None,
+                p.metrics if p is not None else None, r.spec.mode == "auto",
+                (r.serving_overhead or {}).get("client_beyond_router_ms"),
+            )  # fmt: skip
             entry["accuracy"] = ca.accuracy_summary(entry["per_request"])
             entry["ttft_by_bucket"] = ca.ttft_by_bucket(r.bench.records)
             entry["dispatch"] = ca.dispatch_summary(entry["per_request"])
@@ -574,6 +620,7 @@ def _payload(args, device, wl, specs, runs, predictions, setup, setup_error, cal
                 entry["boundary"] = ca.boundary(
                     calibration, args.model, r.spec.chunk_size, args.slo_ttft_ms, args.slo_tpot_ms,
                     wl.chat_prompt_len + wl.chat_output_len // 2, max(8, wl.chat_streams), 2 * wl.doc_prompt_len,
+                    wl.chat_output_len,
                 )  # fmt: skip
         modes.append(entry)
     return _finite(

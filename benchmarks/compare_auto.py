@@ -58,6 +58,67 @@ def per_request(measured: list[Any], predicted: list[Any] | None) -> list[dict[s
     return rows
 
 
+HEADLINE = (
+    ("decode_step_ms", "decode step (ITL p50)"),
+    ("prefill_ms", "document prefill (worker, p50)"),
+    ("stall_max_ms", "max stall"),
+    ("ttft_p50_ms", "TTFT p50"),
+)
+
+
+def _docs(records: list[Any]) -> list[Any]:
+    return [r for r in records if r.kind == "document"]
+
+
+def _figures(records: list[Any], metrics: Any) -> dict[str, float | None]:
+    pre = [r.worker_prefill_ms for r in _docs(records) if r.worker_prefill_ms is not None]
+    return {
+        "decode_step_ms": metrics.itl_ms.p50,
+        "prefill_ms": statistics.median(pre) if pre else None,
+        "stall_max_ms": metrics.stall_ms.max,
+        "ttft_p50_ms": metrics.ttft_ms.p50,
+    }
+
+
+def _auto_figures(records: list[Any], client_beyond_router_ms: float | None) -> dict[str, float | None]:
+    """The router's own predictions (its decisions), read as the four headline figures: the
+    chosen placement's decode step and prefill for documents, the longest step a document's
+    prefill puts in the streams' way (local: its longest chunk step; remote: the decode step beside
+    it), and the p50 of the predicted TTFT plus what the client adds beyond the router's TTFT
+    (measured in the warm-up)."""
+    chosen = [(r, r.dispatch[r.dispatch["decision"]]) for r in records if r.dispatch]
+    docs = [(r, p) for r, p in chosen if r.kind == "document"]
+    steps = [p["decode_step_ms"] for r, p in docs if r.dispatch.get("streams_in_flight") and "decode_step_ms" in p]
+    pre = [p["prefill_ms"] for _, p in docs if "prefill_ms" in p]
+    stall = [p["itl_ms"] if r.dispatch["decision"] == "local" else p.get("decode_step_ms") for r, p in docs]
+    ttft = [p["ttft_ms"] + (client_beyond_router_ms or 0.0) for _, p in chosen]
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    return {
+        "decode_step_ms": med(steps),
+        "prefill_ms": med(pre),
+        "stall_max_ms": max((x for x in stall if x is not None), default=None),
+        "ttft_p50_ms": med(ttft),
+    }
+
+
+def headline(measured: list[Any], measured_metrics: Any, predicted: list[Any] | None, predicted_metrics: Any,
+             auto: bool, client_beyond_router_ms: float | None = None) -> dict[str, Any]:  # fmt: skip
+    """{figure: {measured, predicted, error}} for the issue's four figures, and where the
+    predictions come from."""
+    m = _figures(measured, measured_metrics)
+    if auto:
+        p, source = _auto_figures(measured, client_beyond_router_ms), "router (its dispatch predictions)"
+    elif predicted is not None:
+        p, source = _figures(predicted, predicted_metrics), "simulator"
+    else:
+        p, source = {}, None
+    out: dict[str, Any] = {
+        k: {"measured": m[k], "predicted": p.get(k), "error": _err(p.get(k), m[k])} for k, _ in HEADLINE
+    }
+    out["source"] = source
+    return out
+
+
 def accuracy_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Share of requests whose prediction is within 15%, per figure."""
     out: dict[str, Any] = {}
@@ -107,18 +168,21 @@ def dispatch_summary(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def boundary(calibration: Path, model: str, chunk: int | None, slo_ttft_ms: float, slo_itl_ms: float,
-             ctx: int, max_streams: int, max_prompt: int) -> list[dict[str, Any]]:  # fmt: skip
-    """For each count of streams in flight (each at context `ctx`, empty queues), the shortest
-    prompt the calibrated cost model sends remote (None: local up to `max_prompt`)."""
+             ctx: int, max_streams: int, max_prompt: int, stream_len: int = 0) -> list[dict[str, Any]]:  # fmt: skip
+    """For each count of streams in flight (each at context `ctx`, halfway through `stream_len`
+    output tokens if given, empty queues), the shortest prompt the calibrated cost model sends
+    remote (None: local up to `max_prompt`)."""
     from costmodel.cost_model import Calibration, ModelSpec  # noqa: PLC0415
-    from router.dispatch import AutoDispatcher  # noqa: PLC0415
+    from router.dispatch import AutoDispatcher, Stream  # noqa: PLC0415
 
     d = AutoDispatcher(Calibration.load(calibration), ModelSpec.resolve(model), "fp8", chunk,
                        slo_ttft_ms / 1e3, slo_itl_ms / 1e3)  # fmt: skip
+    step = d.fits["decode"].current.decode_seconds([ctx])
+    one = Stream(ctx, stream_len // 2, stream_len // 2 * step, stream_len) if stream_len else Stream(ctx)
     out = []
     for s in range(max_streams + 1):
         cut = next(
-            (p for p in range(16, max_prompt + 1, 16) if d.decide(p, 0, [ctx] * s, [], []).choice == "remote"), None
+            (p for p in range(16, max_prompt + 1, 16) if d.decide(p, 0, 0, [one] * s, 0.0).choice == "remote"), None
         )
         out.append({"streams": s, "remote_from_prompt": cut})
     return out
@@ -155,8 +219,19 @@ def plot_decisions(mode: dict[str, Any], path: Path) -> Path | None:
 
 
 def report_lines(result: dict[str, Any]) -> list[str]:
-    """Markdown: per-request accuracy for every mode, and the auto section."""
-    out = ["", "## Per-request predictions (simulated with the calibrated step-cost fit) vs measured", ""]
+    """Markdown: the four headline figures, per-request accuracy for every mode, the auto section."""
+    out = ["", "## Predicted vs measured: decode step, prefill, max stall, TTFT p50", ""]
+    out += ["Each cell: measured / predicted (error). Fixed modes: the simulator; auto: the router's own "
+            "dispatch predictions. Target: within 15%.", ""]  # fmt: skip
+    out += ["| mode | source | " + " | ".join(f"{label} (ms)" for _, label in HEADLINE) + " |"]
+    out += ["|---|---|" + "---|" * len(HEADLINE)]
+    for m in result["modes"]:
+        h = m.get("headline")
+        if not h:
+            continue
+        cells = [_cell(h[k]) for k, _ in HEADLINE]
+        out.append(f"| {m['label']} | {h.get('source') or '-'} | " + " | ".join(cells) + " |")
+    out += ["", "## Per-request predictions (simulated with the calibrated step-cost fit) vs measured", ""]
     out += ["| mode | requests | TTFT within 15% | ITL p50 within 15% | max gap within 15% | median abs TTFT error |"]
     out += ["|---|---|---|---|---|---|"]
     for m in result["modes"]:
@@ -188,3 +263,10 @@ def report_lines(result: dict[str, Any]) -> list[str]:
 
 def _pc(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _cell(x: dict[str, Any]) -> str:
+    m, p, e = x.get("measured"), x.get("predicted"), x.get("error")
+    if m is None:
+        return "-"
+    return f"{m:,.1f} / " + ("-" if p is None else f"{p:,.1f}" + ("" if e is None else f" ({e:+.0%})"))

@@ -65,8 +65,9 @@ class WorkerStats:
     blocks_free: int  # free or cached: what an allocation can take now
     steps: int = 0
     # the last steps this worker ran, oldest first: (step number, prefill tokens, attention pairs,
-    # decode sequences, seconds); the router refines its step-cost fit from them (--mode auto)
-    recent_steps: list[tuple[int, int, int, int, float]] = field(default_factory=list)
+    # decode sequences, seconds, end as unix s); the router refines its step-cost fit from them
+    # and, from the ends, sees which steps ran while the other pool's did (--mode auto)
+    recent_steps: list[tuple[int, int, int, int, float, float]] = field(default_factory=list)
     blocks_cached: int = 0  # unreferenced blocks kept by the prefix cache (evicted LRU)
     preemptions: int = 0  # sequences preempted by recompute so far (cumulative)
     prefix_hit_blocks: int = 0  # full blocks found in the prefix cache (cumulative)

@@ -139,11 +139,15 @@ def simulate_requests(cfg: SimConfig, steps: StepModel, specs: list[RequestSpec]
     return reqs
 
 
-def simulate_specs(cfg: SimConfig, steps: StepModel, specs: list[RequestSpec]) -> list[RequestRecord]:
-    """Simulate exactly `specs` and return client-style records."""
+def simulate_specs(
+    cfg: SimConfig, steps: StepModel, specs: list[RequestSpec], hop_s: float = 0.0
+) -> list[RequestRecord]:
+    """Simulate exactly `specs` and return client-style records; every token reaches the client
+    `hop_s` after the worker emits it (the serving path's hops, measured in bench compare's
+    warm-up: not simulated)."""
     records = []
     for s, r in zip(specs, simulate_requests(cfg, steps, specs)):
-        t = r.token_times
+        t = [x + hop_s for x in r.token_times]
         records.append(
             RequestRecord(
                 s.request_id,
@@ -158,6 +162,10 @@ def simulate_specs(cfg: SimConfig, steps: StepModel, specs: list[RequestSpec]) -
                 completion_tokens=len(t),
                 finish_reason="length" if r.done else None,
                 error=None if t else "not finished in the simulation",
+                worker_queue_ms=(r.prefill_start - s.arrival_s) * 1e3 if r.prefill_start is not None else None,
+                worker_prefill_ms=(r.token_times[0] - r.prefill_start) * 1e3
+                if t and r.prefill_start is not None
+                else None,
             )
         )
     return records
@@ -177,8 +185,9 @@ def predict(
     specs: list[RequestSpec],
     slo_ttft_ms: float | None,
     slo_tpot_ms: float | None,
+    hop_s: float = 0.0,
 ) -> Prediction:
-    records = simulate_specs(cfg, setup.steps, specs)
+    records = simulate_specs(cfg, setup.steps, specs, hop_s)
     return Prediction(label, records, compute_metrics(records, slo_ttft_ms, slo_tpot_ms))
 
 

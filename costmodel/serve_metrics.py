@@ -62,6 +62,11 @@ class RequestRecord:
     error: str | None = None
     text: str = ""
     dispatch: dict | None = None  # pdserve --mode auto: the router's decision and predictions (timeline)
+    # the worker's own time for the prompt (pdserve timeline): waiting for its first step, and
+    # from its first prefill step to its first token; ms
+    worker_queue_ms: float | None = None
+    worker_prefill_ms: float | None = None
+    router_ttft_ms: float | None = None  # arrival at the router to its first token event (timeline)
 
     @property
     def ok(self) -> bool:

@@ -43,6 +43,7 @@ class Request:
     # token - transfer, the link's queue included)
     transfer_s: float | None = None
     admitted: float | None = None
+    prefill_start: float | None = None  # when its first prefill step began
 
     @property
     def done(self) -> bool:
@@ -108,6 +109,7 @@ class SimConfig:
     chunk: int = 512  # prompt tokens per step in chunked mode
     max_batch: int = 256
     link: cm.Link = cm.LINKS["nvlink"]
+    max_prefill_tokens: int = 8192  # whole prompts batched into one step, as the engine's default
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -290,6 +292,18 @@ class Worker:
         batch = list(self.running)
         return self.sim.steps.decode(batch), 0, len(batch), lambda: self._emit(batch)
 
+    def _take_whole(self, batch: int) -> list[Request]:
+        """Whole prompts for one step, FIFO, as the engine schedules them unchunked: the first
+        whatever its length, then more while they fit `max_prefill_tokens` and the batch limit."""
+        cfg, budget = self.sim.cfg, self.sim.cfg.max_prefill_tokens
+        out: list[Request] = []
+        while self.queue and batch + len(out) < cfg.max_batch and (not out or self.queue[0].prompt <= budget):
+            r = self.queue.popleft()
+            r.prefilled, r.prefill_start = r.prompt, self.sim.now
+            budget -= r.prompt
+            out.append(r)
+        return out
+
     def _prefilled(self, r: Request) -> None:
         """First token of `r` is out: decode it here, or finish."""
         r.token_times.append(self.sim.now)
@@ -304,17 +318,20 @@ class ColocatedWorker(Worker):
         cfg, steps = self.sim.cfg, self.sim.steps
         if cfg.mode == "colocated":
             if self.queue and len(self.running) < cfg.max_batch:
-                r = self.queue.popleft()
-                r.prefilled = r.prompt
                 if steps.fit is None:  # the article's freeze: the prefill runs instead of the decode step
+                    r = self.queue.popleft()
+                    r.prefilled, r.prefill_start = r.prompt, self.sim.now
                     return steps.prefill(r.prompt), r.prompt, 0, lambda: self._prefilled(r)
-                batch = list(self.running)  # the engine's: one forward of the decode batch + the prompt
+                # the engine's: one forward of the decode batch + every waiting prompt that fits
+                batch, prompts = list(self.running), self._take_whole(len(self.running))
 
                 def fin_mixed() -> None:
                     self._emit(batch)
-                    self._prefilled(r)
+                    for r in prompts:
+                        self._prefilled(r)
 
-                return steps.step(batch, [(0, r.prompt)]), r.prompt, len(batch), fin_mixed
+                whole = [(0, r.prompt) for r in prompts]
+                return steps.step(batch, whole), sum(r.prompt for r in prompts), len(batch), fin_mixed
             return self._decode_step() if self.running else None
         batch, budget = list(self.running), cfg.chunk
         parts: list[tuple[Request, int, int]] = []  # (request, chunk start, chunk tokens)
@@ -324,6 +341,8 @@ class ColocatedWorker(Worker):
             n = min(budget, r.prompt - r.prefilled)
             parts.append((r, r.prefilled, n))
             budget -= n
+            if r.prefill_start is None:
+                r.prefill_start = self.sim.now
         if not batch and not parts:
             return None
         dur = steps.step(batch, [(s, n) for _, s, n in parts])
@@ -347,17 +366,26 @@ class PrefillWorker(Worker):
     def plan(self):
         if not self.queue:
             return None
-        r = self.queue.popleft()
-        r.prefilled = r.prompt
+        steps = self.sim.steps
+        # measured steps (a fit): the engine's batch of waiting whole prompts; else one at a time
+        prompts = self._take_whole(0) if steps.fit is not None else [self.queue.popleft()]
+        for r in prompts:
+            r.prefilled, r.prefill_start = r.prompt, self.sim.now
 
         def fin() -> None:
-            r.token_times.append(self.sim.now)
-            if r.done:
-                self.sim.finish(r)
-            else:
-                self.sim.send_kv(r)
+            for r in prompts:
+                r.token_times.append(self.sim.now)
+                if r.done:
+                    self.sim.finish(r)
+                else:
+                    self.sim.send_kv(r)
 
-        return self.sim.steps.prefill(r.prompt), r.prompt, 0, fin
+        dur = (
+            steps.step([], [(0, r.prompt) for r in prompts])
+            if steps.fit is not None
+            else steps.prefill(prompts[0].prompt)
+        )
+        return dur, sum(r.prompt for r in prompts), 0, fin
 
 
 class DecodeWorker(Worker):

@@ -103,7 +103,7 @@ class EngineLoop:
         self._exited = False  # set by the loop thread once it will never read the inbox again
         self.steps = 0  # forward passes run
         # (step number, prefill tokens, attention pairs, decode sequences, seconds) of recent steps
-        self.step_log: deque[tuple[int, int, int, int, float]] = deque(maxlen=STEP_LOG_KEPT)
+        self.step_log: deque[tuple[int, int, int, int, float, float]] = deque(maxlen=STEP_LOG_KEPT)
         self.fatal: BaseException | None = None
 
     def start(self) -> None:
@@ -182,10 +182,11 @@ class EngineLoop:
             self._fail_inbox()
 
     def log_step(self, engine: LLMEngine) -> None:
-        """Loop thread: remember the shape and time of the step `engine` just ran."""
+        """Loop thread: remember the shape, time and end (unix s) of the step `engine` just ran."""
         st = engine.last_step
         if st is not None:
-            self.step_log.append((self.steps + 1, st.prefill_tokens, st.attention_pairs, st.decode_tokens, st.seconds))
+            shape = (st.prefill_tokens, st.attention_pairs, st.decode_tokens)
+            self.step_log.append((self.steps + 1, *shape, st.seconds, time.time()))
 
     def drain_cache_events(self) -> tuple[list[tuple[bool, int]], list[int] | None]:
         """(prefix-cache events since the last call, every cached hash if events were lost)."""

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contracts.worker import GenerateRequest, PrefillResult, StreamEvent, WorkerError, WorkerStats
 from engine.config import ModelConfig
 from engine.prefix_cache import block_hashes
-from router.dispatch import AutoDispatcher
+from router.dispatch import AutoDispatcher, Stream
 from router.prefix_index import PrefixIndex
 from router.worker_handle import WorkerDied, WorkerHandle
 
@@ -103,7 +103,7 @@ class Orchestrator:
             self._pumps[w.name] = asyncio.create_task(self._pump(w))
         if self.dispatcher is not None or self.policy != "round_robin":
             self._pumps["_stats"] = asyncio.create_task(self._refresh_stats())
-        if self.policy == "prefix":
+        if self.policy == "prefix" or self.dispatcher is not None:  # auto: the cached prefix per side
             self._cache_sync = asyncio.create_task(self._sync_prefix_index())
         if self._health_interval_s > 0:
             self._health = asyncio.create_task(self._health_loop())
@@ -155,12 +155,14 @@ class Orchestrator:
         tl = self._new_timeline(req)
         queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self._streams[rid] = queue
-        hashes = block_hashes(req.prompt_ids, self.block_size) if self.policy == "prefix" else []
+        # auto prices a prompt after the prefix each side already caches
+        wants_hashes = self.policy == "prefix" or self.dispatcher is not None
+        hashes = block_hashes(req.prompt_ids, self.block_size) if wants_hashes else []
         decode = self._pick(self.decode, "decode", hashes)
         prefill = self._pick(self.prefill, "prefill", hashes) if self.mode != "colocated" else None
         if self.dispatcher is not None:
             assert prefill is not None  # auto has both pools
-            prefill = self._dispatch(req, tl, prefill, decode)
+            prefill = self._dispatch(req, tl, prefill, decode, hashes)
         if hashes:  # what the router expected each side to hold (its index may lag by one poll)
             tl["routed_prefix_blocks"] = {
                 w.role: self.prefix_index.matched_blocks(w.name, hashes) for w in (prefill, decode) if w is not None
@@ -237,6 +239,8 @@ class Orchestrator:
             self._assigned.pop(rid, None)
             self._last_token_t.pop(rid, None)
             self._local_open.get(decode.name, set()).discard(rid)
+            if self.dispatcher is not None:
+                self.dispatcher.forget(rid)  # no-op once its first token came
             self._phase.pop(rid, None)
             for w in (prefill, decode):
                 if w is not None:
@@ -259,29 +263,43 @@ class Orchestrator:
         return self.dispatcher.summary() if self.dispatcher is not None else None
 
     def _dispatch(
-        self, req: GenerateRequest, tl: dict, prefill: WorkerHandle, decode: WorkerHandle
+        self, req: GenerateRequest, tl: dict, prefill: WorkerHandle, decode: WorkerHandle, hashes: list[int]
     ) -> WorkerHandle | None:
         """Ask the dispatcher; returns the prefill worker for remote, None for local."""
         assert self.dispatcher is not None
-        streams, local_queue, prefill_queue = [], [], []
-        for rid, (p, d) in self._assigned.items():
-            other = self._timelines.get(rid)
-            if other is None:
-                continue
-            if d is decode and "first_token_ms" in other and p is None:
-                streams.append(other["prompt_tokens"] + other["output_tokens"])
-            elif d is decode and "first_token_ms" in other and "decode_admitted_ms" in other:
-                streams.append(other["prompt_tokens"] + other["output_tokens"])
-            elif d is decode and p is None:
-                local_queue.append(other["prompt_tokens"])
-            elif p is prefill and "first_token_ms" not in other:
-                prefill_queue.append(other["prompt_tokens"])
-        decision = self.dispatcher.decide(len(req.prompt_ids), 0, streams, local_queue, prefill_queue)
+        now = time.time()
+        tl["max_tokens"] = req.params.max_tokens
+        streams = self._streams_on(decode, now)
+        n = len(req.prompt_ids)
+        bs = self.block_size
+        cached = [min(n - 1, self.prefix_index.matched_blocks(w.name, hashes) * bs) for w in (decode, prefill)]
+        decision = self.dispatcher.decide(
+            n, cached[0], cached[1], streams, now, decode.name, prefill.name, request_id=req.request_id
+        )
         tl["dispatch"] = decision.to_dict()
         if decision.choice == "local":
             self._local_open.setdefault(decode.name, set()).add(req.request_id)
             return None
         return prefill
+
+    def _streams_on(self, decode: WorkerHandle, now: float) -> list[Stream]:
+        """The sequences decoding on `decode`: local ones past their first token, remote ones
+        admitted (their KV pulled)."""
+        out = []
+        for rid, (p, d) in self._assigned.items():
+            other = self._timelines.get(rid)
+            if d is not decode or other is None or "first_token_ms" not in other:
+                continue
+            if p is None or "decode_admitted_ms" in other:
+                out.append(
+                    Stream(
+                        other["prompt_tokens"] + other["output_tokens"],
+                        other["output_tokens"],
+                        max(0.0, now - other["arrival"] - other["first_token_ms"] / 1e3),
+                        other.get("max_tokens", 0),
+                    )
+                )
+        return out
 
     async def _refresh_stats(self) -> None:
         """Read every worker's stats a few times a second: least_loaded (and prefix's tie-break)
@@ -500,7 +518,10 @@ class Orchestrator:
             if ev.timings:  # colocated: the decode worker timed the prompt's queue and prefill
                 tl.update({k: round(v, 3) for k, v in ev.timings.items()})
             if self.dispatcher is not None:
-                self.dispatcher.record_outcome(tl)
+                pair = self._assigned.get(tl["request_id"])
+                local = pair is not None and pair[0] is None
+                ctxs = [s.context for s in self._streams_on(pair[1], ev.t)] if local and pair else []
+                self.dispatcher.record_outcome(tl, streams=ctxs)
         tl["last_token_ms"] = t
         tl["output_tokens"] = ev.index + 1
         tl["token_ids"].append(ev.token_id)  # lets clients check greedy equality across modes
