@@ -127,6 +127,7 @@ async def send_one(
                 rec.dispatch = tl.get("dispatch")  # pdserve --mode auto only
                 rec.worker_queue_ms, rec.worker_prefill_ms = tl.get("queue_ms"), tl.get("prefill_ms")
                 rec.router_ttft_ms = tl.get("first_token_ms")
+                rec.transfer = tl.get("transfer")  # pdserve disagg: the KV pull
                 rec.prompt_tokens = chunk.usage.prompt_tokens
                 rec.completion_tokens = chunk.usage.completion_tokens
         rec.end_s = now()

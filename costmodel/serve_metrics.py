@@ -67,6 +67,7 @@ class RequestRecord:
     worker_queue_ms: float | None = None
     worker_prefill_ms: float | None = None
     router_ttft_ms: float | None = None  # arrival at the router to its first token event (timeline)
+    transfer: dict | None = None  # pdserve disagg: this request's KV pull (bytes, ms, rate; timeline)
 
     @property
     def ok(self) -> bool:
