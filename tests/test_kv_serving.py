@@ -57,7 +57,7 @@ def _metric(url: str, name: str) -> float:
     return sum(_per_worker(url, name).values())
 
 
-async def _stream(client: AsyncOpenAI, prompt: str) -> dict:
+async def _stream(client: AsyncOpenAI, prompt: str | list[int]) -> dict:
     stream = await client.completions.create(
         model="tiny",
         prompt=prompt,
@@ -76,7 +76,7 @@ async def _stream(client: AsyncOpenAI, prompt: str) -> dict:
     return {"text": "".join(texts), **last.model_extra["pdserve"]["timeline"]}
 
 
-def _run_all(url: str, prompts: list[str]) -> list[dict]:
+def _run_all(url: str, prompts: list[str] | list[list[int]]) -> list[dict]:
     async def main():
         client = AsyncOpenAI(base_url=url, api_key="none", max_retries=0)
         return await asyncio.gather(*(_stream(client, p) for p in prompts))
@@ -116,8 +116,11 @@ def test_forced_preemption_and_caching_keep_greedy_tokens(ray_cluster, expected,
         preempted = sum(tl.get("preemptions", 0) for tl in timelines)
         assert _metric(srv.url, "pdserve_preemptions_total") == preempted
         assert (preempted > 0) == (cfg.num_blocks == NUM_BLOCKS)
-        # a second turn of one conversation: its prompt starts with the first turn and the reply
-        turn2 = PROMPTS[0] + ByteTokenizer().decode(expected[PROMPTS[0]]) + " And V?"
+        # a second turn of one conversation: its prompt is the first turn's tokens, the reply's and
+        # a new message, as token ids (the tiny model's reply bytes are not valid UTF-8, so as text
+        # they would not re-encode to the reply's tokens and only the prompt's blocks would match)
+        tok = ByteTokenizer()
+        turn2 = tok.encode(PROMPTS[0]) + expected[PROMPTS[0]] + tok.encode(" And V?")
         # no settle wait: under policy prefix the router syncs a request's workers' cache events
         # before it sends the last token, so turn 2 finds turn 1 in the index (read-your-writes)
         tl2 = _run_all(srv.base_url, [turn2])[0]
