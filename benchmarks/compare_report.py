@@ -402,7 +402,7 @@ def _transfer_section(result: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     return [
-        "## KV transfer (disaggregated, documents, equality pass)",
+        "## KV transfer (disaggregated, documents, timed run)",
         "",
         *_md_table(
             ["mode", "request", "backend", "bytes", "ms", "GB/s", "NVLink ms (article)", "100G IB ms (article)"], rows
