@@ -31,6 +31,7 @@ if str(ROOT) not in sys.path:  # `from tests.fakes import ...` under plain `pyte
     sys.path.insert(0, str(ROOT))
 
 from engine.config import ModelConfig, RopeScaling  # noqa: E402
+from tests.ray_session import shared_ray  # noqa: E402
 
 # A llama3 rope-scaling rule whose three bands (high, medium, low frequency) are all populated
 # for head_dim 16, theta 10000: wavelengths run 6.3 .. ~20000, the band edges are 16 and 64.
@@ -152,13 +153,69 @@ def smollm2_hf_tokenizer(smollm2_gguf_only):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A local Ray cluster with token authentication (as pdserve's own), one per test module: the
-    serving tests' workers are Ray actors. Ray is imported here, not at the top, so test files that
-    never start a cluster do not pay for (or need) it."""
-    import ray  # noqa: PLC0415
-
-    from router.ray_cluster import start_local_ray  # noqa: PLC0415
-
-    start_local_ray(num_cpus=8, object_store_bytes=128 * 1024**2, log_to_driver=False)
+    """The session's local Ray cluster with token authentication (as pdserve's own): the serving
+    tests' workers are Ray actors. Ray is imported here, not at the top, so test files that never
+    start a cluster do not pay for (or need) it. Servers stop their actors on exit, so a module
+    finds no other module's workers on it."""
+    shared_ray()
     yield
-    ray.shutdown()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
+# Markers (documented in pyproject.toml). Whole modules are marked by what they start, so
+# `make test-fast` (-m fast) is every test that needs no Ray, no server and no subprocess pdserve.
+_SLOW_MODULES = {
+    # real Ray cluster, servers or pdserve child processes
+    "test_auto_mode": ("ray", "server"),
+    "test_bench_compare": ("ray", "server"),
+    "test_cluster": ("ray", "server", "root"),
+    "test_faults": ("ray", "server"),
+    "test_graceful_shutdown": ("ray", "server"),
+    "test_kv_serving": ("ray", "server"),
+    "test_pools": ("ray", "server"),
+    "test_ray_security": ("ray", "server"),
+    "test_real_model_serving": ("ray", "server", "real_model"),
+    "test_serving": ("ray", "server"),
+    "test_json_output": ("server",),
+    "test_generate_cli": ("server",),
+    "test_model_pull": ("server", "real_model"),
+    # the real 135M model against transformers: tens of seconds each on 2 cores
+    "test_real_model": ("real_model",),
+    "test_chat_template": ("real_model",),
+}
+
+
+# The heaviest modules first (seconds measured in one serial run, 2 cores): pytest-xdist hands out
+# whole modules in collection order, so a heavy module collected last would run alone at the end.
+_HEAVY_FIRST = [
+    "test_cluster",
+    "test_real_model",
+    "test_json_output",
+    "test_real_model_serving",
+    "test_serving",
+    "test_kv_serving",
+    "test_model_pull",
+    "test_faults",
+    "test_pools",
+    "test_bench_compare",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        marks = _SLOW_MODULES.get(module, ())
+        for name in marks:
+            item.add_marker(name)
+        if marks:  # one xdist worker runs the module: its module-scoped server is started once
+            item.add_marker(pytest.mark.xdist_group(module))
+        elif not item.get_closest_marker("slow"):
+            item.add_marker("fast")
+    rank = {m: i for i, m in enumerate(_HEAVY_FIRST)}
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda it: (rank.get(it.module.__name__.rsplit(".", 1)[-1], len(rank)), order[id(it)]))

@@ -27,20 +27,12 @@ from engine.model_runner import ModelRunner  # noqa: E402
 from engine.sequence import SamplingParams, Sequence  # noqa: E402
 from engine.tokenizer import ByteTokenizer  # noqa: E402
 from router.config import ConfigError, ServeConfig  # noqa: E402
-from router.ray_cluster import start_local_ray  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
 
 # The stream is long enough (hundreds of decode steps) to still be in flight, under CI load, when
 # the second request is dispatched: 48 tokens once finished first and the second request saw no stream.
 STREAM_PROMPT, STREAM_TOKENS = "Hello, pdserve!", 400
 DOC_PROMPT, DOC_TOKENS = "A long document about disaggregated serving. " * 3, 8
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    start_local_ray(num_cpus=8, object_store_bytes=128 * 1024**2, log_to_driver=False)  # token auth
-    yield
-    ray.shutdown()
 
 
 def reference(prompt: str, max_tokens: int) -> list[int]:

@@ -17,6 +17,7 @@ def _positive(x) -> bool:
     return isinstance(x, (int, float)) and x > 0
 
 
+@pytest.mark.slow  # child processes (NIXL peers, a benchmark run): seconds each
 def test_bench_chunks_writes_result_plot_and_calibration(tmp_path, capsys):
     rc = main(
         [
@@ -78,6 +79,7 @@ def test_bench_chunks_writes_result_plot_and_calibration(tmp_path, capsys):
     assert cal.dtype == "fp32" and _positive(cal.achieved_tflops)
 
 
+@pytest.mark.slow  # child processes (NIXL peers, a benchmark run): seconds each
 def test_bench_article_writes_tables_beside_predictions(tmp_path, capsys):
     rc = main(
         [

@@ -27,8 +27,8 @@ ray = pytest.importorskip("ray")
 from openai import APIError, OpenAI  # noqa: E402
 
 from router.config import ServeConfig  # noqa: E402
-from router.ray_cluster import start_local_ray  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
+from tests.ray_session import shared_ray  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 REPLACED_WITHIN_S = 10.0  # the target: a dead worker is replaced within 10 s
@@ -37,11 +37,10 @@ ERROR_WITHIN_S = 5.0  # a stream whose worker died ends with an error within thi
 
 @pytest.fixture(scope="module")
 def server():
-    start_local_ray(num_cpus=8, object_store_bytes=128 * 1024**2, log_to_driver=False)
+    shared_ray()  # conftest: the session's token-auth cluster
     cfg = ServeConfig(mode="disagg", model="tiny", prefill=2, decode=1, num_blocks=256)
     with ServerThread(cfg, startup_timeout_s=240) as srv:
         yield srv
-    ray.shutdown()
 
 
 def _client(srv) -> OpenAI:

@@ -108,6 +108,7 @@ def _interpreter_checks() -> dict:
     return errors
 
 
+@pytest.mark.slow  # child processes (NIXL peers, a benchmark run): seconds each
 def test_paged_decode_and_backend_under_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(

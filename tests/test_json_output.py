@@ -123,9 +123,13 @@ CASES: dict[tuple[str, ...], list[str]] = {
     # a real server for 12 s of load, no fault (its faults are tests/test_faults.py's)
     ("bench", "soak"): [
         "--minutes",
-        "0.2",
+        "0.1",
         "--fault-interval-s",
         "600",
+        "--prefill",  # 1P1D: the smallest disaggregated server (4 workers took ~15 s more to start)
+        "1",
+        "--decode",
+        "1",
         "--concurrency",
         "2",
         "--max-tokens",

@@ -16,8 +16,9 @@ from openai import APIError, APIStatusError, OpenAI  # noqa: E402
 from contracts.worker import GenerateRequest, WorkerConfig  # noqa: E402
 from engine.sequence import SamplingParams  # noqa: E402
 from router.config import ServeConfig  # noqa: E402
-from router.ray_cluster import ensure_local_token, start_local_ray  # noqa: E402
+from router.ray_cluster import ensure_local_token  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
+from tests.ray_session import fresh_ray, shared_ray  # noqa: E402
 
 
 @pytest.fixture
@@ -25,6 +26,7 @@ def two_node_cluster():
     """Two Ray nodes on this machine, labelled with custom resources for each pool."""
     from ray.cluster_utils import Cluster  # noqa: PLC0415
 
+    fresh_ray()  # conftest: this test needs a two-node cluster, not the session's shared one
     ensure_local_token()  # the token every node of this cluster and the driver share
     temp = tempfile.mkdtemp(prefix="pdcl", dir="/tmp")
     os.makedirs("/tmp/ray", exist_ok=True)  # Cluster records its address there, whatever temp_dir says
@@ -79,9 +81,8 @@ def test_pools_placed_on_labelled_nodes_and_serve(two_node_cluster):
 
 @pytest.fixture
 def local_ray():
-    start_local_ray(num_cpus=8, object_store_bytes=96 * 1024**2, log_to_driver=False)
+    shared_ray()  # conftest: the session's token-auth cluster
     yield
-    ray.shutdown()
 
 
 def test_dead_decode_worker_fails_its_request_and_is_replaced(local_ray):

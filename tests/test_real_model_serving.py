@@ -11,17 +11,16 @@ from openai import OpenAI  # noqa: E402
 
 from engine.model_registry import DEFAULT_MODEL  # noqa: E402
 from router.config import ServeConfig  # noqa: E402
-from router.ray_cluster import start_local_ray  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
+from tests.ray_session import shared_ray  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
 def ray_cluster(smollm2):  # smollm2: pulled before the workers start
-    start_local_ray(num_cpus=8, object_store_bytes=128 * 1024**2, log_to_driver=False)
+    shared_ray()  # conftest: the session's token-auth cluster
     yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -115,6 +115,7 @@ def reference_tokens() -> list[int]:
     return _whole_generation()
 
 
+@pytest.mark.slow  # child processes (NIXL peers, a benchmark run): seconds each
 def test_nixl_two_processes_ship_engine_kv_and_decode_matches(reference_tokens):
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -205,6 +206,7 @@ def _stopped_sender_main(conn) -> None:
     time.sleep(60)
 
 
+@pytest.mark.slow  # child processes (NIXL peers, a benchmark run): seconds each
 def test_nixl_timeout_releases_and_dead_peer_is_detected():
     """A peer that cannot answer the handshake (stopped) times out; a killed peer is an error."""
     ctx = mp.get_context("spawn")
@@ -260,6 +262,7 @@ def test_coalesce_and_stream_split():
     assert len(split_for_streams([Run(0, 0, 1000)], 4)) == 1  # small transfers stay one stream
 
 
+@pytest.mark.slow  # child processes (NIXL peers, a benchmark run): seconds each
 def test_bench_transfer_small_sweep_verifies_every_byte(tmp_path, capsys):
     """`pdserve bench transfer --json` on a tiny sweep: schema, verification, provenance file."""
     import json
