@@ -65,6 +65,8 @@ def test_auto_needs_a_prefill_pool_and_a_real_calibration():
 
 
 def test_auto_places_each_request_and_records_why(ray_cluster, calibration):
+    """Cost: an auto server (1P1D, two Ray actors) starts, and its stream runs hundreds of decode steps so
+    it is still in flight under load when the document arrives."""
     cfg = ServeConfig(
         model="tiny", mode="auto", prefill=1, decode=1, num_blocks=128, chunk_size=32,
         slo_ttft_ms=60_000, slo_itl_ms=0.001, calibration=calibration,

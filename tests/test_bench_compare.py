@@ -28,6 +28,8 @@ CALIBRATION = Path(__file__).resolve().parent.parent / "benchmarks/results/chunk
 
 @pytest.mark.timeout(240)
 def test_bench_compare_end_to_end(tmp_path, capsys):
+    """Cost: the demo's own command, end to end: three real servers one after another, each driven by the
+    seeded mix, then the equality pass and the report."""
     pytest.importorskip("ray")
     # In a thread of its own: `bench compare` moves the thread that starts the embedded Ray into a
     # private network namespace (where Linux allows), and pytest's main thread must stay on the

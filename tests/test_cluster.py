@@ -175,6 +175,8 @@ def reference_tokens(prompt: str, max_tokens: int, kv_dtype: str) -> list[int]:
 # ---------------------------------------------------------------------------------------------------
 @needs_root
 def test_nodes_have_their_own_addresses_and_shaped_links(cluster):
+    """Cost: its setup is the module's 4-node cluster (`pdserve cluster up`: namespaces, veths, tc, one Ray
+    node each, ~18 s), built once for every test here."""
     r = pdserve("cluster", "exec", "1", "--name", NAME, "--", "ip", "-4", "-o", "addr", "show", "eth0", timeout=30)
     assert r.returncode == 0 and f" {cluster.nodes[1].address}/24 " in r.stdout, r.stdout + r.stderr
     r = pdserve("cluster", "exec", "2", "--name", NAME, "--", "tc", "qdisc", "show", "dev", "eth0", timeout=30)
@@ -186,7 +188,11 @@ def test_nodes_have_their_own_addresses_and_shaped_links(cluster):
 @needs_root
 def test_2p1d_across_nodes_greedy_and_pull_rate(cluster):
     """2 prefill workers on node 1, 1 decode worker on node 2: tokens equal the engine alone, and
-    every pull runs at the shaped rate (within 25% of bytes / 1 Gbit/s) with its bytes on the link."""
+    every pull runs at the shaped rate (within 25% of bytes / 1 Gbit/s) with its bytes on the link.
+
+    Cost: a server whose Ray workers start across namespace nodes, and pulls timed over a 1 Gbit/s
+    shaped link.
+    """
     srv = Server(
         cluster,
         8001,
@@ -227,7 +233,12 @@ def test_2p1d_across_nodes_greedy_and_pull_rate(cluster):
 
 @needs_root
 def test_node_loss_fails_its_requests_and_serving_resumes(cluster):
-    """Decode workers on nodes 2 and 3; `pdserve cluster kill 2` kills every process of node 2 mid-stream."""
+    """Decode workers on nodes 2 and 3; `pdserve cluster kill 2` kills every process of node 2 mid-stream.
+
+    Cost: the costliest test (~50 s): a server across the cluster, six 800-token streams, node 2
+    killed and brought back (`cluster up --node 2`), then a replacement started under the router's
+    backoff.
+    """
     srv = Server(
         cluster,
         8002,

@@ -27,6 +27,7 @@ ray = pytest.importorskip("ray")
 from openai import APIError, OpenAI  # noqa: E402
 
 from router.config import ServeConfig  # noqa: E402
+from router.orchestrator import HEALTH_INTERVAL_S  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
 from tests.ray_session import shared_ray  # noqa: E402
 
@@ -126,8 +127,12 @@ def test_idle_prefill_death_is_found_and_replaced_without_a_request(server):
     assert degraded["status"] == "degraded" and degraded["pools"]["prefill"] == {"configured": 2, "live": 1}
     took = _wait_full(server, t0)
     assert took < REPLACED_WITHIN_S, f"replaced after {took:.1f} s"
-    time.sleep(2)  # any second replacement would have started by now
-    assert _metric(server, "pdserve_worker_replacements_total") == replaced + 1
+    # A second replacement would come from a later health round: watch two rounds' worth. This is
+    # the one wait here that is a window, not a condition: it checks that something does not happen.
+    window_end = time.monotonic() + 2 * HEALTH_INTERVAL_S
+    while time.monotonic() < window_end:
+        assert _metric(server, "pdserve_worker_replacements_total") == replaced + 1
+        time.sleep(0.1)
     assert _metric(server, 'pdserve_workers_configured{pool="prefill"}') == 2
     assert _metric(server, 'pdserve_workers_live{pool="prefill"}') == 2
     assert _greedy(server, "after the replacement", 8) == _greedy(server, "after the replacement", 8)
@@ -135,6 +140,7 @@ def test_idle_prefill_death_is_found_and_replaced_without_a_request(server):
 
 
 def test_prefill_death_fails_no_stream_already_decoding(server):
+    """Cost: a worker death costs its replacement: a new Ray actor importing torch and building the model."""
     _wait_full(server, time.monotonic())
     prompts = [f"stream number {i} decodes on" for i in range(4)]
     want = {p: _greedy(server, p, 120) for p in prompts}
@@ -221,7 +227,11 @@ def test_client_disconnect_frees_everything(server, after_tokens):
 def test_prefill_death_under_load_fails_only_its_requests(server):
     """Requests spread over both prefill workers, one of which is killed while they run (some
     queued, prefilling or pulling from it): each request either finishes with its greedy tokens or
-    fails naming the dead worker, within a bound; none hangs; the pool heals; nothing leaks."""
+    fails naming the dead worker, within a bound; none hangs; the pool heals; nothing leaks.
+
+    Cost: a worker death under load costs its replacement: a new Ray actor importing torch and
+    building the model.
+    """
     _wait_full(server, time.monotonic())
     prompts = [f"load {i} " + "with a longer prompt to prefill " * 30 for i in range(8)]
     want = {p: _greedy(server, p, 16) for p in prompts}

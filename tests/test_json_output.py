@@ -184,6 +184,8 @@ def _pdserve() -> list[str]:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("words", list(CASES), ids=" ".join)
 def test_json_stdout_is_one_document(words, tmp_path, server):
+    """Cost: each case is a real `pdserve ... --json` child process (Python, torch, the command's own short
+    run): stdout is the thing tested."""
     args = [a.format(tmp=tmp_path, server=server.base_url) for a in CASES[words]]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(

@@ -107,6 +107,7 @@ MODES = {
 
 @pytest.mark.parametrize("name", list(MODES))
 def test_forced_preemption_and_caching_keep_greedy_tokens(ray_cluster, expected, name):
+    """Cost: one server per mode (2P2D: four Ray actors), with a pool small enough to force preemptions."""
     cfg = ServeConfig(model="tiny", **{"num_blocks": NUM_BLOCKS, "max_queue": 64, **MODES[name]})
     with ServerThread(cfg, startup_timeout_s=180) as srv:
         timelines = _run_all(srv.base_url, PROMPTS)
@@ -154,7 +155,10 @@ def test_forced_preemption_and_caching_keep_greedy_tokens(ray_cluster, expected,
 
 def test_bench_serve_multiturn_reports_hits_and_fewer_bytes_from_turn_2(ray_cluster, tmp_path, capsys):
     """`pdserve bench serve --workload multiturn` against a real server with caching + prefix
-    routing: turn 2 finds turn 1 (prompt and reply) in both caches and pulls only the rest."""
+    routing: turn 2 finds turn 1 (prompt and reply) in both caches and pulls only the rest.
+
+    Cost: a 2P2D server (four Ray actors) and two turns of multi-turn chat through `bench serve`.
+    """
     cfg = ServeConfig(model="tiny", mode="disagg", prefill=1, decode=1, policy="prefix", num_blocks=64)
     parser = argparse.ArgumentParser()
     bench_serve.add_arguments(parser)

@@ -66,7 +66,11 @@ def test_pull_is_idempotent_and_path_list(smollm2):
 
 
 def test_gguf_file_as_model(smollm2, tmp_path):
-    """`--model file.gguf` directly: config, tokenizer and weights come from the file alone."""
+    """`--model file.gguf` directly: config, tokenizer and weights come from the file alone.
+
+    Cost: a `pdserve generate` child process that reads config, tokenizer and weights from the 98 MB
+    GGUF alone (Q4_1 dequantized on load).
+    """
     gguf = tmp_path / "smol.gguf"
     os.symlink(smollm2 / "model.gguf", gguf)
     p = _run(
@@ -88,6 +92,7 @@ def test_gguf_file_as_model(smollm2, tmp_path):
 
 
 def test_truncated_gguf_is_one_line_error(smollm2, tmp_path):
+    """Cost: a copy of half the 98 MB GGUF and a child process that must fail cleanly on it."""
     bad = tmp_path / "cut.gguf"
     with open(smollm2 / "model.gguf", "rb") as f:
         bad.write_bytes(f.read(30_000_000))

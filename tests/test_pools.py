@@ -51,6 +51,8 @@ def two_node_cluster():
 
 
 def test_pools_placed_on_labelled_nodes_and_serve(two_node_cluster):
+    """Cost: a two-node Ray cluster of its own (ray.cluster_utils): placement across labelled nodes is what
+    is tested."""
     cfg = ServeConfig(
         mode="disagg",
         model="tiny",

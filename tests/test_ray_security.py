@@ -72,7 +72,11 @@ def _socket_inodes(pid: int) -> set[int]:
 def test_pdserve_serve_opens_no_socket_on_the_network(tmp_path):
     """`pdserve serve --mode disagg` with its embedded Ray: after a request went through prefill,
     NIXL and decode, every socket the server's processes listen on in the host's network namespace
-    is on loopback, and with a private namespace the API's port is the only one."""
+    is on loopback, and with a private namespace the API's port is the only one.
+
+    Cost: a real `pdserve serve --mode disagg` child process with its own embedded Ray: its
+    processes' sockets are what is tested.
+    """
     srv = ServeProcess(["--mode", "disagg", "--model", "tiny", "--num-blocks", "64"], tmp_path / "serve.log")
     try:
         r = httpx.post(

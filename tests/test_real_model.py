@@ -51,6 +51,8 @@ def test_config_and_tokenizer_from_gguf(smollm2):
 
 
 def test_fp32_greedy_equals_transformers(smollm2, smollm2_hf):
+    """Cost: ~45 s: transformers' own greedy over 5 prompts x 64 tokens, one token per forward (320 fp32
+    forwards of the 135M model): the independent oracle, run as it is."""
     cfg = resolve_model_config(str(smollm2))
     tok = load_tokenizer(str(smollm2), cfg.bos_token_id, cfg.eos_token_id)
     prompts = [tok.encode(p) for p in PROMPTS]
@@ -71,7 +73,10 @@ def test_fp32_greedy_equals_transformers(smollm2, smollm2_hf):
 
 def test_fp8_next_token_matches_transformers(smollm2, smollm2_hf):
     """FP8 weights + FP8 KV: the next-token choice after a real prompt matches fp32 transformers
-    (perplexity against fp32 is `pdserve bench quality`'s job)."""
+    (perplexity against fp32 is `pdserve bench quality`'s job).
+
+    Cost: the 135M model built with FP8 weights from the GGUF, beside transformers' fp32 forward.
+    """
     cfg = resolve_model_config(str(smollm2))
     tok = load_tokenizer(str(smollm2), cfg.bos_token_id, cfg.eos_token_id)
     ids = tok.encode(PROMPTS[2])
@@ -90,7 +95,11 @@ def test_fp8_next_token_matches_transformers(smollm2, smollm2_hf):
 def test_logprobs_equal_transformers_fp32_whole_and_chunked(smollm2, smollm2_hf):
     """Prompt logprobs (echo) and generated-token logprobs of the fp32 engine against
     transformers' log_softmax, for whole-prompt and chunked prefill (chunks of 5: the chunk
-    boundaries must not shift which token each row predicts)."""
+    boundaries must not shift which token each row predicts).
+
+    Cost: transformers' fp32 forward over the prompt and every generated token, against the engine's
+    whole and chunked prefill.
+    """
     cfg = resolve_model_config(str(smollm2))
     tok = load_tokenizer(str(smollm2), cfg.bos_token_id, cfg.eos_token_id)
     ids = tok.encode(PROMPTS[2])

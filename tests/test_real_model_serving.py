@@ -31,6 +31,7 @@ def default_server(ray_cluster):
 
 
 def test_chat_answers_a_factual_question(default_server):
+    """Cost: its setup starts the default server: SmolLM2-135M loaded from the GGUF in every Ray worker."""
     client = OpenAI(base_url=default_server.base_url, api_key="none", max_retries=0)
     assert [m.id for m in client.models.list().data] == [DEFAULT_MODEL]
     resp = client.chat.completions.create(model=DEFAULT_MODEL, messages=QUESTION, temperature=0)
@@ -72,7 +73,10 @@ def _echo_logprobs(srv) -> tuple[list[int], dict]:
 
 def test_logprobs_same_in_colocated_and_disagg(default_server):
     """Completions logprobs + echo through the official client, in both modes: the same tokens,
-    and logprobs equal within FP8 noise (the KV crosses NIXL as the same FP8 bytes)."""
+    and logprobs equal within FP8 noise (the KV crosses NIXL as the same FP8 bytes).
+
+    Cost: a second SmolLM2 server (disagg: two more Ray workers loading the model).
+    """
     ids_d, lp_d = _echo_logprobs(default_server)
     with ServerThread(
         ServeConfig(model=DEFAULT_MODEL, mode="colocated", num_blocks=128), startup_timeout_s=240

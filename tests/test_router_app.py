@@ -90,7 +90,9 @@ def test_app_stream_with_stop_string_aborts_the_rest():
     assert text == "abc"
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
     assert chunks[-1]["usage"]["completion_tokens"] == 5 and "timeline" in chunks[-1]["pdserve"]
-    time.sleep(0.05)
+    deadline = time.monotonic() + 5  # the abort is sent once the response has been written
+    while not orch.aborted and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert orch.aborted == [chunks[0]["id"]]  # the workers stop generating past the stop string
 
 

@@ -92,6 +92,7 @@ MODES = {
 
 @pytest.mark.parametrize("name", list(MODES))
 def test_greedy_tokens_identical_across_modes(ray_cluster, expected, name):
+    """Cost: one real server per mode (2P2D: four Ray actors), since the mode is what differs."""
     with serve(**MODES[name]) as srv:
         client = OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
         for prompt in PROMPTS:
