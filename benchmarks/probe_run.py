@@ -1,0 +1,170 @@
+"""One probe of one server: the measurements in order, then the fits and the article's tables.
+
+`await probe(client, plan, log)` returns a `ProbeResult`; nothing here prints to stdout (progress
+goes through `log`, which the CLI points at stderr).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from benchmarks import probe_measure as pm
+from benchmarks.probe_client import ProbeClient
+from benchmarks.probe_plan import ProbePlan
+from costmodel import probe_fit as pf
+from costmodel.step_fit import StepCostFit
+
+
+@dataclass(frozen=True)
+class Chunking:
+    verdict: str  # "whole", "chunked", "no interference" or "unknown"
+    chunk_tokens: float | None  # the inferred chunk (or token budget), when chunked
+    why: str
+
+
+@dataclass
+class ProbeResult:
+    base_url: str
+    model: str
+    prompts: str  # "ids" or "text"
+    plan: ProbePlan
+    overhead: pm.Overhead
+    http_overhead_s: float  # the overhead minus one batch-1 decode step (the step it ran)
+    decode: list[pm.DecodeSample]
+    prefill: list[pm.PrefillSample]
+    tax: list[pm.TaxSample]
+    prefix: pm.PrefixCache | None
+    decode_fit: pf.DecodeFit
+    prefill_fit: pf.PrefillFit
+    step_fit: StepCostFit
+    chunking: Chunking
+    wall_s: float = 0.0
+
+    def prefill_points(self) -> list[pf.PrefillPoint]:
+        return [pf.PrefillPoint(p.tokens, p.ttft_s - self.http_overhead_s) for p in self.prefill]
+
+    @property
+    def stall_chunk(self) -> int | None:
+        c = self.chunking.chunk_tokens
+        return round(c) if self.chunking.verdict == "chunked" and c else None
+
+    def tables(self) -> dict[str, Any]:
+        """The article's tables for this server (costmodel/probe_fit.py)."""
+        df, fp = self.decode_fit, self.prefill_fit
+        ctx = self.plan.contexts[-1]
+        big_b = self.plan.batches[-1]
+        headline = [
+            {
+                "prompt_tokens": t,
+                "batch": b,
+                "prefill_ms": fp.seconds(t) * 1e3,
+                "decode_step_ms": df.seconds(b, ctx) * 1e3,
+                "generated_tokens": pf.prompt_in_generated_tokens(fp, df, t, b, ctx),
+            }
+            for t in self.plan.prefill_tokens
+            for b in sorted({1, big_b})
+        ]
+        chunks = [
+            {"chunk": c, "chunk_ms": fp.seconds(c) * 1e3, "decode_steps": pf.decode_steps_per_chunk(fp, df, c, ctx)}
+            for c in (32, 64, 128, 256, 512)
+        ]
+        doc = self.plan.max_context
+        cap = [asdict(r) for r in pf.capacity(fp, doc, big_b)]
+        stalls = [
+            {
+                "batch": t.batch,
+                "prompt_tokens": t.tokens,
+                "measured_stall_ms": None if t.stall_s is None else t.stall_s * 1e3,
+                "predicted_stall_ms": pf.predicted_stall(
+                    self.step_fit, t.batch, self.plan.short_prompt + 8, t.tokens, self.stall_chunk
+                )
+                * 1e3,
+                "tokens_lost": t.tokens_lost,
+            }
+            for t in self.tax
+        ]
+        be = pf.break_even_chunk(fp, df, ctx)
+        return {
+            "context": ctx,
+            "headline": headline,
+            "break_even_chunk": None if math.isinf(be) else be,
+            "chunks": chunks,
+            "capacity_prompt_tokens": doc,
+            "capacity_batch": big_b,
+            "capacity": cap,
+            "stalls": stalls,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["step_fit"] = self.step_fit.to_dict()
+        d["tables"] = self.tables()
+        return d
+
+
+def infer_chunking(tax: list[pm.TaxSample], prefill_fit: pf.PrefillFit) -> Chunking:
+    """From the tax at the longest prompt, against that prompt's fitted prefill time P:
+
+    - their longest gap (the stall, less one step) is most of P: it ran whole, in one step;
+    - the streams lost well under P in all (excess): the prefill ran beside them, not instead of
+      their steps ("no interference": a disaggregated server, or one with spare prefill capacity);
+    - else it ran in pieces: chunked, at about T / (the steps the streams got while it ran)."""
+    if not tax:
+        return Chunking("unknown", None, "no tax was measured")
+    t = max(tax, key=lambda x: (x.tokens, x.batch))
+    p = prefill_fit.seconds(t.tokens)
+    if p <= 0 or t.stall_s is None:
+        return Chunking("unknown", None, "no prefill time or no stream in flight to judge by")
+    lost, spike = t.excess_s / p, (t.stall_s - t.stream_step_s) / p
+    seen = (
+        f"a {t.tokens}-token prompt (prefill {p * 1e3:.0f} ms) cost {t.batch} streams {t.excess_s * 1e3:.0f} ms, "
+        f"its longest gap {t.stall_s * 1e3:.0f} ms, {t.steps_during:g} tokens while it ran"
+    )
+    if spike > 0.5:
+        return Chunking("whole", None, f"{seen}: one step carried the whole prompt")
+    if lost < 0.3:
+        return Chunking("no interference", None, f"{seen}: prefill runs beside decode (disaggregated?)")
+    chunk = t.tokens / max(1.0, t.steps_during)
+    return Chunking("chunked", chunk, f"{seen}: chunks of about {chunk:.0f} tokens")
+
+
+async def probe(c: ProbeClient, plan: ProbePlan, log: Callable[[str], None]) -> ProbeResult:
+    await c.start()
+    log(f"probe: {c.model} at {c.base_url}, prompts as {'token ids' if c.mode == 'ids' else 'text'}")
+    ovh = await pm.overhead(c, plan.overhead_repeats)
+    log(f"probe: idle request overhead (1-token prompt, 1 token) {ovh.ttft_s * 1e3:.1f} ms")
+    decode = []
+    for ctx in plan.contexts:
+        for b in plan.batches:
+            s = await pm.decode(c, b, ctx, plan.decode_tokens)
+            decode.append(s)
+            log(f"probe: decode b={b} prompt {s.prompt_tokens}: step {s.point.step_s * 1e3:.2f} ms ({s.gaps} gaps)")
+    step1 = next(d.point.step_s for d in decode if d.batch == 1)
+    http = max(0.0, ovh.ttft_s - step1)
+    prefill = []
+    for t in plan.prefill_tokens:
+        s = await pm.prefill(c, t, plan.prefill_repeats)
+        prefill.append(s)
+        log(f"probe: prefill T={s.tokens}: TTFT {s.ttft_s * 1e3:.1f} ms")
+    df = pf.fit_decode([d.point for d in decode])
+    points = [pf.PrefillPoint(p.tokens, p.ttft_s - http) for p in prefill]
+    fp = pf.fit_prefill(points)
+    steps = pf.fit_joint([d.point for d in decode], points)
+    tax = []
+    for b, t in plan.tax_points:
+        s = await pm.tax(c, b, t, plan.short_prompt, df.seconds(b, plan.short_prompt), http)
+        tax.append(s)
+        stall = "-" if s.stall_s is None else f"{s.stall_s * 1e3:.1f} ms"
+        log(f"probe: tax b={b} T={s.tokens}: stall {stall}, {s.tokens_lost:.1f} tokens lost, {s.steps_during:g} steps")
+    prefix = await pm.prefix_cache(c, plan.prefix_tokens)
+    log(
+        f"probe: same {prefix.tokens}-token prompt twice: TTFT {prefix.first_ttft_s * 1e3:.1f} then "
+        f"{prefix.second_ttft_s * 1e3:.1f} ms ({'prefix cache' if prefix.cached else 'no prefix cache seen'})"
+    )
+    return ProbeResult(
+        c.base_url, c.model or "", c.mode, plan, ovh, http, decode, prefill, tax, prefix, df, fp, steps,
+        infer_chunking(tax, fp),
+    )  # fmt: skip
