@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import datetime as _dt
 import json
+import random
 import re
 import sys
 import time
@@ -52,7 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--quick", action="store_true", help="fewer points and repeats (batch <= 4): under a minute on pdserve tiny"
     )
-    g.add_argument("--seed", type=int, default=0, help="seeds the prompts' tokens")
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seeds the prompts' tokens (default: a new seed each run, so a rerun never hits the server's "
+        "prefix cache with the last run's prompts; the result records it)",
+    )
     g.add_argument(
         "--model-config",
         default=None,
@@ -106,8 +113,9 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("--request-timeout-s must be > 0")
     except ValueError as e:
         raise CliError(str(e)) from None
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     client = ProbeClient(
-        args.base_url, args.model, args.api_key, args.prompts, request_timeout_s=args.request_timeout_s, seed=args.seed
+        args.base_url, args.model, args.api_key, args.prompts, request_timeout_s=args.request_timeout_s, seed=seed
     )
 
     def log(msg: str) -> None:
@@ -128,7 +136,7 @@ def main(args: argparse.Namespace) -> int:
     payload = _finite(result.to_dict())
     name = _name(args, result.model)
     out_dir = Path(args.results_dir) if args.results_dir else RESULTS_DIR
-    config = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    config = {**{k: v for k, v in vars(args).items() if not k.startswith("_")}, "seed": seed}
     path = write_result(name, payload, config, out_dir)
     text = render(payload)
     (out_dir / f"{name}.md").write_text(render(payload, md=True) + "\n")

@@ -1,8 +1,8 @@
 """The probe's measurements, each a black-box experiment over HTTP (see benchmarks/bench_probe.py).
 
 - overhead: a 1-token prompt, max_tokens=1, on the idle server: HTTP + scheduling + one tiny step;
-- decode step: b streams started together, short prompts, ignore_eos; the step is the median gap
-  between tokens while all b decode (after the last one's first token, before the first one ends);
+- decode step: b streams started together, short prompts, ignore_eos; the step is the streams'
+  median pace while all b decode (after the last one's first token, before the first one ends);
 - prefill: one prompt of T tokens alone, max_tokens=1; TTFT minus the request's own overhead;
 - the tax: b streams decoding, then one T-token prompt; the longest gap the streams saw while it
   was prefilled (the stall, costmodel/serve_metrics.py's definition) and the tokens they lost;
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from statistics import median
 
 from benchmarks.probe_client import ProbeClient, ProbeError, checked
-from costmodel.probe_fit import DecodePoint, PrefillPoint
+from costmodel.probe_fit import DecodePoint
 from costmodel.serve_metrics import RequestRecord, document_stall
 
 
@@ -77,7 +77,13 @@ async def prefill(c: ProbeClient, tokens: int, repeats: int) -> PrefillSample:
     )
 
 
-async def decode(c: ProbeClient, batch: int, prompt_tokens: int, max_tokens: int) -> DecodeSample:
+async def decode(c: ProbeClient, batch: int, prompt_tokens: int, max_tokens: int, repeats: int = 1) -> DecodeSample:
+    """The median of `repeats` runs (a shared machine's hiccups land in one run, not all)."""
+    runs = [await _decode_once(c, batch, prompt_tokens, max_tokens) for _ in range(repeats)]
+    return sorted(runs, key=lambda s: s.point.step_s)[len(runs) // 2]
+
+
+async def _decode_once(c: ProbeClient, batch: int, prompt_tokens: int, max_tokens: int) -> DecodeSample:
     recs = await asyncio.gather(*(c.send(prompt_tokens, max_tokens) for _ in range(batch)))
     for r in recs:
         checked(r)
@@ -88,19 +94,23 @@ async def decode(c: ProbeClient, batch: int, prompt_tokens: int, max_tokens: int
             )
     lo = max(r.chunk_times_s[0] for r in recs)  # all b decoding from here...
     hi = min(r.chunk_times_s[-1] for r in recs)  # ...until the first one ends
-    gaps, ctxs = [], []
+    # The step is each stream's pace over that window (its span over the tokens in it), not the
+    # median gap: a client short of CPU reads tokens in bursts, and a burst's gaps are near zero
+    # while the span between its ends stays true. Median over the streams.
+    paces, ctxs = [], []
     for r in recs:
-        t = r.chunk_times_s
-        for i in range(1, len(t)):
-            if t[i - 1] >= lo and t[i] <= hi:
-                gaps.append(t[i] - t[i - 1])
-                ctxs.append(r.n_in + i)
-    if len(gaps) < 3:  # the streams barely overlapped (a server that runs them one after another)
-        gaps = [g for r in recs for g in r.itls_s[1:]]
-        ctxs = [r.n_in + i for r in recs for i in range(2, len(r.chunk_times_s))]
+        inside = [t for t in r.chunk_times_s if lo <= t <= hi]
+        if len(inside) >= 3:
+            paces.append((inside[-1] - inside[0]) / (len(inside) - 1))
+            ctxs.append(r.n_in + r.chunk_times_s.index(inside[0]) + len(inside) / 2)
+    gaps = sum(len([t for t in r.chunk_times_s if lo <= t <= hi]) - 1 for r in recs)
+    if not paces:  # the streams barely overlapped (a server that runs them one after another)
+        paces = [(r.chunk_times_s[-1] - r.chunk_times_s[1]) / (len(r.chunk_times_s) - 2) for r in recs]
+        ctxs = [r.n_in + len(r.chunk_times_s) / 2 for r in recs]
+        gaps = sum(len(r.chunk_times_s) - 2 for r in recs)
     second = median(r.chunk_times_s[1] - r.chunk_times_s[0] for r in recs)
     ctx = sum(ctxs) / len(ctxs)
-    return DecodeSample(batch, recs[0].n_in, DecodePoint(batch, ctx, median(gaps)), len(gaps), second)
+    return DecodeSample(batch, recs[0].n_in, DecodePoint(batch, ctx, median(paces)), gaps, second)
 
 
 async def tax(

@@ -41,6 +41,10 @@ class ProbePlan:
         return 24 if self.quick else 48
 
     @property
+    def decode_repeats(self) -> int:
+        return 1 if self.quick else 3
+
+    @property
     def prefill_tokens(self) -> list[int]:
         return doubling(128, self.max_context)
 

@@ -20,6 +20,11 @@ def _table(head: list[str], rows: list[list[str]], md: bool) -> list[str]:
     ]
 
 
+def _decode(df: dict[str, Any], point: dict[str, Any]) -> float:
+    b = point["batch"]
+    return df["fixed_s"] + df["per_sequence_s"] * b + df["per_context_token_s"] * b * point["context"]
+
+
 def _break_even(x: float | None) -> str:
     if x is None:
         return "none (prefill costs nothing per token in the fit)"
@@ -77,7 +82,7 @@ def render(d: dict[str, Any], md: bool = False) -> str:
                     str(s["batch"]),
                     str(s["prompt_tokens"]),
                     _ms(s["point"]["step_s"], 2),
-                    "",
+                    _ms(_decode(df, s["point"]), 2),
                     _ms(s["first_to_second_token_s"], 2),
                 ]
                 for s in d["decode"]
@@ -181,15 +186,7 @@ def plot(d: dict[str, Any], path: Path) -> None:
         pts = [s for s in d["decode"] if s["prompt_tokens"] == ctx]
         xs = [s["batch"] for s in pts]
         a.plot(xs, [s["point"]["step_s"] * 1e3 for s in pts], "o", label=f"measured, prompt {ctx}")
-        fit = [
-            (
-                df["fixed_s"]
-                + df["per_sequence_s"] * s["batch"]
-                + df["per_context_token_s"] * s["batch"] * s["point"]["context"]
-            )
-            * 1e3
-            for s in pts
-        ]
+        fit = [_decode(df, s["point"]) * 1e3 for s in pts]
         a.plot(xs, fit, "--", lw=1, label=f"fit, prompt {ctx}")
     a.set(xlabel="concurrent streams (batch)", ylabel="decode step (ms)", title="decode step vs batch", xscale="log")
     a.legend(fontsize=7)

@@ -108,24 +108,29 @@ class ProbeResult:
 def infer_chunking(tax: list[pm.TaxSample], prefill_fit: pf.PrefillFit) -> Chunking:
     """From the tax at the longest prompt, against that prompt's fitted prefill time P:
 
-    - their longest gap (the stall, less one step) is most of P: it ran whole, in one step;
-    - the streams lost well under P in all (excess): the prefill ran beside them, not instead of
-      their steps ("no interference": a disaggregated server, or one with spare prefill capacity);
-    - else it ran in pieces: chunked, at about T / (the steps the streams got while it ran)."""
+    - the streams' longest gap (the stall, less one step) is most of P: one step carried the whole
+      prompt ("whole");
+    - else the prompt ran in pieces beside the decode steps. If those steps ran slower than the
+      streams' own pace (by over 10%), the pieces rode in the decode steps: chunked, at about
+      T / (the steps the streams got while it ran). If not, the prefill ran beside decode without
+      slowing it ("no interference": disaggregated, or prefill on capacity decode does not use).
+
+    From outside a chunk and a per-step token budget look alike; the size is an estimate."""
     if not tax:
         return Chunking("unknown", None, "no tax was measured")
     t = max(tax, key=lambda x: (x.tokens, x.batch))
     p = prefill_fit.seconds(t.tokens)
     if p <= 0 or t.stall_s is None:
         return Chunking("unknown", None, "no prefill time or no stream in flight to judge by")
-    lost, spike = t.excess_s / p, (t.stall_s - t.stream_step_s) / p
+    spike = (t.stall_s - t.stream_step_s) / p
+    slowdown = t.excess_s / max(1.0, t.steps_during) / t.stream_step_s
     seen = (
-        f"a {t.tokens}-token prompt (prefill {p * 1e3:.0f} ms) cost {t.batch} streams {t.excess_s * 1e3:.0f} ms, "
-        f"its longest gap {t.stall_s * 1e3:.0f} ms, {t.steps_during:g} tokens while it ran"
+        f"a {t.tokens}-token prompt (prefill alone {p * 1e3:.0f} ms): longest gap of {t.batch} streams "
+        f"{t.stall_s * 1e3:.0f} ms, {t.steps_during:g} tokens each while it ran, {slowdown:.0%} slower than their pace"
     )
     if spike > 0.5:
         return Chunking("whole", None, f"{seen}: one step carried the whole prompt")
-    if lost < 0.3:
+    if slowdown < 0.1:
         return Chunking("no interference", None, f"{seen}: prefill runs beside decode (disaggregated?)")
     chunk = t.tokens / max(1.0, t.steps_during)
     return Chunking("chunked", chunk, f"{seen}: chunks of about {chunk:.0f} tokens")
@@ -139,7 +144,7 @@ async def probe(c: ProbeClient, plan: ProbePlan, log: Callable[[str], None]) -> 
     decode = []
     for ctx in plan.contexts:
         for b in plan.batches:
-            s = await pm.decode(c, b, ctx, plan.decode_tokens)
+            s = await pm.decode(c, b, ctx, plan.decode_tokens, plan.decode_repeats)
             decode.append(s)
             log(f"probe: decode b={b} prompt {s.prompt_tokens}: step {s.point.step_s * 1e3:.2f} ms ({s.gaps} gaps)")
     step1 = next(d.point.step_s for d in decode if d.batch == 1)
