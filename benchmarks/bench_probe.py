@@ -91,8 +91,9 @@ def calibration(r: ProbeResult, model_config: str | None, weight_dtype: str) -> 
     except (ValueError, KeyError, OSError):
         spec = None
     if spec is not None:
-        if r.prefill_fit.linear_s > 0:  # 2 N FLOPs per prompt token
-            tflops = 2 * spec.params / r.prefill_fit.linear_s / cm.TFLOP
+        t = r.plan.prefill_tokens[-1]  # the longest prompt: the prefill's FLOP rate, fixed costs least in it
+        if r.prefill_fit.seconds(t) > 0:
+            tflops = sum(cm.prefill_flops(spec, t)) / r.prefill_fit.seconds(t) / cm.TFLOP
             cal = replace(cal, achieved_tflops=tflops, peak_tflops=tflops)  # the peak is not visible from outside
         if r.decode_fit.fixed_s > 0:  # a small batch's step reads the weights once
             bw = cm.weight_bytes(spec, weight_dtype) / r.decode_fit.fixed_s / cm.GB
