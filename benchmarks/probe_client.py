@@ -24,7 +24,7 @@ from openai import AsyncOpenAI
 
 from benchmarks.serve_client import ClientConfig, ClientError, discover_model, make_client, send_one
 from costmodel.serve_metrics import RequestRecord
-from costmodel.workloads import RequestSpec
+from costmodel.workloads import RequestSpec, WorkloadConfig
 
 PromptMode = Literal["auto", "ids", "text"]
 
@@ -47,7 +47,9 @@ class ProbeClient:
     model: str | None = None
     api_key: str = "EMPTY"
     prompts: PromptMode = "auto"
-    token_id_range: tuple[int, int] = (20, 256)  # ids below 256 exist in every vocabulary we know
+    # bench serve's default id range (costmodel/workloads.py): printable bytes, ordinary tokens in
+    # byte and BPE vocabularies alike
+    token_id_range: tuple[int, int] = (WorkloadConfig.token_id_low, WorkloadConfig.token_id_high)
     request_timeout_s: float = 60.0
     seed: int = 0
     mode: Literal["ids", "text"] = "ids"  # what `start()` settled on

@@ -125,6 +125,20 @@ def render(d: dict[str, Any], md: bool = False) -> str:
         "",
         f"chunking (inferred): {d['chunking']['verdict']}: {d['chunking']['why']}",
     ]
+    mix = t["article_mix"]
+    out.append(
+        f"article mix (`bench serve --workload article` defaults: {mix['chat_streams']} chat streams at context "
+        f"{mix['context']}, {mix['doc_prompt_tokens']}-token documents): predicted stall "
+        f"{mix['predicted_stall_ms']:.1f} ms ("
+        + (
+            "prefill in another pool: the decode step alone"
+            if mix["prefill_elsewhere"]
+            else f"chunks of {mix['chunk']}"
+            if mix["chunk"]
+            else "whole prompt"
+        )
+        + ")"
+    )
     pc = d["prefix"]
     if pc:
         out.append(

@@ -16,11 +16,12 @@ from benchmarks.probe_client import ProbeClient
 from benchmarks.probe_plan import ProbePlan
 from costmodel import probe_fit as pf
 from costmodel.step_fit import StepCostFit
+from costmodel.workloads import WorkloadConfig
 
 
 @dataclass(frozen=True)
 class Chunking:
-    verdict: str  # "whole", "chunked", "no interference" or "unknown"
+    verdict: str  # "whole", "chunked", "disaggregated", "no interference" or "unknown"
     chunk_tokens: float | None  # the inferred chunk (or token budget), when chunked
     why: str
 
@@ -51,6 +52,18 @@ class ProbeResult:
         c = self.chunking.chunk_tokens
         return round(c) if self.chunking.verdict == "chunked" and c else None
 
+    @property
+    def prefill_elsewhere(self) -> bool:
+        return self.chunking.verdict in ("disaggregated", "no interference")
+
+    def predict_stall(self, batch: int, context: int, tokens: int) -> float:
+        """The stall the fit predicts for this server as inferred: the step carrying the whole
+        prompt or its costliest chunk, or (prefill in another pool) the decode step alone; a
+        prefill pool sharing the decode pool's cores is not modelled."""
+        if self.prefill_elsewhere:
+            return self.step_fit.decode_seconds([context] * batch)
+        return pf.predicted_stall(self.step_fit, batch, context, tokens, self.stall_chunk)
+
     def tables(self) -> dict[str, Any]:
         """The article's tables for this server (costmodel/probe_fit.py)."""
         df, fp = self.decode_fit, self.prefill_fit
@@ -78,14 +91,21 @@ class ProbeResult:
                 "batch": t.batch,
                 "prompt_tokens": t.tokens,
                 "measured_stall_ms": None if t.stall_s is None else t.stall_s * 1e3,
-                "predicted_stall_ms": pf.predicted_stall(
-                    self.step_fit, t.batch, self.plan.short_prompt + 8, t.tokens, self.stall_chunk
-                )
-                * 1e3,
+                "predicted_stall_ms": self.predict_stall(t.batch, self.plan.short_prompt + 8, t.tokens) * 1e3,
                 "tokens_lost": t.tokens_lost,
             }
             for t in self.tax
         ]
+        wl = WorkloadConfig()  # `bench serve --workload article`'s defaults
+        mix_ctx = wl.chat_prompt_len + wl.chat_output_len // 2
+        article_mix = {
+            "chat_streams": wl.chat_streams,
+            "doc_prompt_tokens": wl.doc_prompt_len,
+            "context": mix_ctx,
+            "chunk": self.stall_chunk,
+            "prefill_elsewhere": self.prefill_elsewhere,
+            "predicted_stall_ms": self.predict_stall(wl.chat_streams, mix_ctx, wl.doc_prompt_len) * 1e3,
+        }
         be = pf.break_even_chunk(fp, df, ctx)
         return {
             "context": ctx,
@@ -96,6 +116,7 @@ class ProbeResult:
             "capacity_batch": big_b,
             "capacity": cap,
             "stalls": stalls,
+            "article_mix": article_mix,
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -105,7 +126,9 @@ class ProbeResult:
         return d
 
 
-def infer_chunking(tax: list[pm.TaxSample], prefill_fit: pf.PrefillFit) -> Chunking:
+def infer_chunking(
+    tax: list[pm.TaxSample], prefill_fit: pf.PrefillFit, handoff_s: float = 0.0, step_s: float = 0.0
+) -> Chunking:
     """From the tax at the longest prompt, against that prompt's fitted prefill time P:
 
     - the streams' longest gap (the stall, less one step) is most of P: one step carried the whole
@@ -114,6 +137,10 @@ def infer_chunking(tax: list[pm.TaxSample], prefill_fit: pf.PrefillFit) -> Chunk
       streams' own pace (by over 10%), the pieces rode in the decode steps: chunked, at about
       T / (the steps the streams got while it ran). If not, the prefill ran beside decode without
       slowing it ("no interference": disaggregated, or prefill on capacity decode does not use).
+
+    A lone stream whose second token comes well after its first (`handoff_s`, over twice the
+    batch-1 step `step_s`) had its KV moved between pools: "disaggregated", whatever the streams'
+    slowdown (on shared cores the prefill pool still takes the decode pool's CPU).
 
     From outside a chunk and a per-step token budget look alike; the size is an estimate."""
     if not tax:
@@ -130,6 +157,13 @@ def infer_chunking(tax: list[pm.TaxSample], prefill_fit: pf.PrefillFit) -> Chunk
     )
     if spike > 0.5:
         return Chunking("whole", None, f"{seen}: one step carried the whole prompt")
+    if step_s > 0 and handoff_s > 2 * step_s:
+        return Chunking(
+            "disaggregated",
+            None,
+            f"{seen}; a lone stream's first-to-second-token gap is {handoff_s * 1e3:.0f} ms against a "
+            f"{step_s * 1e3:.1f} ms step: its KV moved between pools",
+        )
     if slowdown < 0.1:
         return Chunking("no interference", None, f"{seen}: prefill runs beside decode (disaggregated?)")
     chunk = t.tokens / max(1.0, t.steps_during)
@@ -147,8 +181,10 @@ async def probe(c: ProbeClient, plan: ProbePlan, log: Callable[[str], None]) -> 
             s = await pm.decode(c, b, ctx, plan.decode_tokens, plan.decode_repeats)
             decode.append(s)
             log(f"probe: decode b={b} prompt {s.prompt_tokens}: step {s.point.step_s * 1e3:.2f} ms ({s.gaps} gaps)")
-    step1 = next(d.point.step_s for d in decode if d.batch == 1)
-    http = max(0.0, ovh.ttft_s - step1)
+    one = next(d for d in decode if d.batch == 1)  # batch 1 at the short context
+    http = max(0.0, ovh.ttft_s - one.point.step_s)
+    # batch 1 at the long context: the most KV a lone stream's first-to-second-token gap can show
+    handoff = [d for d in decode if d.batch == 1][-1]
     prefill = []
     for t in plan.prefill_tokens:
         s = await pm.prefill(c, t, plan.prefill_repeats)
@@ -171,5 +207,5 @@ async def probe(c: ProbeClient, plan: ProbePlan, log: Callable[[str], None]) -> 
     )
     return ProbeResult(
         c.base_url, c.model or "", c.mode, plan, ovh, http, decode, prefill, tax, prefix, df, fp, steps,
-        infer_chunking(tax, fp),
+        infer_chunking(tax, fp, handoff.first_to_second_token_s, handoff.point.step_s),
     )  # fmt: skip

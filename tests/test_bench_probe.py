@@ -70,7 +70,7 @@ def test_quick_probe_of_pdserve_agrees_with_the_servers_own_timeline(server, cap
     cal = Calibration.load(files["calibration"])
     assert cal.fitted_steps() is not None and cal.peak_tflops  # tiny is known to pdserve: TFLOP/s derived
     setup_from_calibration("tiny", files["calibration"])
-    assert d["chunking"]["verdict"] in ("whole", "chunked", "no interference", "unknown")
+    assert d["chunking"]["verdict"] in ("whole", "chunked", "disaggregated", "no interference", "unknown")
     assert d["prefix"]["cached"] is True  # pdserve caches prefixes by default
     assert "The article's arithmetic" in (tmp_path / files["markdown"].rsplit("/", 1)[-1]).read_text()
 

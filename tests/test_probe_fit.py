@@ -60,7 +60,7 @@ def _tax(stall_ms: float, steps: float, excess_ms: float, step_ms: float = 10.0)
     ("tax", "verdict", "chunk"),
     [
         (_tax(stall_ms=210, steps=1, excess_ms=200), "whole", None),
-        (_tax(stall_ms=18, steps=32, excess_ms=160), "chunked", 32),
+        (_tax(stall_ms=18, steps=32, excess_ms=160), "chunked", 32),  # 5 ms slower per step
         (_tax(stall_ms=11, steps=20, excess_ms=4), "no interference", None),
     ],
 )
@@ -68,6 +68,13 @@ def test_chunking_is_inferred_from_the_spike_and_the_slowdown(tax, verdict, chun
     got = infer_chunking([tax], pf.PrefillFit(0.0, 0.2 / 1024, 0.0, 0.0, 1))
     assert got.verdict == verdict
     assert got.chunk_tokens == (None if chunk is None else pytest.approx(chunk))
+
+
+def test_a_late_second_token_means_disaggregated():
+    tax = _tax(stall_ms=30, steps=15, excess_ms=70)  # slowed down, as on shared cores
+    fit = pf.PrefillFit(0.0, 0.2 / 1024, 0.0, 0.0, 1)
+    assert infer_chunking([tax], fit, handoff_s=0.06, step_s=0.012).verdict == "disaggregated"
+    assert infer_chunking([tax], fit, handoff_s=0.0002, step_s=0.012).verdict == "chunked"
 
 
 def test_plan_quick_is_small_and_full_sweeps_to_the_limits():
