@@ -45,6 +45,10 @@ class ProbePlan:
         return 1 if self.quick else 3
 
     @property
+    def tax_repeats(self) -> int:
+        return 1 if self.quick else 3
+
+    @property
     def prefill_tokens(self) -> list[int]:
         return doubling(128, self.max_context)
 

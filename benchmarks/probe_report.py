@@ -190,6 +190,7 @@ def render(d: dict[str, Any], md: bool = False) -> str:
 
 def plot(d: dict[str, Any], path: Path) -> None:
     import matplotlib  # noqa: PLC0415 - only the plot needs matplotlib
+    import matplotlib.ticker  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
@@ -203,6 +204,9 @@ def plot(d: dict[str, Any], path: Path) -> None:
         fit = [_decode(df, s["point"]) * 1e3 for s in pts]
         a.plot(xs, fit, "--", lw=1, label=f"fit, prompt {ctx}")
     a.set(xlabel="concurrent streams (batch)", ylabel="decode step (ms)", title="decode step vs batch", xscale="log")
+    batches = sorted({s["batch"] for s in d["decode"]})
+    a.set_xticks(batches, [str(b) for b in batches])
+    a.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     a.legend(fontsize=7)
     ts = [p["tokens"] for p in d["prefill"]]
     b.plot(ts, [(p["ttft_s"] - d["http_overhead_s"]) * 1e3 for p in d["prefill"]], "o", label="TTFT - overhead")
@@ -211,6 +215,8 @@ def plot(d: dict[str, Any], path: Path) -> None:
     if srv:
         b.plot(*zip(*srv), "x", label="server's own prefill")
     b.set(xlabel="prompt tokens", ylabel="prefill (ms)", title="prefill vs prompt length", xscale="log", yscale="log")
+    b.set_xticks(ts, [str(x) for x in ts])
+    b.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     b.legend(fontsize=7)
     st = d["tables"]["stalls"]
     labels = [f"b={s['batch']}\nT={s['prompt_tokens']}" for s in st]

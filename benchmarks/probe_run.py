@@ -196,7 +196,11 @@ async def probe(c: ProbeClient, plan: ProbePlan, log: Callable[[str], None]) -> 
     steps = pf.fit_joint([d.point for d in decode], points)
     tax = []
     for b, t in plan.tax_points:
-        s = await pm.tax(c, b, t, plan.short_prompt, df.seconds(b, plan.short_prompt), http)
+        runs = [
+            await pm.tax(c, b, t, plan.short_prompt, df.seconds(b, plan.short_prompt), http)
+            for _ in range(plan.tax_repeats)
+        ]
+        s = sorted(runs, key=lambda x: x.stall_s or 0.0)[len(runs) // 2]  # the median run by its stall
         tax.append(s)
         stall = "-" if s.stall_s is None else f"{s.stall_s * 1e3:.1f} ms"
         log(f"probe: tax b={b} T={s.tokens}: stall {stall}, {s.tokens_lost:.1f} tokens lost, {s.steps_during:g} steps")
