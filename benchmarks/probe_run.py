@@ -204,7 +204,7 @@ async def probe(c: ProbeClient, plan: ProbePlan, log: Callable[[str], None]) -> 
         tax.append(s)
         stall = "-" if s.stall_s is None else f"{s.stall_s * 1e3:.1f} ms"
         log(f"probe: tax b={b} T={s.tokens}: stall {stall}, {s.tokens_lost:.1f} tokens lost, {s.steps_during:g} steps")
-    prefix = await pm.prefix_cache(c, plan.prefix_tokens)
+    prefix = await pm.prefix_cache(c, plan.prefix_tokens, http)
     log(
         f"probe: same {prefix.tokens}-token prompt twice: TTFT {prefix.first_ttft_s * 1e3:.1f} then "
         f"{prefix.second_ttft_s * 1e3:.1f} ms ({'prefix cache' if prefix.cached else 'no prefix cache seen'})"
