@@ -38,10 +38,11 @@ def _probe(capsys, *args: str) -> tuple[int, dict | None, str]:
 
 @pytest.mark.timeout(240)
 def test_quick_probe_of_pdserve_agrees_with_the_servers_own_timeline(server, capsys, tmp_path):
-    """Cost: one quick probe of the tiny model (~10-30 s on 2 shared cores) plus a 32-token stream."""
+    """Cost: one quick probe of the tiny model up to 1024 tokens (~10-30 s on 2 shared cores) plus a
+    32-token stream."""
     t0 = time.monotonic()
     rc, d, err = _probe(
-        capsys, "--base-url", server.base_url, "--quick", "--max-context", "512", "--out-dir", str(tmp_path), "--json"
+        capsys, "--base-url", server.base_url, "--quick", "--max-context", "1024", "--out-dir", str(tmp_path), "--json"
     )
     assert rc == 0, err
     assert time.monotonic() - t0 < 90, "a quick probe must stay well under a minute on an idle machine"
@@ -49,11 +50,11 @@ def test_quick_probe_of_pdserve_agrees_with_the_servers_own_timeline(server, cap
     df, fp = d["decode_fit"], d["prefill_fit"]
     step1 = df["fixed_s"] + df["per_sequence_s"] + df["per_context_token_s"] * 16
     assert step1 > 0
-    prefill512 = fp["fixed_s"] + fp["linear_s"] * 512 + fp["quadratic_s"] * 512**2
-    assert prefill512 > 0
-    # prefill: the server's timeline says how long its worker spent on the probe's 512-token prompts
-    server_ms = next(p["server_prefill_ms"] for p in d["prefill"] if p["tokens"] == 512)
-    assert server_ms is not None and 1 / 3 < prefill512 * 1e3 / server_ms < 3, (prefill512, server_ms)
+    prefill = fp["fixed_s"] + fp["linear_s"] * 1024 + fp["quadratic_s"] * 1024**2
+    assert prefill > 0
+    # prefill: the server's timeline says how long its worker spent on the probe's 1024-token prompts
+    server_ms = next(p["server_prefill_ms"] for p in d["prefill"] if p["tokens"] == 1024)
+    assert server_ms is not None and 1 / 3 < prefill * 1e3 / server_ms < 3, (prefill, server_ms)
     # decode: a batch-1 stream's pace by the server's own clock (first to last token event)
     client = OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
     resp = client.completions.create(model="tiny", prompt=[65] * 16, max_tokens=32, extra_body={"ignore_eos": True})
@@ -71,7 +72,8 @@ def test_quick_probe_of_pdserve_agrees_with_the_servers_own_timeline(server, cap
     assert cal.fitted_steps() is not None and cal.peak_tflops  # tiny is known to pdserve: TFLOP/s derived
     setup_from_calibration("tiny", files["calibration"])
     assert d["chunking"]["verdict"] in ("whole", "chunked", "disaggregated", "no interference", "unknown")
-    assert d["prefix"]["cached"] is True  # pdserve caches prefixes by default
+    # pdserve caches prefixes by default (a 1024-token prompt: its prefill is well above the noise)
+    assert d["prefix"]["cached"] is True, d["prefix"]
     assert "The article's arithmetic" in (tmp_path / files["markdown"].rsplit("/", 1)[-1]).read_text()
 
 
