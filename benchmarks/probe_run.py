@@ -7,6 +7,7 @@ goes through `log`, which the CLI points at stderr).
 from __future__ import annotations
 
 import math
+from statistics import median
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -135,7 +136,7 @@ def infer_chunking(
       prompt ("whole");
     - else the prompt ran in pieces beside the decode steps. If those steps ran slower than the
       streams' own pace (by over 10%), the pieces rode in the decode steps: chunked, at about
-      T / (the steps the streams got while it ran). If not, the prefill ran beside decode without
+      T / (the steps the streams got while it ran), the median over every (b, T) probed. If not, the prefill ran beside decode without
       slowing it ("no interference": disaggregated, or prefill on capacity decode does not use).
 
     A lone stream whose second token comes well after its first (`handoff_s`, over twice the
@@ -166,8 +167,13 @@ def infer_chunking(
         )
     if slowdown < 0.1:
         return Chunking("no interference", None, f"{seen}: prefill runs beside decode (disaggregated?)")
-    chunk = t.tokens / max(1.0, t.steps_during)
-    return Chunking("chunked", chunk, f"{seen}: chunks of about {chunk:.0f} tokens")
+    # T / steps at every (b, T) probed, median: one point stretched by a burst elsewhere on the
+    # machine (more steps than chunks) does not move it
+    sizes = [x.tokens / x.steps_during for x in tax if x.steps_during >= 2] or [t.tokens / max(1.0, t.steps_during)]
+    chunk = median(sizes)
+    return Chunking(
+        "chunked", chunk, f"{seen}: chunks of about {chunk:.0f} tokens (median T / steps over {len(sizes)} points)"
+    )
 
 
 async def probe(c: ProbeClient, plan: ProbePlan, log: Callable[[str], None]) -> ProbeResult:
