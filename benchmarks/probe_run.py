@@ -7,9 +7,9 @@ goes through `log`, which the CLI points at stderr).
 from __future__ import annotations
 
 import math
-from statistics import median
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from statistics import median
 from typing import Any
 
 from benchmarks import probe_measure as pm
@@ -136,8 +136,9 @@ def infer_chunking(
       prompt ("whole");
     - else the prompt ran in pieces beside the decode steps. If those steps ran slower than the
       streams' own pace (by over 10%), the pieces rode in the decode steps: chunked, at about
-      T / (the steps the streams got while it ran), the median over every (b, T) probed. If not, the prefill ran beside decode without
-      slowing it ("no interference": disaggregated, or prefill on capacity decode does not use).
+      T / (the steps the streams got while it ran), the median over every (b, T) probed. If not,
+      the prefill ran beside decode without slowing it ("no interference": disaggregated, or
+      prefill on capacity decode does not use).
 
     A lone stream whose second token comes well after its first (`handoff_s`, over twice the
     batch-1 step `step_s`) had its KV moved between pools: "disaggregated", whatever the streams'
