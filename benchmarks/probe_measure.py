@@ -145,7 +145,8 @@ async def tax(
     s0, f = doc.send_s or 0.0, doc.chunk_times_s[0]
     # Each stream's own pace before the prompt arrived (span over tokens, from its second token:
     # bursts of tokens read together do not fool it, as they fool a median gap).
-    paces = [_pace([t for t in r.chunk_times_s[1:] if t < s0]) for r in recs]
+    # Floored at half the fitted step: a client starved of CPU can read all of them in one burst.
+    paces = [max(_pace([t for t in r.chunk_times_s[1:] if t < s0]), 0.5 * step_guess_s) for r in recs]
     step = median(paces)
     # Tokens lost: the longest gap (document_stall's) at the stream's own pace, less the one token it delivers.
     lost = sum(max(0.0, st.gap_s / p - 1.0) for st, p in zip(d.streams, paces) if p > 0)
