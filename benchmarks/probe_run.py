@@ -45,9 +45,6 @@ class ProbeResult:
     chunking: Chunking
     wall_s: float = 0.0
 
-    def prefill_points(self) -> list[pf.PrefillPoint]:
-        return [pf.PrefillPoint(p.tokens, p.ttft_s - self.http_overhead_s) for p in self.prefill]
-
     @property
     def stall_chunk(self) -> int | None:
         c = self.chunking.chunk_tokens
