@@ -84,7 +84,9 @@ async def decode(c: ProbeClient, batch: int, prompt_tokens: int, max_tokens: int
 
 
 async def _decode_once(c: ProbeClient, batch: int, prompt_tokens: int, max_tokens: int) -> DecodeSample:
-    recs = await asyncio.gather(*(c.send(prompt_tokens, max_tokens) for _ in range(batch)))
+    # unchecked while they run: one failure raised out of gather would leave the others' errors
+    # unretrieved (a traceback at exit instead of one line)
+    recs = await asyncio.gather(*(c.send(prompt_tokens, max_tokens, check=False) for _ in range(batch)))
     for r in recs:
         checked(r)
         if len(r.chunk_times_s) < 3:
