@@ -53,6 +53,9 @@ class TaxSample:
     stream_step_s: float  # the streams' median pace before the prompt arrived
     steps_during: float  # median count of stream tokens that arrived while the prompt was prefilled
     excess_s: float  # median over streams of the time they lost in that window (vs their own pace)
+    # median over streams of their longest gap in it: all streams freeze for a whole prompt, while
+    # one stream's hiccup (another process on shared cores) moves only the max, the stall
+    median_gap_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -162,8 +165,17 @@ async def tax(
         if before and after:
             n = sum(before[-1] < t <= after[0] for t in r.chunk_times_s)
             excess.append(max(0.0, after[0] - before[-1] - n * p))
+    gaps = [st.gap_s for st in d.streams]
     return TaxSample(
-        batch, doc.n_in, d.stall_s, lost, doc.ttft_s, step, float(median(during)), float(median(excess or [0.0]))
+        batch,
+        doc.n_in,
+        d.stall_s,
+        lost,
+        doc.ttft_s,
+        step,
+        float(median(during)),
+        float(median(excess or [0.0])),
+        median(gaps) if gaps else None,
     )
 
 

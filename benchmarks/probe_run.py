@@ -129,8 +129,8 @@ def infer_chunking(
 ) -> Chunking:
     """From the tax at the longest prompt, against that prompt's fitted prefill time P:
 
-    - the streams' longest gap (the stall, less one step) is most of P: one step carried the whole
-      prompt ("whole");
+    - the streams' longest gap (less one step; the median stream's, so that one stream's hiccup
+      does not count) is most of P: one step carried the whole prompt ("whole");
     - else the prompt ran in pieces beside the decode steps. If those steps ran slower than the
       streams' own pace (by over 10%), the pieces rode in the decode steps: chunked, at about
       T / (the steps the streams got while it ran), the median over every (b, T) probed. If not,
@@ -148,7 +148,7 @@ def infer_chunking(
     p = prefill_fit.seconds(t.tokens)
     if p <= 0 or t.stall_s is None:
         return Chunking("unknown", None, "no prefill time or no stream in flight to judge by")
-    spike = (t.stall_s - t.stream_step_s) / p
+    spike = ((t.median_gap_s if t.median_gap_s is not None else t.stall_s) - t.stream_step_s) / p
     slowdown = t.excess_s / max(1.0, t.steps_during) / t.stream_step_s
     seen = (
         f"a {t.tokens}-token prompt (prefill alone {p * 1e3:.0f} ms): longest gap of {t.batch} streams "

@@ -52,8 +52,9 @@ def test_predicted_stall_whole_against_chunked():
     assert pf.predicted_stall(steps, 4, 16, 100, chunk=128) == pytest.approx(pf.predicted_stall(steps, 4, 16, 100))
 
 
-def _tax(stall_ms: float, steps: float, excess_ms: float, step_ms: float = 10.0) -> TaxSample:
-    return TaxSample(4, 1024, stall_ms / 1e3, 0.0, 0.5, step_ms / 1e3, steps, excess_ms / 1e3)
+def _tax(stall_ms: float, steps: float, excess_ms: float, step_ms: float = 10.0, median_gap_ms=None) -> TaxSample:
+    gap = None if median_gap_ms is None else median_gap_ms / 1e3
+    return TaxSample(4, 1024, stall_ms / 1e3, 0.0, 0.5, step_ms / 1e3, steps, excess_ms / 1e3, gap)
 
 
 @pytest.mark.parametrize(
@@ -62,6 +63,8 @@ def _tax(stall_ms: float, steps: float, excess_ms: float, step_ms: float = 10.0)
         (_tax(stall_ms=210, steps=1, excess_ms=200), "whole", None),
         (_tax(stall_ms=18, steps=32, excess_ms=160), "chunked", 32),  # 5 ms slower per step
         (_tax(stall_ms=11, steps=20, excess_ms=4), "no interference", None),
+        # one stream's 150 ms hiccup (shared cores) while the others kept their pace: not a whole prompt
+        (_tax(stall_ms=150, steps=20, excess_ms=4, median_gap_ms=12), "no interference", None),
     ],
 )
 def test_chunking_is_inferred_from_the_spike_and_the_slowdown(tax, verdict, chunk):
