@@ -67,6 +67,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default: --model, when pdserve knows it)",
     )
     g.add_argument("--weight-dtype", default="fp8", help="the served weights' dtype, for the calibration's bandwidth")
+    m = p.add_argument_group("the article mix whose stall is predicted (default: bench serve --workload article's)")
+    m.add_argument("--mix-streams", type=int, default=d.mix_streams, help="chat streams decoding")
+    m.add_argument(
+        "--mix-context", type=int, default=d.mix_context, help="their context (tokens) when a document arrives"
+    )
+    m.add_argument("--mix-doc-tokens", type=int, default=d.mix_doc_tokens, help="the document's prompt tokens")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the result as one JSON document instead of the table")
     o.add_argument("--no-plot", action="store_true")
@@ -107,7 +113,14 @@ def _name(args: argparse.Namespace, model: str) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    plan = ProbePlan(args.max_context, args.max_batch, args.quick)
+    plan = ProbePlan(
+        args.max_context,
+        args.max_batch,
+        args.quick,
+        mix_streams=args.mix_streams,
+        mix_context=args.mix_context,
+        mix_doc_tokens=args.mix_doc_tokens,
+    )
     try:
         plan.validate()
         if args.request_timeout_s <= 0:

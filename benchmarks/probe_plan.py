@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from costmodel.workloads import WorkloadConfig
+
 
 def doubling(lo: int, hi: int) -> list[int]:
     out, x = [], lo
@@ -19,12 +21,19 @@ class ProbePlan:
     max_batch: int = 8
     quick: bool = False
     short_prompt: int = 16  # the decode streams' prompt at the short context
+    # the article mix whose stall is predicted (not measured): `bench serve --workload article`'s
+    # defaults, so the prediction can be checked against that command on the same server
+    mix_streams: int = WorkloadConfig.chat_streams
+    mix_context: int = WorkloadConfig.chat_prompt_len + WorkloadConfig.chat_output_len // 2
+    mix_doc_tokens: int = WorkloadConfig.doc_prompt_len
 
     def validate(self) -> None:
         if self.max_context < 128:
             raise ValueError("--max-context must be >= 128 (prefill is probed from 128 tokens up)")
         if self.max_batch < 1:
             raise ValueError("--max-batch must be >= 1")
+        if min(self.mix_streams, self.mix_context, self.mix_doc_tokens) < 1:
+            raise ValueError("--mix-streams, --mix-context and --mix-doc-tokens must be >= 1")
 
     @property
     def batches(self) -> list[int]:

@@ -127,7 +127,7 @@ def render(d: dict[str, Any], md: bool = False) -> str:
     ]
     mix = t["article_mix"]
     out.append(
-        f"article mix (`bench serve --workload article` defaults: {mix['chat_streams']} chat streams at context "
+        f"article mix ({mix['chat_streams']} chat streams at context "
         f"{mix['context']}, {mix['doc_prompt_tokens']}-token documents): predicted stall "
         f"{mix['predicted_stall_ms']:.1f} ms ("
         + (

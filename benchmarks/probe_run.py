@@ -17,7 +17,6 @@ from benchmarks.probe_client import ProbeClient
 from benchmarks.probe_plan import ProbePlan
 from costmodel import probe_fit as pf
 from costmodel.step_fit import StepCostFit
-from costmodel.workloads import WorkloadConfig
 
 
 @dataclass(frozen=True)
@@ -94,15 +93,14 @@ class ProbeResult:
             }
             for t in self.tax
         ]
-        wl = WorkloadConfig()  # `bench serve --workload article`'s defaults
-        mix_ctx = wl.chat_prompt_len + wl.chat_output_len // 2
+        pl = self.plan
         article_mix = {
-            "chat_streams": wl.chat_streams,
-            "doc_prompt_tokens": wl.doc_prompt_len,
-            "context": mix_ctx,
+            "chat_streams": pl.mix_streams,
+            "doc_prompt_tokens": pl.mix_doc_tokens,
+            "context": pl.mix_context,
             "chunk": self.stall_chunk,
             "prefill_elsewhere": self.prefill_elsewhere,
-            "predicted_stall_ms": self.predict_stall(wl.chat_streams, mix_ctx, wl.doc_prompt_len) * 1e3,
+            "predicted_stall_ms": self.predict_stall(pl.mix_streams, pl.mix_context, pl.mix_doc_tokens) * 1e3,
         }
         be = pf.break_even_chunk(fp, df, ctx)
         return {

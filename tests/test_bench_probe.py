@@ -97,9 +97,10 @@ def test_a_server_that_refuses_token_ids_is_probed_with_text(capsys, tmp_path):
     script = FakeScript(refuse_token_ids=True, first_token_delay_s=0.02, itl_s=0.01)
     with FakeCompletionsServer(script) as srv:
         args = ["--base-url", srv.base_url, "--quick", "--max-context", "256", "--out-dir", str(tmp_path)]
-        rc, d, err = _probe(capsys, *args, "--no-plot", "--json")
+        rc, d, err = _probe(capsys, *args, "--no-plot", "--mix-streams", "3", "--json")
     assert rc == 0, err
     assert d is not None and d["prompts"] == "text"
+    assert d["tables"]["article_mix"]["chat_streams"] == 3
     assert isinstance(script.received[0]["prompt"], list)  # tried first, refused
     assert all(isinstance(b["prompt"], str) for b in script.received[1:])
     # without usage in the stream, text prompts have no known length: refused in one line
