@@ -39,7 +39,7 @@ class DecodeSample:
     batch: int
     prompt_tokens: int
     point: DecodePoint
-    gaps: int  # inter-token gaps the median is over
+    gaps: int  # inter-token gaps inside the window the streams' paces were taken over
     first_to_second_token_s: float  # median: a disaggregated server's KV transfer shows up here
 
 
