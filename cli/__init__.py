@@ -29,6 +29,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "transfer": ("benchmarks.bench_transfer", "KV transfer sweep: backends, sizes, block sizes, coalescing"),
     "serve": ("benchmarks.bench_serve", "OpenAI-API load generator with TTFT/TPOT/ITL/stall metrics"),
+    "probe": (
+        "benchmarks.bench_probe",
+        "fit the article's prefill tax to any OpenAI-compatible server, from outside (calibration + tables)",
+    ),
     "compare": ("benchmarks.bench_compare", "colocated vs chunked vs disaggregated on the same workload"),
     "chunks": ("benchmarks.bench_chunks", "prefill throughput and decode ITL against prefill chunk size"),
     "article": ("benchmarks.bench_article", "measure the article's decode and prefill tables on this device"),
@@ -67,7 +71,9 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
         _add(sub, name, module, help_, argv[:1])
-    bench = sub.add_parser("bench", help="benchmarks (transfer, serve, compare, chunks, article, step, gpu, soak)")
+    bench = sub.add_parser(
+        "bench", help="benchmarks (transfer, serve, probe, compare, chunks, article, step, gpu, soak)"
+    )
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     for name, (module, help_) in BENCH_COMMANDS.items():
         _add(bench_sub, name, module, help_, argv[1:2] if argv[:1] == ["bench"] else [])

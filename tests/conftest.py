@@ -173,6 +173,7 @@ _SLOW_MODULES = {
     # real Ray cluster, servers or pdserve child processes
     "test_auto_mode": ("ray", "server"),
     "test_bench_compare": ("ray", "server"),
+    "test_bench_probe": ("ray", "server"),
     "test_cluster": ("ray", "server", "root"),
     "test_faults": ("ray", "server"),
     "test_graceful_shutdown": ("ray", "server"),

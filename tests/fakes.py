@@ -30,6 +30,7 @@ class FakeScript:
     tokens_per_chunk: int = 1
     report_usage: bool = True
     fail_prompts: tuple[str, ...] = ()  # prompts answered with HTTP 500
+    refuse_token_ids: bool = False  # answer prompts given as token-id lists with HTTP 400 (text only)
     model: str = "fake-model"
     received: list[dict[str, Any]] = field(default_factory=list)  # request bodies, in order
 
@@ -59,6 +60,8 @@ def build_app(script: FakeScript) -> FastAPI:
         prompt = body["prompt"]
         if prompt in script.fail_prompts:
             return JSONResponse({"error": {"message": "scripted failure", "type": "server_error"}}, 500)
+        if script.refuse_token_ids and isinstance(prompt, list):
+            return JSONResponse({"error": {"message": "prompt must be a string", "type": "invalid_request_error"}}, 400)
         n = int(body.get("max_tokens") or 16)
         rid = f"cmpl-{len(script.received)}"
         usage = bool((body.get("stream_options") or {}).get("include_usage")) and script.report_usage

@@ -101,6 +101,17 @@ CASES: dict[tuple[str, ...], list[str]] = {
         "--results-dir",
         "{tmp}",
     ],
+    # the quick probe against the scripted server (the real server: test_bench_probe.py)
+    ("bench", "probe"): [
+        "--base-url",
+        "{server}",
+        "--quick",
+        "--max-context",
+        "256",
+        "--no-plot",
+        "--out-dir",
+        "{tmp}",
+    ],
     # the capacity part only, on a tiny pool (the multi-turn part starts real servers: bench runs it)
     ("bench", "kvcache"): [
         "--part",

@@ -1,0 +1,131 @@
+"""`pdserve bench probe` over real HTTP: a real pdserve server (`--model tiny`) stands in for "any
+OpenAI-compatible server", and the scripted fake (tests/fakes.py) for servers that misbehave.
+
+The oracle for the fit is the server's own account of the same work: the prefill time its
+timeline reports for the probe's prompts, and the decode pace its timeline reports for a stream.
+On a shared 2-core machine the tolerance is a factor, not a percentage.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("ray")  # the real server runs on Ray (conftest.ray_cluster)
+from openai import OpenAI  # noqa: E402
+
+from cli import main as pdserve  # noqa: E402
+from router.config import ServeConfig  # noqa: E402
+from router.serve_cli import ServerThread  # noqa: E402
+from tests.fakes import FakeCompletionsServer, FakeScript  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster):
+    with ServerThread(ServeConfig(model="tiny", num_blocks=512), startup_timeout_s=180) as srv:
+        yield srv
+
+
+def _probe(capsys, *args: str) -> tuple[int, dict | None, str]:
+    rc = pdserve(["bench", "probe", *args])
+    out, err = capsys.readouterr()
+    return rc, (json.loads(out) if rc == 0 and "--json" in args else None), err
+
+
+@pytest.mark.timeout(240)
+def test_quick_probe_of_pdserve_agrees_with_the_servers_own_timeline(server, capsys, tmp_path):
+    """Cost: one quick probe of the tiny model up to 1024 tokens (~10-30 s on 2 shared cores) plus a
+    32-token stream."""
+    t0 = time.monotonic()
+    rc, d, err = _probe(
+        capsys, "--base-url", server.base_url, "--quick", "--max-context", "1024", "--out-dir", str(tmp_path), "--json"
+    )
+    assert rc == 0, err
+    assert time.monotonic() - t0 < 90, "a quick probe must stay well under a minute on an idle machine"
+    assert d is not None and d["prompts"] == "ids" and d["model"] == "tiny"
+    df, fp = d["decode_fit"], d["prefill_fit"]
+    step1 = df["fixed_s"] + df["per_sequence_s"] + df["per_context_token_s"] * 16
+    assert step1 > 0
+    prefill = fp["fixed_s"] + fp["linear_s"] * 1024 + fp["quadratic_s"] * 1024**2
+    assert prefill > 0
+    # prefill: the server's timeline says how long its worker spent on the probe's 1024-token prompts
+    server_ms = next(p["server_prefill_ms"] for p in d["prefill"] if p["tokens"] == 1024)
+    assert server_ms is not None and 1 / 3 < prefill * 1e3 / server_ms < 3, (prefill, server_ms)
+    # decode: a batch-1 stream's pace by the server's own clock (first to last token event)
+    client = OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+    resp = client.completions.create(model="tiny", prompt=[65] * 16, max_tokens=32, extra_body={"ignore_eos": True})
+    tl = resp.model_extra["pdserve"]["timeline"]
+    server_step = (tl["last_token_ms"] - tl["first_token_ms"]) / (tl["output_tokens"] - 1) / 1e3
+    assert 1 / 3 < step1 / server_step < 3, (step1, server_step)
+    # the four files, and a calibration `bench compare` and `simulate` accept
+    files = d["files"]
+    for key in ("result", "markdown", "calibration", "plot"):
+        assert (tmp_path / files[key].rsplit("/", 1)[-1]).is_file(), key
+    from costmodel.compare_predict import setup_from_calibration
+    from costmodel.cost_model import Calibration
+
+    cal = Calibration.load(files["calibration"])
+    assert cal.fitted_steps() is not None and cal.peak_tflops  # tiny is known to pdserve: TFLOP/s derived
+    setup_from_calibration("tiny", files["calibration"])
+    assert d["chunking"]["verdict"] in ("whole", "chunked", "disaggregated", "no interference", "unknown")
+    # pdserve caches prefixes by default (a 1024-token prompt: its prefill is well above the noise)
+    assert d["prefix"]["cached"] is True, d["prefix"]
+    assert "The article's arithmetic" in (tmp_path / files["markdown"].rsplit("/", 1)[-1]).read_text()
+
+
+def _one_line(err: str) -> str:
+    lines = [x for x in err.splitlines() if x.strip() and not x.startswith("probe:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_unreachable_server_is_one_line_and_exit_2(capsys):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rc, _, err = _probe(capsys, "--base-url", f"http://127.0.0.1:{port}", "--quick")
+    assert rc == 2 and "cannot reach" in _one_line(err)
+    rc, _, err = _probe(capsys, "--base-url", "localhost:8000", "--quick")
+    assert rc == 2 and "http://" in _one_line(err)
+
+
+def test_a_server_that_refuses_token_ids_is_probed_with_text(capsys, tmp_path):
+    script = FakeScript(refuse_token_ids=True, first_token_delay_s=0.02, itl_s=0.01)
+    with FakeCompletionsServer(script) as srv:
+        args = ["--base-url", srv.base_url, "--quick", "--max-context", "256", "--out-dir", str(tmp_path)]
+        rc, d, err = _probe(capsys, *args, "--no-plot", "--mix-streams", "3", "--json")
+    assert rc == 0, err
+    assert d is not None and d["prompts"] == "text"
+    assert d["tables"]["article_mix"]["chat_streams"] == 3
+    assert isinstance(script.received[0]["prompt"], list)  # tried first, refused
+    assert all(isinstance(b["prompt"], str) for b in script.received[1:])
+    # without usage in the stream, text prompts have no known length: refused in one line
+    with FakeCompletionsServer(FakeScript(refuse_token_ids=True, report_usage=False)) as srv:
+        rc, _, err = _probe(capsys, "--base-url", srv.base_url, "--quick", "--out-dir", str(tmp_path))
+    assert rc == 2 and "usage" in _one_line(err)
+    # --prompts ids on such a server: refused in one line, no fallback
+    with FakeCompletionsServer(FakeScript(refuse_token_ids=True)) as srv:
+        rc, _, err = _probe(
+            capsys, "--base-url", srv.base_url, "--quick", "--prompts", "ids", "--out-dir", str(tmp_path)
+        )
+    assert rc == 2 and "HTTP 400" in _one_line(err)
+
+
+@pytest.mark.timeout(60)
+def test_a_server_that_dies_mid_probe_is_one_line_and_exit_2(capsys, tmp_path):
+    srv = FakeCompletionsServer(FakeScript(first_token_delay_s=0.02, itl_s=0.02)).__enter__()
+    killer = threading.Timer(1.0, srv.__exit__)
+    killer.start()
+    t0 = time.monotonic()
+    try:
+        rc, _, err = _probe(
+            capsys, "--base-url", srv.base_url, "--quick", "--request-timeout-s", "10", "--out-dir", str(tmp_path)
+        )
+    finally:
+        killer.join()
+    assert rc == 2 and "failed" in _one_line(err)
+    assert time.monotonic() - t0 < 30
