@@ -142,7 +142,7 @@ def _dispatch_metrics(d: dict[str, Any]) -> Iterator[Metric]:
         c.add_metric([k], v)
     yield c
     h = HistogramMetricFamily(
-        "pdserve_dispatch_prediction_abs_rel_error",
+        "pdserve_dispatch_prediction_abs_rel_error_ratio",
         "Auto mode: |predicted - realized| / realized, per figure (ttft; stall = longest gap beside a local prefill)",
         labels=["figure"],
     )

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlparse
@@ -77,24 +76,22 @@ class _CountingExporter(SpanExporter):
 
 
 class _CountingProcessor(SpanProcessor):
-    """In front of the BatchSpanProcessor: counts spans that arrive while its queue is full (the
-    processor drops one for each, silently)."""
+    """In front of the BatchSpanProcessor: counts spans that arrive while its queue is full (it
+    drops one for each, with a log line but no count of its own we could export)."""
 
-    def __init__(self, inner: BatchSpanProcessor, exporter: _CountingExporter, max_queue: int):
-        self.inner, self.exporter, self.max_queue = inner, exporter, max_queue
-        self.queued = self.overflow = 0
-        self._lock = threading.Lock()
+    def __init__(self, inner: BatchSpanProcessor):
+        self.inner, self.overflow = inner, 0
+        # The SDK's bounded deque (a private attribute: without it, overflow is simply not counted).
+        self._queue = getattr(getattr(inner, "_batch_processor", None), "_queue", None)
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
         self.inner.on_start(span, parent_context)
 
     def on_end(self, span: ReadableSpan) -> None:
-        if span.context is None or not span.context.trace_flags.sampled:
-            return
-        with self._lock:
-            self.queued += 1
-            if self.queued - self.exporter.exported - self.exporter.failed - self.overflow > self.max_queue:
-                self.overflow += 1
+        q = self._queue
+        sampled = span.context is not None and span.context.trace_flags.sampled  # the others are not queued
+        if sampled and q is not None and q.maxlen is not None and len(q) >= q.maxlen:
+            self.overflow += 1  # only the event loop's thread ends spans: no lock needed
         self.inner.on_end(span)
 
     def shutdown(self) -> None:
@@ -116,9 +113,12 @@ class Tracing:
         exporter = OTLPSpanExporter(endpoint=traces_url(endpoint) if endpoint else None)
         self._exporter = _CountingExporter(exporter)
         self._processor = _CountingProcessor(
-            BatchSpanProcessor(self._exporter, max_queue_size=max_queue, schedule_delay_millis=500),
-            self._exporter,
-            max_queue,
+            BatchSpanProcessor(
+                self._exporter,
+                max_queue_size=max_queue,
+                schedule_delay_millis=500,
+                max_export_batch_size=min(512, max_queue),
+            )
         )
         self.provider = TracerProvider(resource=Resource.create({"service.name": "pdserve"}))
         self.provider.add_span_processor(self._processor)
