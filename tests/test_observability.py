@@ -346,3 +346,40 @@ def test_dashboard_json_is_well_formed():
     d = json.loads(Path(ROOT / "deploy/grafana/pdserve.json").read_text())
     ids = [p["id"] for p in d["panels"]]
     assert len(ids) == len(set(ids)) and d["uid"] == "pdserve"
+
+
+# ------------------------------------------------------------------------------ colocated: the stall
+def test_colocated_stall_metric_and_trace(receiver):
+    """A long prompt prefilled on the decode worker beside two streams: /metrics has its stall (the
+    streams' longest gap) per worker, and its trace has the colocated phases (no KV transfer)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from router.config import ServeConfig
+    from router.serve_cli import ServerThread
+
+    cfg = ServeConfig(model="tiny", mode="colocated", num_blocks=256, otlp_endpoint=receiver.url)
+    with ServerThread(cfg, startup_timeout_s=180) as srv, ThreadPoolExecutor(3) as pool:
+        client = httpx.Client(timeout=60)
+        streams = [
+            pool.submit(_stream, srv.url, {**BODY, "prompt": f"stream {i}", "max_tokens": 120, "stream": True})
+            for i in range(2)
+        ]
+        deadline = time.monotonic() + 30
+        while "pdserve_running_sequences" not in (m := client.get(srv.url + "/metrics").text) or not re.search(
+            r"pdserve_running_sequences\{[^}]*\} [12]\.0", m
+        ):
+            assert time.monotonic() < deadline, "the streams never started"
+            time.sleep(0.05)
+        tid = "1f0e5bd1a0c34d2e9a7b6c5d4e3f2a10"
+        doc = {**BODY, "prompt": "document " * 200, "max_tokens": 2, "stream": True}
+        _stream(srv.url, doc, {"traceparent": f"00-{tid}-1111111111111111-01"})
+        for f in streams:
+            f.result()
+        text = client.get(srv.url + "/metrics").text
+    counts = [ln for ln in text.splitlines() if ln.startswith("pdserve_stall_seconds_count{")]
+    assert counts and sum(float(ln.rsplit(" ", 1)[1]) for ln in counts) >= 1, text
+    spans = receiver.trace(tid)
+    phases = sorted((s for s in spans if "pdserve.phase" in s["attrs"]), key=lambda s: s["attrs"]["pdserve.phase"])
+    assert [s["name"] for s in phases] == ["validate", "dispatch", "queue", "prefill", "decode", "finish"]
+    prefill = next(s for s in phases if s["name"] == "prefill")
+    assert prefill["attrs"]["pdserve.prompt_tokens"] > 200 and prefill["attrs"]["pdserve.chunks"] == 1
