@@ -12,8 +12,10 @@ workers do no tracing work). `python -m benchmarks.tracing_cost [--requests N] [
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
@@ -83,15 +85,19 @@ def measure(n: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=1000)
-    p.add_argument("--out", default=None, help="write benchmarks/results/NAME.json")
+    p.add_argument("--out", default=None, help="write NAME.json (to benchmarks/results/local/ unless --out-dir)")
+    p.add_argument("--out-dir", default=None, metavar="DIR")
     args = p.parse_args(argv)
+    load_before = os.getloadavg()[0]  # other jobs on the machine inflate both figures
     r = measure(args.requests)
+    r.update(load_avg_1min_before=load_before, load_avg_1min_after=os.getloadavg()[0])
     print(
         f"tracing cost per request ({r['spans_per_request']:.0f} spans): event loop "
         f"{r['event_loop_us_per_request']:.0f} us, export thread (encode) {r['export_encode_us_per_request']:.0f} us"
     )
     if args.out:
-        print("results:", write_result(args.out, {"result": r}, {"requests": args.requests}))
+        out_dir = Path(args.out_dir) if args.out_dir else None
+        print("results:", write_result(args.out, {"result": r}, {"requests": args.requests}, out_dir))
     return 0
 
 
