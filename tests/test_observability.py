@@ -150,7 +150,9 @@ def test_trace_of_a_disaggregated_request(server, receiver):
     assert all(a["end"] == b["start"] for a, b in zip(phases, phases[1:]))
     root_s = (root["end"] - root["start"]) / 1e9
     assert sum(s["end"] - s["start"] for s in phases) / 1e9 == pytest.approx(root_s, rel=0.02)
-    assert root_s == pytest.approx(client_s, rel=0.02, abs=0.002)  # and what the client measured
+    # ...and the root is what the client saw, less the client's own side of the socket (on an idle
+    # machine within 2%; the bound is loose because a loaded one delays the client process too)
+    assert 0.8 * client_s <= root_s <= client_s + 0.001
     tl = httpx.get(f"{server.url}/v1/requests/{rid}/timeline", timeout=10).json()
     by = {s["name"]: s for s in children}
     kv = by["kv_transfer"]["attrs"]
