@@ -242,23 +242,16 @@ class _Run:
         )
         if self.span is not None and self.st.tracing is not None:
             self.st.tracing.finish(self.span, tl, self.t_http_ns, end_ns, status, self.error)
-        if log.isEnabledFor(logging.DEBUG):  # one line per request would flood a benchmark's log at info
-            log.debug(
-                "request %s %s: %d prompt + %d generated tokens in %.1f ms",
-                self.rid,
-                status,
-                len(self.p.prompt_ids),
-                len(t),
-                (end_ns - self.t_http_ns) / 1e6,
-                extra={
-                    "status": status,
-                    "prompt_tokens": len(self.p.prompt_ids),
-                    "completion_tokens": len(t),
-                    "ttft_ms": round((t[0] - self.t0) * 1e3, 3) if t else None,
-                    "e2e_ms": round((end_ns - self.t_http_ns) / 1e6, 3),
-                    "finish_reason": self.finish_reason,
-                },
-            )
+        logs.request_ended(
+            log,
+            self.rid,
+            status,
+            len(self.p.prompt_ids),
+            len(t),
+            (t[0] - self.t0) * 1e3 if t else None,
+            (end_ns - self.t_http_ns) / 1e6,
+            self.finish_reason,
+        )
 
 
 def _offsets(tokens: list[str], start: int) -> list[int]:
@@ -425,9 +418,7 @@ def create_app(orchestrator: Any, tokenizer: Tokenizer, cfg: ServeConfig, *, lif
                     "pdserve.stream": p.stream,
                 },
             )
-            tid, sid = trace_ids(run.span)
-            logs.trace_id.set(tid)
-            logs.span_id.set(sid)
+            logs.set_trace(*trace_ids(run.span))
         st.metrics.prompt_tokens.inc(len(p.prompt_ids))
         if p.stream:
             return _ClosingStream(

@@ -54,6 +54,43 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+def set_trace(trace: str, span: str) -> None:
+    trace_id.set(trace)
+    span_id.set(span)
+
+
+def request_ended(
+    log: logging.Logger,
+    rid: str,
+    status: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    ttft_ms: float | None,
+    e2e_ms: float,
+    finish_reason: str | None,
+) -> None:
+    """The line a request logs when it ends: at debug, since one line per request at info would
+    flood a benchmark's log (uvicorn's access log is off for the same reason)."""
+    if not log.isEnabledFor(logging.DEBUG):
+        return
+    log.debug(
+        "request %s %s: %d prompt + %d generated tokens in %.1f ms",
+        rid,
+        status,
+        prompt_tokens,
+        completion_tokens,
+        e2e_ms,
+        extra={
+            "status": status,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "ttft_ms": None if ttft_ms is None else round(ttft_ms, 3),
+            "e2e_ms": round(e2e_ms, 3),
+            "finish_reason": finish_reason,
+        },
+    )
+
+
 def setup(level: str, fmt: str = "text") -> None:
     """Configure the root logger of the server process (uvicorn's loggers propagate to it)."""
     if fmt not in LOG_FORMATS:
