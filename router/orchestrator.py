@@ -84,7 +84,7 @@ class Orchestrator:
         self._cleanup: set[asyncio.Task] = set()
         self._replacing: dict[str, asyncio.Task] = {}  # dead worker name -> its replacement task
         self.dispatcher = dispatcher
-        self._local_open: dict[str, set[str]] = {}  # auto: decode worker -> local prompts before their first token
+        self._local_open: dict[str, set[str]] = {}  # auto, colocated: decode worker -> prompts before their 1st token
         self._last_token_t: dict[str, float] = {}  # request id -> time of its last token (stall outcome)
         self.block_size, self.cache_sync_s = block_size, cache_sync_s
         self.prefix_index = PrefixIndex()  # policy "prefix": which worker caches which blocks
