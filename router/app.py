@@ -29,10 +29,13 @@ from contracts.worker import GenerateRequest, WorkerError
 from engine.sequence import TokenLogprob
 from engine.tokenizer import Detokenizer, Tokenizer
 from router import logprobs_format as lpf
+from router import logs
 from router import openai_protocol as oa
 from router import openai_responses as oar
 from router.config import ServeConfig
 from router.metrics import ServeMetrics
+from router.tracing import Tracing, trace_ids
+from router.tracing import enabled as tracing_enabled
 
 log = logging.getLogger("pdserve.app")
 DISCONNECT_POLL_S = 0.25
@@ -45,6 +48,9 @@ class ServerState:
     def __init__(self, orchestrator: Any, tokenizer: Tokenizer, cfg: ServeConfig):
         self.orchestrator, self.tokenizer, self.cfg = orchestrator, tokenizer, cfg
         self.metrics = ServeMetrics()
+        self.tracing = Tracing(cfg.otlp_endpoint, cfg.chunk_size) if tracing_enabled(cfg.otlp_endpoint) else None
+        if self.tracing is not None:
+            self.metrics.span_counts = self.tracing.counts
         self.inflight = 0  # admitted and not closed; counted here so admission is atomic
         self.runs: set[_Run] = set()  # the admitted requests still open
         self.draining = False  # shutting down: new requests get 503, open ones may finish
@@ -96,8 +102,11 @@ class ServerState:
 class _Run:
     """One admitted request, from the orchestrator's token events to text pieces."""
 
-    def __init__(self, st: ServerState, p: oa.Prepared, t_arrival: float):
+    def __init__(self, st: ServerState, p: oa.Prepared, t_arrival: float, t_http_ns: int = 0):
         self.st, self.p, self.t0 = st, p, t_arrival
+        self.t_http_ns = t_http_ns or time.time_ns()  # wall clock at the HTTP request: the trace's start
+        self.span: Any = None  # the request's root span, when tracing is on
+        self.error: str | None = None  # why it failed, for its trace and its log line
         self.rid = oar.new_request_id(p.kind)
         self.created = oar.now_created()
         self.req = GenerateRequest(self.rid, p.prompt_ids, p.params)
@@ -220,13 +229,28 @@ class _Run:
         self.st.inflight -= 1
         self.st.runs.discard(self)
         status = "ok" if self.finish_reason and not self.failed else "error" if self.failed else "aborted"
-        t = self.token_times
+        t, end_ns = self.token_times, time.time_ns()
+        orch = self.st.orchestrator
+        tl = orch.timeline(self.rid) if orch is not None else None
         self.st.metrics.observe_request(
             status,
             t[0] - self.t0 if t else None,
             [b - a for a, b in zip(t, t[1:])],
             t[-1] - self.t0 if t else None,
             len(t),
+            timeline=tl,
+        )
+        if self.span is not None and self.st.tracing is not None:
+            self.st.tracing.finish(self.span, tl, self.t_http_ns, end_ns, status, self.error)
+        logs.request_ended(
+            log,
+            self.rid,
+            status,
+            len(self.p.prompt_ids),
+            len(t),
+            (t[0] - self.t0) * 1e3 if t else None,
+            (end_ns - self.t_http_ns) / 1e6,
+            self.finish_reason,
         )
 
 
@@ -274,7 +298,7 @@ async def _sse_events(run: _Run, request: Request) -> AsyncIterator[str]:
         if p.include_usage:
             yield oar.sse(oar.usage_chunk(p, rid, created, run.usage(), tl))
     except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band, like vLLM
-        run.failed = True
+        run.failed, run.error = True, str(e)
         if isinstance(e, WorkerError):
             log.error("request %s failed: %s", rid, e)
         else:
@@ -290,11 +314,11 @@ async def _complete(run: _Run, request: Request) -> Response:
     try:
         text = "".join([t async for t in run.pieces()])
     except WorkerError as e:
-        run.failed = True
+        run.failed, run.error = True, str(e)
         log.error("request %s failed: %s", run.rid, e)
         raise oa.OpenAIError(500, f"The request failed: {e}", type="server_error", code="worker_error") from None
-    except Exception:
-        run.failed = True
+    except Exception as e:
+        run.failed, run.error = True, repr(e)
         raise
     finally:
         watcher.cancel()
@@ -356,7 +380,7 @@ def create_app(orchestrator: Any, tokenizer: Tokenizer, cfg: ServeConfig, *, lif
         )
 
     async def generate(request: Request, kind: str) -> Response:
-        t_arrival = time.perf_counter()
+        t_arrival, t_http_ns = time.perf_counter(), time.time_ns()
         try:
             if st.draining:
                 raise oa.OpenAIError(
@@ -380,7 +404,21 @@ def create_app(orchestrator: Any, tokenizer: Tokenizer, cfg: ServeConfig, *, lif
             st.metrics.requests.labels("rejected").inc()
             raise
         st.inflight += 1
-        run = _Run(st, p, t_arrival)
+        run = _Run(st, p, t_arrival, t_http_ns)
+        # Set in this task's context: the response body runs in it, and the tasks it starts copy it.
+        logs.request_id.set(run.rid)
+        if st.tracing is not None:
+            run.span = st.tracing.start(
+                request.headers,
+                f"{request.method} {request.url.path}",
+                t_http_ns,
+                {
+                    "pdserve.request_id": run.rid,
+                    "gen_ai.request.max_tokens": p.params.max_tokens,
+                    "pdserve.stream": p.stream,
+                },
+            )
+            logs.set_trace(*trace_ids(run.span))
         st.metrics.prompt_tokens.inc(len(p.prompt_ids))
         if p.stream:
             return _ClosingStream(

@@ -66,6 +66,8 @@ class ServeConfig:
     slo_ttft_ms: float = 1000.0
     slo_itl_ms: float = 50.0
     calibration: str | None = None
+    # OTLP/HTTP collector for request traces (router/tracing.py); None: the OTEL_EXPORTER_OTLP_* variables, if set
+    otlp_endpoint: str | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -221,7 +223,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return out
 
 
-_OPTIONAL = {"chunk_size", "ray_address", "api_key", "served_model_name", "link_gbps", "calibration"}
+_OPTIONAL = {"chunk_size", "ray_address", "api_key", "served_model_name", "link_gbps", "calibration", "otlp_endpoint"}
 
 
 def _check_types(cfg: ServeConfig) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,55 +22,22 @@ from contracts.worker import WorkerStats
 
 log = logging.getLogger("pdserve.metrics")
 
-# Seconds. TTFT spans a CPU tiny model (ms) to a 70B long prompt queued behind others (tens of s).
-TTFT_BUCKETS = (
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.5,
-    0.75,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-TOKEN_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.0075,
-    0.01,
-    0.015,
-    0.02,
-    0.025,
-    0.03,
-    0.04,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-)
-E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# Seconds. Buckets follow vLLM's (so dashboards built for it read ours), with finer low ends:
+# a CPU tiny model answers in milliseconds, a 70B long prompt queued behind others in tens of seconds.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)  # fmt: skip
+E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
+               240.0, 480.0, 960.0)  # fmt: skip
+# Request phases (queue, prefill, decode admission wait, decode) and the stall span E2E's range.
+PHASE_BUCKETS = E2E_BUCKETS
+# One KV pull: a few blocks over shared memory (tens of us) to a 4k prompt of a 70B model over 100G (~50 ms)
+# and a slow rehearsal link (seconds).
+TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                    5.0, 10.0, 30.0)  # fmt: skip
+# Bytes of one pull, powers of 4 from 4 KiB (a tiny model's block) to 16 GiB (the article's 4k prompt is 671 MB).
+TRANSFER_BYTES_BUCKETS = tuple(float(4**k * 1024) for k in range(1, 13))
 REQUEST_STATUSES = ("ok", "aborted", "error", "rejected")
 
 
@@ -83,6 +50,8 @@ class _Snapshot:
     dispatch: dict[str, Any] | None = None  # --mode auto: AutoDispatcher.summary()
     pools: dict[str, dict[str, int]] = field(default_factory=dict)  # role -> configured / live workers
     replacements: int = 0
+    spans_exported: int = 0  # tracing on: spans the OTLP exporter delivered
+    spans_dropped: int = 0  # tracing on: spans lost (bounded queue full, or the collector down)
 
 
 class _OrchestratorCollector:
@@ -126,6 +95,7 @@ class _OrchestratorCollector:
                 "KV cache blocks an allocation can take on a worker (free or cached)",
                 lambda w: w.blocks_free,
             ),
+            "pdserve_kv_blocks_total": ("KV cache blocks of a worker's pool", lambda w: w.blocks_total),
             "pdserve_kv_blocks_cached": (
                 "Unreferenced KV blocks kept by a worker's prefix cache (evicted LRU)",
                 lambda w: w.blocks_cached,
@@ -153,18 +123,26 @@ class _OrchestratorCollector:
             for w in s.workers:
                 c.add_metric([w.name, w.role], get(w))
             yield c
-        if s.dispatch is not None:
-            yield from _dispatch_metrics(s.dispatch)
+        yield CounterMetricFamily(
+            "pdserve_trace_spans_exported", "Spans delivered to the OTLP collector", value=s.spans_exported
+        )
+        yield CounterMetricFamily(
+            "pdserve_trace_spans_dropped",
+            "Spans lost on the way to the OTLP collector (export queue full, or the collector down)",
+            value=s.spans_dropped,
+        )
+        yield from _dispatch_metrics(s.dispatch or {"decisions": {}, "errors": {}})
 
 
 def _dispatch_metrics(d: dict[str, Any]) -> Iterator[Metric]:
-    """--mode auto: decisions by kind, and |predicted - realized| / realized histograms."""
+    """--mode auto: decisions by kind, and |predicted - realized| / realized histograms. Declared
+    (without samples) in the other modes too, so a dashboard's queries resolve against any server."""
     c = CounterMetricFamily("pdserve_dispatch_decisions", "Auto-mode prefill placements", labels=["decision"])
     for k, v in d["decisions"].items():
         c.add_metric([k], v)
     yield c
     h = HistogramMetricFamily(
-        "pdserve_dispatch_prediction_abs_rel_error",
+        "pdserve_dispatch_prediction_abs_rel_error_ratio",
         "Auto mode: |predicted - realized| / realized, per figure (ttft; stall = longest gap beside a local prefill)",
         labels=["figure"],
     )
@@ -204,6 +182,38 @@ class ServeMetrics:
             buckets=E2E_BUCKETS,
             registry=r,
         )
+        phase = {
+            "queue": ("pdserve_request_queue_time_seconds", "Time a request waited for its prefill to start"),
+            "prefill": ("pdserve_request_prefill_time_seconds", "Prefill compute of a request (all its chunks)"),
+            "decode_wait": (
+                "pdserve_request_decode_admission_wait_seconds",
+                "Disaggregated: from prefill end to joining the decode batch, less the KV pull",
+            ),
+            "decode": ("pdserve_request_decode_time_seconds", "From a request's first token to its last"),
+        }
+        self.phases = {k: Histogram(name, doc, buckets=PHASE_BUCKETS, registry=r) for k, (name, doc) in phase.items()}
+        self.transfer_seconds = Histogram(
+            "pdserve_kv_transfer_duration_seconds",
+            "One KV pull from a prefill worker to a decode worker (link = prefill->decode worker)",
+            ["backend", "link"],
+            buckets=TRANSFER_BUCKETS,
+            registry=r,
+        )
+        self.transfer_bytes = Histogram(
+            "pdserve_kv_transfer_size_bytes",
+            "Bytes of one KV pull (link = prefill->decode worker)",
+            ["backend", "link"],
+            buckets=TRANSFER_BYTES_BUCKETS,
+            registry=r,
+        )
+        self.stall = Histogram(
+            "pdserve_stall_seconds",
+            "Per prompt prefilled on a decode worker (colocated, auto local): the longest token gap of the "
+            "streams in flight beside it",
+            ["worker"],
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
         self.requests = Counter(
             "pdserve_requests", "Requests by outcome (ok, aborted, error, rejected)", ["status"], registry=r
         )
@@ -212,16 +222,36 @@ class ServeMetrics:
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens generated", registry=r)
         self.snapshot = _Snapshot()
+        self.span_counts: Callable[[], tuple[int, int]] = lambda: (0, 0)  # set by the app when tracing is on
         r.register(_OrchestratorCollector(self))
 
     def observe_request(
-        self, status: str, ttft_s: float | None, itls_s: list[float], e2e_s: float | None, completion_tokens: int
+        self,
+        status: str,
+        ttft_s: float | None,
+        itls_s: list[float],
+        e2e_s: float | None,
+        completion_tokens: int,
+        timeline: dict[str, Any] | None = None,
     ) -> None:
         """Called once per admitted request when it ends, whatever the outcome."""
         self.requests.labels(status).inc()
         self.generation_tokens.inc(completion_tokens)
+        tl = timeline or {}
+        tr = tl.get("transfer")
+        if tr and "ms" in tr:  # a pull that happened is counted whatever became of the request
+            link = f"{tl.get('prefill_worker')}->{tl.get('decode_worker')}"
+            self.transfer_seconds.labels(tr.get("backend", ""), link).observe(tr["ms"] / 1e3)
+            self.transfer_bytes.labels(tr.get("backend", ""), link).observe(tr["bytes"])
+        if "local_max_gap_ms" in tl:
+            self.stall.labels(tl.get("decode_worker", "")).observe(tl["local_max_gap_ms"] / 1e3)
         if status != "ok":
             return  # latencies of aborted/failed requests would pollute the distributions
+        for key, figure in (("queue", "queue_ms"), ("prefill", "prefill_ms"), ("decode_wait", "decode_wait_ms")):
+            if figure in tl:
+                self.phases[key].observe(max(0.0, tl[figure]) / 1e3)
+        if "first_token_ms" in tl and "last_token_ms" in tl:
+            self.phases["decode"].observe(max(0.0, tl["last_token_ms"] - tl["first_token_ms"]) / 1e3)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
         for gap in itls_s:
@@ -244,6 +274,7 @@ class ServeMetrics:
             log.warning("worker stats unavailable for /metrics: %r", e)
         snap.pools = orch.pool_status()  # after stats(): a death it noticed shows already
         snap.replacements = getattr(orch, "replacements", 0)
+        snap.spans_exported, snap.spans_dropped = self.span_counts()
         self.snapshot = snap
 
     def render(self) -> tuple[bytes, str]:

@@ -84,7 +84,7 @@ class Orchestrator:
         self._cleanup: set[asyncio.Task] = set()
         self._replacing: dict[str, asyncio.Task] = {}  # dead worker name -> its replacement task
         self.dispatcher = dispatcher
-        self._local_open: dict[str, set[str]] = {}  # auto: decode worker -> local prompts before their first token
+        self._local_open: dict[str, set[str]] = {}  # auto, colocated: decode worker -> prompts before their 1st token
         self._last_token_t: dict[str, float] = {}  # request id -> time of its last token (stall outcome)
         self.block_size, self.cache_sync_s = block_size, cache_sync_s
         self.prefix_index = PrefixIndex()  # policy "prefix": which worker caches which blocks
@@ -172,6 +172,10 @@ class Orchestrator:
             if w is not None:
                 w.active += 1
         tl.update(decode_worker=decode.name, prefill_worker=prefill.name if prefill else None)
+        reason = "; ".join(f"{w.role} {w.name}: {self._why(w, hashes)}" for w in (prefill, decode) if w is not None)
+        tl.update(policy=self.policy, dispatch_reason=reason, dispatched_ms=self._rel(tl, time.time()))
+        if prefill is None and self.mode == "colocated":  # auto's local prompts are added by _dispatch
+            self._local_open.setdefault(decode.name, set()).add(rid)
         finished = False
         try:
             if prefill is not None:
@@ -189,6 +193,7 @@ class Orchestrator:
                 tl.update(
                     queue_ms=result.timings["queue_ms"],
                     prefill_ms=result.timings["prefill_ms"],
+                    prefill_start_ms=self._rel(tl, result.timings.get("prefill_start", result.timings["prefill_end"])),
                     prefill_end_ms=self._rel(tl, result.timings["prefill_end"]),
                     kv_blocks=len(result.handle.block_ids),
                     prefill_cached_tokens=int(result.timings.get("cached_tokens", 0)),
@@ -339,6 +344,16 @@ class Orchestrator:
         if self.policy == "prefix":
             return min(alive, key=lambda w: (-self.prefix_index.matched_blocks(w.name, hashes), load(w)))
         return min(alive, key=load)
+
+    def _why(self, w: WorkerHandle, hashes: list[int]) -> str:
+        """The policy's reason for picking `w` (a trace's dispatch span shows it)."""
+        if self.policy == "round_robin":
+            return "round_robin: next in turn"
+        s = self._stats.get(w.name)
+        load = f"{w.active} active + {s.queue_depth if s else 0} queued, {s.blocks_free if s else '?'} blocks free"
+        if self.policy == "prefix":
+            return f"prefix: {self.prefix_index.matched_blocks(w.name, hashes)} cached blocks matched; {load}"
+        return f"least_loaded: {load}"
 
     async def _sync_prefix_index(self) -> None:
         """Policy "prefix": poll every live worker's cache events into the index."""
@@ -511,10 +526,13 @@ class Orchestrator:
 
     def _on_token(self, tl: dict, ev: StreamEvent) -> None:
         t = self._rel(tl, ev.t)
-        if self.dispatcher is not None:
+        if self.dispatcher is not None or self.mode == "colocated":  # the stall beside local prefills
             self._track_gaps(tl, ev)
         if ev.index == 0:
             tl["first_token_ms"] = t
+            pair = self._assigned.get(tl["request_id"])
+            if pair is not None:  # prefilled: its neighbours' gaps no longer count against it
+                self._local_open.get(pair[1].name, set()).discard(tl["request_id"])
             if ev.timings:  # colocated: the decode worker timed the prompt's queue and prefill
                 tl.update({k: round(v, 3) for k, v in ev.timings.items()})
             if self.dispatcher is not None:

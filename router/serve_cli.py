@@ -26,6 +26,8 @@ from engine.model_registry import MODELS, PullError
 from engine.model_registry import resolve as registry_resolve
 from engine.tokenizer import load_tokenizer
 from router.config import MODES, POLICIES, TRANSPORTS, WEIGHT_DTYPES, ConfigError, ServeConfig
+from router.logs import LOG_FORMATS, JsonFormatter
+from router.logs import setup as setup_logging
 from router.shutdown import GracefulShutdown
 
 log = logging.getLogger("pdserve.serve")
@@ -199,6 +201,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"with an error event, stop the pools and exit 0 (default {D.shutdown_timeout_s:g})",
     )
     g.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model's)")
+    g = p.add_argument_group("observability")
+    g.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="URL",
+        help="export one OpenTelemetry trace per request over OTLP/HTTP to this collector, e.g. "
+        "http://127.0.0.1:4318 (/v1/traces is added to a URL without a path); the standard "
+        "OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_EXPORTER_OTLP_TRACES_ENDPOINT variables do the same (default: off)",
+    )
     p.add_argument(
         "--config",
         default=None,
@@ -211,9 +222,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="info",
         help="server log level (default info)",
     )
+    p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text, or json: one JSON object per line with the request id (and trace id with tracing on) "
+        "(default text)",
+    )
 
 
-_NOT_SETTINGS = {"config", "log_level", "command", "bench_command", "_main"}
+_NOT_SETTINGS = {"config", "log_level", "log_format", "command", "bench_command", "_main"}
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -272,6 +290,8 @@ def make_app(
         finally:
             orch, st.orchestrator = st.orchestrator, None
             await orch.shutdown()
+            if st.tracing is not None:  # the last requests' spans, within the exporter's timeout
+                await asyncio.to_thread(st.tracing.shutdown)
 
     return create_app(None, tokenizer, cfg, lifespan=lifespan)
 
@@ -309,12 +329,15 @@ def ready_message(cfg: ServeConfig, url: str) -> str:
     )
 
 
-def _uvicorn_server(cfg: ServeConfig, app: Any, log_level: str) -> Any:
+def _uvicorn_server(cfg: ServeConfig, app: Any, log_level: str, own_logging: bool = False) -> Any:
     import uvicorn  # noqa: PLC0415
 
     # access_log off: a benchmark would print a line per request; /metrics has the counts.
+    # own_logging: the root logger is configured (router/logs.py) and uvicorn's loggers propagate to
+    # it, instead of uvicorn installing its own text handlers.
+    extra: dict[str, Any] = {"log_config": None} if own_logging else {}
     return uvicorn.Server(
-        uvicorn.Config(app, lifespan="on", log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
+        uvicorn.Config(app, lifespan="on", log_level=log_level, access_log=False, timeout_graceful_shutdown=5, **extra)
     )
 
 
@@ -324,6 +347,7 @@ async def serve(
     log_level: str = "info",
     on_ready: Callable[[str], None] | None = None,
     server_box: list | None = None,
+    own_logging: bool = False,
 ) -> None:
     """Run until the server is told to exit; `on_ready(url)` once it accepts requests."""
     cfg = resolve_model(cfg)
@@ -333,7 +357,7 @@ async def serve(
     def take_signals(state: Any) -> None:  # after ray.init() has installed its own (router/shutdown.py)
         GracefulShutdown(state, box[0], cfg.shutdown_timeout_s).install()
 
-    server = _uvicorn_server(cfg, make_app(cfg, errors, take_signals), log_level)
+    server = _uvicorn_server(cfg, make_app(cfg, errors, take_signals), log_level, own_logging)
     box.append(server)
     if server_box is not None:
         server_box.append(server)
@@ -359,18 +383,25 @@ async def serve(
 
 def main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    json_logs = getattr(args, "log_format", "text") == "json"
+    setup_logging(args.log_level, "json" if json_logs else "text")
+
+    def say(msg: str) -> None:  # the banner: on stdout whatever the level; with JSON logs, a JSON line too
+        if json_logs:
+            msg = JsonFormatter().format(log.makeRecord(log.name, logging.INFO, __file__, 0, msg, (), None))
+        print(msg, flush=True)
+
     sock = bind_socket(cfg.host, cfg.port)
-    print(f"pdserve: starting {cfg.mode} pools for {cfg.model_name} (this can take a minute)...", flush=True)
+    say(f"pdserve: starting {cfg.mode} pools for {cfg.model_name} (this can take a minute)...")
     try:
-        asyncio.run(serve(cfg, sock, args.log_level, lambda url: print(ready_message(cfg, url), flush=True)))
+        asyncio.run(serve(cfg, sock, args.log_level, lambda url: say(ready_message(cfg, url)), own_logging=json_logs))
     except KeyboardInterrupt:  # uvicorn re-raises SIGINT after its graceful shutdown
         pass
     except RuntimeError as e:
         raise CliError(str(e)) from None
     finally:
         sock.close()
-    print("pdserve: stopped", flush=True)
+    say("pdserve: stopped")
     return 0
 
 

@@ -114,4 +114,4 @@ def test_auto_places_each_request_and_records_why(ray_cluster, calibration):
         text = httpx.get(srv.url + "/metrics", timeout=30).text
         assert 'pdserve_dispatch_decisions_total{decision="local"} 1.0' in text
         assert 'pdserve_dispatch_decisions_total{decision="remote"} 1.0' in text
-        assert 'pdserve_dispatch_prediction_abs_rel_error_count{figure="ttft"} 2.0' in text
+        assert 'pdserve_dispatch_prediction_abs_rel_error_ratio_count{figure="ttft"} 2.0' in text
