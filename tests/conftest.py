@@ -174,6 +174,7 @@ _SLOW_MODULES = {
     "test_auto_mode": ("ray", "server"),
     "test_bench_compare": ("ray", "server"),
     "test_bench_probe": ("ray", "server"),
+    "test_observability": ("ray", "server"),  # `pdserve serve` child processes beside an OTLP receiver
     "test_cluster": ("ray", "server", "root"),
     "test_faults": ("ray", "server"),
     "test_graceful_shutdown": ("ray", "server"),
