@@ -33,6 +33,7 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -65,6 +66,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rss-growth-warn-mb", type=float, default=None, help="passed to pdserve serve (default: its default)"
     )
+    p.add_argument(
+        "--serve-args",
+        default="",
+        help="more `pdserve serve` flags, one string (e.g. '--gemm-row-buckets 0' to see issue 22's growth)",
+    )
     p.add_argument("--concurrency", type=int, default=6, help="client streams at once (default 6)")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default 48)")
     p.add_argument("--hang-s", type=float, default=60.0, help="a request not ended after this is hung (default 60)")
@@ -87,6 +93,7 @@ class _Server:
                "--log-level", "warning"]  # fmt: skip
         if args.rss_growth_warn_mb is not None:
             cmd += ["--rss-growth-warn-mb", str(args.rss_growth_warn_mb)]
+        cmd += shlex.split(args.serve_args)
         self.log_path = log_path
         self._log = open(log_path, "w+")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -41,6 +41,21 @@ def test_watch_takes_its_baseline_after_warm_up_and_warns_at_each_multiple(caplo
         RssWatch(bound_mb=0)
 
 
+def test_memory_flags_reach_the_workers_and_are_checked():
+    from router.config import ConfigError, ServeConfig  # noqa: PLC0415
+    from router.launch import rss_watch  # noqa: PLC0415
+
+    cfg = ServeConfig.build({"gemm_row_buckets": 0, "rss_growth_warn_mb": 64, "rss_warmup_steps": 5})
+    assert cfg.worker_config().gemm_row_buckets == 0
+    watch = rss_watch(cfg)
+    assert watch is not None and (watch.bound_bytes, watch.warmup_steps) == (64 * MB, 5)
+    assert rss_watch(ServeConfig(rss_growth_warn_mb=0)) is None
+    assert ServeConfig().worker_config().gemm_row_buckets == 4  # the documented default
+    for flag, bad in (("gemm_row_buckets", -1), ("rss_growth_warn_mb", -1.0), ("rss_warmup_steps", -1)):
+        with pytest.raises(ConfigError, match=flag.replace("_", "-")):
+            ServeConfig(model="tiny", **{flag: bad}).validate()
+
+
 def _gauge(text: str, name: str) -> dict[str, float]:
     """{labels: value} of one gauge in a /metrics text."""
     out = {}
