@@ -13,7 +13,8 @@ then `distinct` with one suspect off: `trim` (malloc_trim after every prompt), `
 (MALLOC_ARENA_MAX=1), `onednn-cache0` (ONEDNN_PRIMITIVE_CACHE_CAPACITY=0), `ideep-cache1`
 (LRU_CACHE_CAPACITY=1, ideep's computation cache), `both-caches`, `no-onednn` (plain torch
 matmul instead of the oneDNN packed kernel), `tracemalloc`; and `buckets` (the fix: GEMM row
-buckets on, engine/linear.py).
+buckets on, engine/linear.py), alone and with `trim` or a fixed 64 KB mmap threshold
+(MALLOC_MMAP_THRESHOLD_, which also stops glibc raising it as large blocks are freed).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ VARIANTS: dict[str, tuple[dict[str, str], dict[str, bool]]] = {
     "no-onednn": ({}, {"no_onednn": True}),
     "tracemalloc": ({}, {"tracemalloc": True}),
     "buckets": ({}, {"buckets": True}),
+    # what is left with the buckets on: the allocator's share
+    "buckets-trim": ({}, {"buckets": True, "trim": True}),
+    "buckets-mmap64k": ({"MALLOC_MMAP_THRESHOLD_": "65536"}, {"buckets": True}),
 }
 
 
@@ -175,6 +179,9 @@ def main(args: argparse.Namespace) -> int:
         if done.returncode != 0:
             raise CliError(f"variant {name} failed:\n{done.stderr[-2000:]}")
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        r = rows[-1]
+        print(f"  {name}: RSS {r['rss_warm_mb']:.0f} -> {r['rss_end_mb']:.0f} MB, curve {[m for _, m in r['curve']]}",
+              file=sys.stderr, flush=True)  # fmt: skip
     base = next((r for r in rows if r["variant"] == "distinct"), None)
     for r in rows:
         r["growth_vs_distinct_pct"] = (
