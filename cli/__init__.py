@@ -46,7 +46,11 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "step": ("benchmarks.bench_step", "engine step split into host and forward time, beside transformers generate"),
     "gpu": ("benchmarks.gpu.bench_gpu", "GPU ceilings, decode/prefill vs roofline, transformers baseline"),
-    "soak": ("benchmarks.bench_soak", "minutes of load while workers are SIGKILLed: ok/failed/hung, leaks, RSS"),
+    "soak": ("benchmarks.bench_soak", "minutes of real-shaped load while workers are SIGKILLed: ok/hung, leaks, RSS"),
+    "rss-shapes": (
+        "benchmarks.bench_rss_shapes",
+        "worker RSS over prefills of ever new lengths, each suspect (oneDNN caches, malloc) off in turn",
+    ),
 }
 
 

@@ -73,6 +73,9 @@ class WorkerStats:
     prefix_hit_blocks: int = 0  # full blocks found in the prefix cache (cumulative)
     prefix_lookup_blocks: int = 0  # full blocks looked up in the prefix cache (cumulative)
     blocks_evicted: int = 0  # cached blocks evicted for new ones (cumulative)
+    rss_bytes: int = 0  # the worker process's resident memory (0: not measurable on this OS)
+    cuda_reserved_bytes: int = 0  # CUDA workers: torch's caching allocator, reserved from the driver
+    cuda_allocated_bytes: int = 0  # ... and in use by tensors (both 0 on CPU)
 
     @property
     def blocks_used(self) -> int:
@@ -115,6 +118,9 @@ class WorkerConfig:
     seed: int = 0
     enable_prefix_caching: bool = True  # reuse cached full blocks of equal prefixes (--no-prefix-cache)
     enforce_eager: bool = False  # CUDA: no decode graphs (vLLM's flag name)
+    # CPU oneDNN GEMMs run at a fixed set of row counts, this many per power of two (0 = any row
+    # count): bounds the per-shape primitive caches (engine/linear.py RowBuckets, issue 22)
+    gemm_row_buckets: int = 4
 
 
 class WorkerError(RuntimeError):

@@ -26,7 +26,7 @@ from contracts.worker import (
 )
 from engine.block_manager import NoFreeBlocks
 from engine.sequence import Sequence
-from engine.worker_base import EngineLoop, build_engine, kv_figures, log
+from engine.worker_base import EngineLoop, build_engine, kv_figures, log, memory_figures
 from transport import make_transport
 from transport.base import TransferTimeout, TransportError
 from transport.wire import TransferStats
@@ -122,6 +122,7 @@ class DecodeWorker(EngineLoop):
             steps=self.steps,
             recent_steps=list(self.step_log),
             **kv_figures(e),
+            **memory_figures(e),
         )
 
     def ping(self) -> str:

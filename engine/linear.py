@@ -18,6 +18,7 @@ runs a fused [gate; up] weight as two fused GEMMs, silu(x @ gate.t()) * (x @ up.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -48,6 +49,72 @@ def apply_post(y: torch.Tensor, post: Post, other: torch.Tensor | None) -> torch
     return y
 
 
+@dataclass(frozen=True)
+class RowBuckets:
+    """The row counts (M) the oneDNN GEMMs run at, so a process sees a small, fixed set of shapes.
+
+    Why: oneDNN builds (JIT-compiles) a primitive per GEMM shape and post-op, and two caches keep
+    every one: ideep's computation cache (`LRU_CACHE_CAPACITY`, 1,024 entries) and oneDNN's
+    primitive cache (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`, 1,024). Each primitive held ~0.6-2 MB
+    (measured, 1 thread, tiny and SmolLM2 shapes), and every distinct prompt length (or decode
+    batch size) makes ~6 of them, so a worker's RSS climbed by ~2.5 MB per new length until both
+    caches were full (~1 GB; issue 22). Here a GEMM of n rows runs as full tiles of `tile` rows
+    plus a remainder padded up to one of `per_octave` sizes per power of two (zero rows, cut off
+    after): at most ~`per_octave` * log2(tile) shapes per weight, whatever the traffic.
+
+    Outputs are unchanged, bit for bit: oneDNN's rows do not depend on how many rows share the
+    call (any M >= 2; tests/test_linear_buckets.py checks it). One row keeps MKL's GEMV (not
+    oneDNN), so it is never padded. `per_octave=0` turns bucketing off (today's behaviour)."""
+
+    per_octave: int = 4  # remainder sizes per power of two: padding < 1/per_octave of the rows run
+    tile: int = 256  # rows per GEMM call above this (a power of two)
+
+    def __post_init__(self) -> None:
+        if self.per_octave < 0:
+            raise ValueError("per_octave must be >= 0 (0 = off)")
+        if self.tile < 2 or self.tile & (self.tile - 1):
+            raise ValueError(f"tile must be a power of two >= 2, got {self.tile}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.per_octave > 0
+
+    def padded(self, r: int) -> int:
+        """The bucket a remainder of 1 <= r <= tile rows runs at (>= 2: oneDNN's path)."""
+        p = 1 << max(1, (r - 1).bit_length())  # next power of two >= max(r, 2)
+        step = max(1, p // (2 * self.per_octave))
+        return max(2, -(-r // step) * step)
+
+    def plan(self, n: int) -> list[tuple[int, int, int]]:
+        """(first row, rows, rows run) of each GEMM call for n >= 2 rows."""
+        if not self.enabled:
+            return [(0, n, n)]
+        calls = [(s, self.tile, self.tile) for s in range(0, n - n % self.tile, self.tile)]
+        if n % self.tile:
+            r = n % self.tile
+            calls.append((n - r, r, self.padded(r)))
+        return calls
+
+    def sizes(self) -> list[int]:
+        """Every row count a GEMM can run at (what the caches hold per weight and post-op)."""
+        if not self.enabled:
+            return []
+        return sorted({self.padded(r) for r in range(1, self.tile + 1)})
+
+
+_row_buckets = RowBuckets()
+
+
+def set_row_buckets(buckets: RowBuckets) -> None:
+    """Set the process's GEMM row buckets (process-wide, as the oneDNN caches they bound are)."""
+    global _row_buckets
+    _row_buckets = buckets
+
+
+def row_buckets() -> RowBuckets:
+    return _row_buckets
+
+
 class PackedWeight:
     """A CPU fp32 weight [out, in] in oneDNN's blocked layout, re-packed if the weight changes
         in place (tracked by the tensor's version counter; inference tensors have none, and are
@@ -71,13 +138,30 @@ class PackedWeight:
         if self._packed is None or self._key != key:
             self._packed, self._key = torch.ops.mkldnn._reorder_linear_weight(w, None), key
         x2 = x.reshape(-1, x.shape[-1])
+        other2 = None
         if post in ("mul", "add"):
             assert other is not None
             other2 = other.reshape(-1, w.shape[0]).contiguous()
-            out = torch.ops.mkldnn._linear_pointwise.binary(x2, other2, self._packed, None, post)
-        else:  # oneDNN's "swish" (alpha 1) is silu
-            out = torch.ops.mkldnn._linear_pointwise(x2, self._packed, None, _ONEDNN_UNARY[post], [], "")
+        calls = _row_buckets.plan(x2.shape[0])
+        if len(calls) == 1 and calls[0][1] == calls[0][2]:  # already a bucket size: one call, no copies
+            out = self._call(x2, other2, post)
+        else:
+            out = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype)
+            for start, rows, run in calls:
+                xs = x2[start : start + rows]
+                os_ = None if other2 is None else other2[start : start + rows]
+                if run > rows:  # zero rows up to the bucket, cut off below
+                    xs = F.pad(xs, (0, 0, 0, run - rows))
+                    os_ = None if os_ is None else F.pad(os_, (0, 0, 0, run - rows))
+                out[start : start + rows] = self._call(xs, os_, post)[:rows]
         return out.reshape(*x.shape[:-1], w.shape[0])
+
+    def _call(self, x2: torch.Tensor, other2: torch.Tensor | None, post: Post) -> torch.Tensor:
+        """One oneDNN GEMM of x2 [m, in] (m >= 2) with the packed weight and its fused epilogue."""
+        if other2 is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(x2, other2, self._packed, None, post)
+        # oneDNN's "swish" (alpha 1) is silu
+        return torch.ops.mkldnn._linear_pointwise(x2, self._packed, None, _ONEDNN_UNARY[post], [], "")
 
     def reset(self) -> None:
         self._packed = self._key = None

@@ -26,6 +26,7 @@ from engine.config import CacheConfig, ModelConfig
 from engine.input_batch import DecodeInputs
 from engine.kv_cache import KVCache
 from engine.kv_layout import KVLayout
+from engine.linear import RowBuckets, set_row_buckets
 from engine.model import LlamaModel
 from engine.sampler import Sampler
 from engine.weights import build_model
@@ -65,7 +66,12 @@ class ModelRunner:
         checkpoint_dir: str | None = None,
         seed: int = 0,
         backend: AttentionBackend | None = None,
+        row_buckets: RowBuckets | None = None,
     ):
+        """`row_buckets`: the process's CPU GEMM row buckets (process-wide, like the oneDNN caches
+        they bound); None leaves them as they are (the default: 4 per octave, engine/linear.py)."""
+        if row_buckets is not None:
+            set_row_buckets(row_buckets)
         self.device = torch.device(device)
         self.model_cfg, self.cache_cfg = model_cfg, cache_cfg
         self.model: LlamaModel = build_model(model_cfg, weight_dtype, self.device, checkpoint_dir, seed)

@@ -8,6 +8,7 @@ The engine, its block manager and its KV pool are touched only by the loop threa
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -17,7 +18,10 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol
 
+import torch
+
 from engine.config import CacheConfig, is_checkpoint_dir, read_generation_eos, resolve_model_config
+from engine.linear import RowBuckets
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 
@@ -41,6 +45,7 @@ class EngineSettings(Protocol):
     seed: int
     enable_prefix_caching: bool
     enforce_eager: bool  # CUDA: never replay decode graphs (every step eager)
+    gemm_row_buckets: int  # CPU oneDNN GEMM row counts per power of two (0 = off; engine/linear.py)
 
 
 def build_engine(cfg: EngineSettings, prefill_only: bool) -> LLMEngine:
@@ -48,7 +53,9 @@ def build_engine(cfg: EngineSettings, prefill_only: bool) -> LLMEngine:
     model_cfg = resolve_model_config(cfg.model)
     ckpt = cfg.model if is_checkpoint_dir(cfg.model) else None
     cache = CacheConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, kv_dtype=cfg.kv_dtype)
-    runner = ModelRunner(model_cfg, cache, cfg.dtype, cfg.device, ckpt, seed=cfg.seed)
+    runner = ModelRunner(
+        model_cfg, cache, cfg.dtype, cfg.device, ckpt, seed=cfg.seed, row_buckets=RowBuckets(cfg.gemm_row_buckets)
+    )
     eos = tuple(read_generation_eos(cfg.model)) if ckpt else ()
     engine = LLMEngine(
         runner,
@@ -79,6 +86,30 @@ def kv_figures(engine: LLMEngine) -> dict[str, int]:
         "prefix_lookup_blocks": b.lookups,
         "blocks_evicted": b.evictions,
     }
+
+
+def memory_figures(engine: LLMEngine) -> dict[str, int]:
+    """The worker process's memory for its WorkerStats: resident set (Linux /proc; 0 elsewhere)
+    and, on CUDA, the caching allocator's reserved and allocated bytes. Safe off the loop thread."""
+    dev = engine.runner.device
+    cuda = dev.type == "cuda"
+    return {
+        "rss_bytes": process_rss_bytes(),
+        "cuda_reserved_bytes": int(torch.cuda.memory_reserved(dev)) if cuda else 0,
+        "cuda_allocated_bytes": int(torch.cuda.memory_allocated(dev)) if cuda else 0,
+    }
+
+
+def process_rss_bytes() -> int:
+    """This process's resident set size in bytes (0 where /proc is absent)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class EngineLoop:

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 
 from contracts.worker import CacheEvents, GenerateRequest, PrefillResult, WorkerConfig, WorkerError, WorkerStats
 from engine.sequence import Sequence
-from engine.worker_base import EngineLoop, build_engine, kv_figures
+from engine.worker_base import EngineLoop, build_engine, kv_figures, memory_figures
 from transport import make_transport
 from transport.wire import PeerInfo
 
@@ -81,6 +81,7 @@ class PrefillWorker(EngineLoop):
             steps=self.steps,
             recent_steps=list(self.step_log),
             **kv_figures(e),
+            **memory_figures(e),
         )
 
     def ping(self) -> str:

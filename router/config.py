@@ -47,6 +47,13 @@ class ServeConfig:
     prefix_cache: bool = True  # automatic prefix caching in every pool (--no-prefix-cache)
     max_num_seqs: int = 64
     enforce_eager: bool = False  # CUDA: decode steps run eagerly instead of replaying captured graphs
+    # CPU: oneDNN GEMMs run at this many row counts per power of two (0 = any): bounds the
+    # per-shape kernel caches that grew workers' RSS with every new prompt length (issue 22)
+    gemm_row_buckets: int = 4
+    # the health loop warns when a worker's RSS has grown this much past its level after
+    # `rss_warmup_steps` engine steps (and again at each further multiple); 0 = no watch
+    rss_growth_warn_mb: float = 512.0
+    rss_warmup_steps: int = 200
     transport: str = "nixl"
     lease_s: float = 30.0  # prefill KV is freed if decode has not pulled it by then
     transfer_timeout_s: float = 30.0  # one KV pull; also capped by the lease time left
@@ -128,6 +135,12 @@ class ServeConfig:
         for flag in ("--max-queue", "--num-blocks", "--block-size", "--max-num-seqs", "--max-tokens-limit"):
             if getattr(self, flag[2:].replace("-", "_")) < 1:
                 raise bad(flag, "must be >= 1")
+        if self.rss_growth_warn_mb < 0:
+            raise bad("--rss-growth-warn-mb", "must be >= 0 MB (0 = no warning)")
+        if self.rss_warmup_steps < 0:
+            raise bad("--rss-warmup-steps", "must be >= 0")
+        if self.gemm_row_buckets < 0:
+            raise bad("--gemm-row-buckets", "must be >= 0 (0 = off)")
         if self.gpus_per_worker < 0:
             raise bad("--gpus-per-worker", "must be >= 0 (0 on CPU)")
         if self.transport not in TRANSPORTS:
@@ -184,6 +197,7 @@ class ServeConfig:
             chunk_size=self.chunk_size,
             max_num_seqs=self.max_num_seqs,
             enforce_eager=self.enforce_eager,
+            gemm_row_buckets=self.gemm_row_buckets,
             lease_s=self.lease_s,
             transport=self.transport,
             transfer_timeout_s=self.transfer_timeout_s,

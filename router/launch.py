@@ -24,6 +24,7 @@ from engine.config import is_checkpoint_dir, read_generation_eos, resolve_model_
 from router.dispatch import DEFAULT_CHUNK, AutoDispatcher
 from router.orchestrator import Orchestrator
 from router.ray_cluster import connect_ray, start_local_ray
+from router.rss_watch import RSS_WARMUP_STEPS, RssWatch
 from router.worker_handle import WorkerHandle
 from router.worker_host import WorkerHost, load_worker_class
 
@@ -194,6 +195,12 @@ def build_dispatcher(cfg: Any, model_dir: str) -> AutoDispatcher | None:
     )
 
 
+def rss_watch(cfg: Any) -> RssWatch | None:
+    """The worker memory watch `--rss-growth-warn-mb` asks for (None when it is 0)."""
+    bound = getattr(cfg, "rss_growth_warn_mb", 0)
+    return RssWatch(bound, getattr(cfg, "rss_warmup_steps", RSS_WARMUP_STEPS)) if bound else None
+
+
 async def build_orchestrator(cfg: Any) -> Orchestrator:
     """Start every worker described by `cfg` (a ServeConfig) and return a started Orchestrator."""
     model_cfg = resolve_model_config(cfg.model)
@@ -261,6 +268,7 @@ async def build_orchestrator(cfg: Any) -> Orchestrator:
         link_gbps=getattr(cfg, "link_gbps", None),
         dispatcher=dispatcher,
         block_size=cfg.block_size,
+        rss_watch=rss_watch(cfg),
     )
     await orch.start()
     return orch

@@ -106,6 +106,7 @@ class _OrchestratorCollector:
             for w in s.workers:
                 g.add_metric([w.name, w.role], get(w))
             yield g
+        yield from _memory_metrics(s.workers)
         per_worker_totals = {
             "pdserve_preemptions": ("Sequences preempted by recompute on a worker", lambda w: w.preemptions),
             "pdserve_prefix_cache_hit_blocks": (
@@ -132,6 +133,25 @@ class _OrchestratorCollector:
             value=s.spans_dropped,
         )
         yield from _dispatch_metrics(s.dispatch or {"decisions": {}, "errors": {}})
+
+
+def _memory_metrics(workers: list[WorkerStats]) -> Iterator[Metric]:
+    """Each worker process's memory: RSS (where the OS reports it), and on CUDA the caching
+    allocator's reserved and allocated bytes (only for workers that have them)."""
+    g = GaugeMetricFamily("pdserve_worker_rss_bytes", "Resident memory of a worker process", labels=["worker", "role"])
+    for w in workers:
+        if w.rss_bytes > 0:
+            g.add_metric([w.name, w.role], w.rss_bytes)
+    yield g
+    cuda = [w for w in workers if w.cuda_reserved_bytes > 0]
+    for name, doc, get in (
+        ("reserved", "CUDA memory a worker's torch caching allocator holds from the driver", "cuda_reserved_bytes"),
+        ("allocated", "CUDA memory in use by a worker's tensors", "cuda_allocated_bytes"),
+    ):
+        g = GaugeMetricFamily(f"pdserve_worker_cuda_memory_{name}_bytes", doc, labels=["worker", "role"])
+        for w in cuda:
+            g.add_metric([w.name, w.role], getattr(w, get))
+        yield g
 
 
 def _dispatch_metrics(d: dict[str, Any]) -> Iterator[Metric]:

@@ -27,6 +27,7 @@ from engine.config import ModelConfig
 from engine.prefix_cache import block_hashes
 from router.dispatch import AutoDispatcher, Stream
 from router.prefix_index import PrefixIndex
+from router.rss_watch import RSS_CHECK_S, RssWatch
 from router.worker_handle import WorkerDied, WorkerHandle
 
 log = logging.getLogger("pdserve.router")
@@ -59,6 +60,7 @@ class Orchestrator:
         block_size: int = 16,
         cache_sync_s: float = 0.05,
         health_interval_s: float = HEALTH_INTERVAL_S,
+        rss_watch: RssWatch | None = None,
     ):
         if mode not in ("disagg", "colocated", "auto"):
             raise ValueError(f"mode must be disagg, colocated or auto, got {mode!r}")
@@ -96,6 +98,8 @@ class Orchestrator:
         self._health_interval_s = health_interval_s
         self._health: asyncio.Task | None = None
         self.replacements = 0  # workers replaced since start (each death once)
+        self.rss_watch = rss_watch  # fed every stats read; warns when a worker's RSS keeps growing
+        self._stats_read_t = 0.0  # monotonic time of the last stats() (the health loop reads if stale)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -148,6 +152,9 @@ class Orchestrator:
             if isinstance(r, WorkerStats):
                 self._stats[w.name] = r
                 out.append(r)
+        self._stats_read_t = time.monotonic()
+        if self.rss_watch is not None:
+            self.rss_watch.observe(out)
         return out
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamEvent]:
@@ -422,6 +429,11 @@ class Orchestrator:
             for w, d in zip(workers, dead):
                 if d and not self._closed:
                     await self._on_dead(w)
+            if self.rss_watch is not None and time.monotonic() - self._stats_read_t >= RSS_CHECK_S:
+                try:  # nothing else read the stats lately (round robin, no scrape): read them for the watch
+                    await self.stats()
+                except Exception as e:  # noqa: BLE001 - a missed read only delays the check
+                    log.debug("stats read for the RSS watch failed: %r", e)
 
     async def _replace_worker(self, dead: WorkerHandle, pool: list[WorkerHandle]) -> None:
         """Start a replacement, retrying with backoff until one starts or the router shuts down: a

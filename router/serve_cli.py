@@ -110,6 +110,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs (default: graphs)",
     )
     g.add_argument(
+        "--gemm-row-buckets",
+        type=int,
+        default=None,
+        metavar="N",
+        help="CPU: run each oneDNN GEMM at one of N row counts per power of two (tiles of 256 rows above), "
+        "padding with zero rows; outputs are bit-identical and the per-shape kernel caches stay bounded "
+        f"(~27 shapes per weight). 0 = any row count: RSS then grows with every new prompt length "
+        f"(default {D.gemm_row_buckets})",
+    )
+    g.add_argument(
+        "--rss-growth-warn-mb",
+        type=float,
+        default=None,
+        metavar="MB",
+        help="log a warning when a worker's resident memory grows this much past its level after warm-up "
+        f"(and at each further multiple); 0 = off (default {D.rss_growth_warn_mb:g})",
+    )
+    g.add_argument(
+        "--rss-warmup-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"engine steps a worker runs before its RSS baseline is taken (default {D.rss_warmup_steps})",
+    )
+    g.add_argument(
         "--transport", choices=TRANSPORTS, default=None, help=f"KV transport between pools (default {D.transport})"
     )
     g.add_argument(

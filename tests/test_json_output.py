@@ -149,6 +149,8 @@ CASES: dict[tuple[str, ...], list[str]] = {
         "--out-dir",
         "{tmp}",
     ],
+    # two variants of a few short prefills, each in its own child process
+    ("bench", "rss-shapes"): ["--prompts", "3", "--max-len", "40", "--variants", "fixed,buckets", "--out-dir", "{tmp}"],
     # redraws the committed reference result (the measured run itself is test_bench_compare.py's)
     ("bench", "compare"): ["--from-json", str(REFERENCE_COMPARE), "--out-dir", "{tmp}"],
 }

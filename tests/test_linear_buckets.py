@@ -1,0 +1,80 @@
+"""GEMM row buckets (engine/linear.py `RowBuckets`): a bounded set of oneDNN shapes, same bits.
+
+The buckets exist to bound oneDNN's per-shape primitive caches (issue 22); they are only
+acceptable because they change no output: a row of a oneDNN GEMM does not depend on how many
+rows share the call. These tests hold that (and the bucket arithmetic) on the machine they run on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import linear
+from engine.linear import PackedWeight, RowBuckets, row_buckets, set_row_buckets
+
+pytestmark = pytest.mark.skipif(not linear._MKLDNN, reason="oneDNN (mkldnn) not available in this torch build")
+
+
+@pytest.fixture
+def buckets_off():
+    saved = row_buckets()
+    set_row_buckets(RowBuckets(per_octave=0))
+    yield
+    set_row_buckets(saved)
+
+
+def test_bucket_sizes_are_few_and_cover_every_row_count():
+    b = RowBuckets(per_octave=4, tile=256)
+    sizes = b.sizes()
+    assert len(sizes) == 27 and min(sizes) == 2 and max(sizes) == 256
+    for n in range(2, 2100):
+        calls = b.plan(n)
+        assert sum(rows for _, rows, _ in calls) == n  # every row once, in order
+        assert [s for s, _, _ in calls] == [sum(r for _, r, _ in calls[:i]) for i in range(len(calls))]
+        for _, rows, run in calls:
+            assert run in sizes and rows <= run
+            assert run - rows < run / 4 or (rows, run) == (1, 2)  # padding < 1/per_octave of the call
+    assert RowBuckets(per_octave=0).plan(1485) == [(0, 1485, 1485)]
+    with pytest.raises(ValueError):
+        RowBuckets(tile=100)
+
+
+@pytest.mark.parametrize("post", ["none", "silu", "mul", "add"])
+def test_bucketed_gemm_is_bit_identical_to_unbucketed(post, buckets_off):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(384, 128, generator=g)
+    x = torch.randn(1100, 128, generator=g)
+    other = torch.randn(1100, 384, generator=g)
+    lengths = [2, 3, 9, 17, 100, 255, 256, 257, 300, 513, 1100]
+    plain = PackedWeight()
+    want = {n: plain.matmul(x[:n], w, post, other[:n] if post in ("mul", "add") else None) for n in lengths}
+    set_row_buckets(RowBuckets(per_octave=4, tile=256))
+    bucketed = PackedWeight()
+    for n in lengths:
+        got = bucketed.matmul(x[:n], w, post, other[:n] if post in ("mul", "add") else None)
+        assert got.shape == want[n].shape
+        assert torch.equal(got, want[n]), f"{n} rows, post {post}"
+
+
+def test_model_logits_bit_identical_with_and_without_buckets(buckets_off):
+    """A whole prefill of the tiny model, several lengths in one batch: same logits, bit for bit."""
+    from engine.config import CacheConfig, resolve_model_config  # noqa: PLC0415
+    from engine.model_runner import ModelRunner, StepItem  # noqa: PLC0415
+
+    runner = ModelRunner(resolve_model_config("tiny"), CacheConfig(block_size=16, num_blocks=256))
+    g = torch.Generator().manual_seed(1)
+    lens = [5, 37, 300]
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]
+
+    def run() -> torch.Tensor:
+        items, nxt = [], 1
+        for p in prompts:
+            nb = -(-len(p) // 16)
+            items.append(StepItem(p, 0, list(range(nxt, nxt + nb))))
+            nxt += nb
+        return runner.forward(items)
+
+    want = run()
+    set_row_buckets(RowBuckets())
+    assert torch.equal(run(), want)

@@ -1,0 +1,110 @@
+"""The worker memory guard (issue 22): /metrics exports each worker's RSS, and the router warns
+when a worker's RSS keeps growing after warm-up.
+
+The watch's arithmetic is tested on hand-made WorkerStats; the rest through real parts: Ray
+actors, uvicorn on 127.0.0.1, the health loop reading the workers' stats by itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import httpx
+import pytest
+
+from contracts.worker import WorkerStats
+from router.rss_watch import RssWatch
+
+MB = 1024**2
+
+
+def stats(name: str, rss_mb: float, steps: int) -> WorkerStats:
+    return WorkerStats(name, "prefill", 0, 0, 0, 64, 64, steps=steps, rss_bytes=int(rss_mb * MB))
+
+
+def test_watch_takes_its_baseline_after_warm_up_and_warns_at_each_multiple(caplog):
+    w = RssWatch(bound_mb=100, warmup_steps=10)
+    caplog.set_level(logging.WARNING, logger="pdserve.router")
+    assert w.observe([stats("p0", 300, 0), stats("p0", 900, 9)]) == []  # warming up: any growth is fine
+    assert w.baseline("p0") is None
+    assert w.observe([stats("p0", 1000, 10)]) == [] and w.baseline("p0") == 1000 * MB
+    assert w.observe([stats("p0", 1099, 50)]) == []  # below the bound
+    (msg,) = w.observe([stats("p0", 1100, 60)])
+    assert "p0" in msg and "grown 100 MB" in msg and "--rss-growth-warn-mb" in msg
+    assert w.observe([stats("p0", 1150, 70), stats("p0", 1120, 80)]) == []  # same multiple: said once
+    assert len(w.observe([stats("p0", 1310, 90)])) == 1  # the third multiple
+    assert [r.levelno for r in caplog.records] == [logging.WARNING] * 2
+    # another worker (a replacement has a new name) has its own baseline; RSS 0 = not measurable
+    assert w.observe([stats("p1", 2000, 10), stats("p2", 0, 99)]) == [] and w.baseline("p2") is None
+    with pytest.raises(ValueError):
+        RssWatch(bound_mb=0)
+
+
+def test_memory_flags_reach_the_workers_and_are_checked():
+    from router.config import ConfigError, ServeConfig  # noqa: PLC0415
+    from router.launch import rss_watch  # noqa: PLC0415
+
+    cfg = ServeConfig.build({"gemm_row_buckets": 0, "rss_growth_warn_mb": 64, "rss_warmup_steps": 5})
+    assert cfg.worker_config().gemm_row_buckets == 0
+    watch = rss_watch(cfg)
+    assert watch is not None and (watch.bound_bytes, watch.warmup_steps) == (64 * MB, 5)
+    assert rss_watch(ServeConfig(rss_growth_warn_mb=0)) is None
+    assert ServeConfig().worker_config().gemm_row_buckets == 4  # the documented default
+    for flag, bad in (("gemm_row_buckets", -1), ("rss_growth_warn_mb", -1.0), ("rss_warmup_steps", -1)):
+        with pytest.raises(ConfigError, match=flag.replace("_", "-")):
+            ServeConfig(model="tiny", **{flag: bad}).validate()
+
+
+def _gauge(text: str, name: str) -> dict[str, float]:
+    """{labels: value} of one gauge in a /metrics text."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) :].rsplit(" ", 1)
+            out[labels] = float(value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def watched_server(ray_cluster):
+    """A disaggregated tiny server whose watch warns at any growth (a 4 KB page), after no warm-up;
+    the health loop reads the stats for it every half second (no scrape needed)."""
+    pytest.importorskip("ray")
+    import router.orchestrator as orchestrator  # noqa: PLC0415
+    from router.config import ServeConfig  # noqa: PLC0415
+    from router.serve_cli import ServerThread  # noqa: PLC0415
+
+    saved, orchestrator.RSS_CHECK_S = orchestrator.RSS_CHECK_S, 0.5
+    cfg = ServeConfig(
+        model="tiny", mode="disagg", prefill=1, decode=1, num_blocks=128, rss_growth_warn_mb=0.004, rss_warmup_steps=0
+    )
+    try:
+        with ServerThread(cfg, startup_timeout_s=180) as srv:
+            yield srv
+    finally:
+        orchestrator.RSS_CHECK_S = saved
+
+
+def test_metrics_export_each_workers_rss(watched_server):
+    text = httpx.get(watched_server.url + "/metrics", timeout=30).text
+    rss = _gauge(text, "pdserve_worker_rss_bytes")
+    roles = sorted(labels.split('role="')[1].split('"')[0] for labels in rss)
+    assert roles == ["decode", "prefill"], text
+    assert all(50 * MB < v < 16 * 1024 * MB for v in rss.values()), rss  # a real process's RSS
+    assert "pdserve_worker_cuda_memory_reserved_bytes{" not in text  # CPU workers: no CUDA series
+
+
+def test_health_loop_warns_when_a_workers_rss_grows(watched_server, caplog):
+    caplog.set_level(logging.WARNING, logger="pdserve.router")
+    deadline, n = time.monotonic() + 90, 0
+    while time.monotonic() < deadline and not any("RSS" in r.getMessage() for r in caplog.records):
+        # prompts of new lengths grow the workers (new KV, new shapes); no /metrics scrape here
+        body = {"model": "tiny", "prompt": "x" * (40 + 37 * n), "max_tokens": 4, "temperature": 0}
+        r = httpx.post(watched_server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        n += 1
+        time.sleep(0.6)
+    warned = [r.getMessage() for r in caplog.records if "RSS" in r.getMessage()]
+    assert warned, f"no RSS warning after {n} requests"
+    assert "since warm-up" in warned[0] and "worker" in warned[0]
