@@ -104,6 +104,11 @@ class _Linear(nn.Module):
     def _own_matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def gemm_weight_bytes(self, device: torch.device, act_dtype: torch.dtype) -> int:
+        """Bytes of weight one forward's GEMM reads on `device` with `act_dtype` activations, in
+        the layout it multiplies (the floor of a memory-bound decode step; `bench step`)."""
+        raise NotImplementedError
+
     def _reset_packed(self) -> None:
         for p in (self._packed, *self._halves):
             p.reset()
@@ -154,6 +159,11 @@ class Fp8Linear(_Linear):
             self._dequant = self.dequantized()
         return self._dequant
 
+    def gemm_weight_bytes(self, device: torch.device, act_dtype: torch.dtype) -> int:
+        if device.type == "cuda":  # torch._scaled_mm reads the e4m3 bytes and the scales
+            return self.out_features * (self.in_features + 4)
+        return self.out_features * self.in_features * act_dtype.itemsize  # the widened copy
+
     def _own_matmul(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         # dynamic per-token activation scale: [T, 1]
@@ -171,13 +181,24 @@ class DenseLinear(_Linear):
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
         super().__init__(in_features, out_features)
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=dtype, device=device))
+        # bf16 weights under fp32 activations (CPU): the widened copy, made once on first use. It
+        # was widened in every forward, so each decode step wrote and read the weights twice over.
+        self._widened: torch.Tensor | None = None
 
     def load(self, w: torch.Tensor) -> None:
         self.weight.copy_(w.to(self.weight.dtype))
+        self._widened = None
         self._reset_packed()
 
     def _host_weight(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        if self.weight.dtype == x.dtype:
+            return self.weight
+        if self._widened is None or self._widened.dtype != x.dtype:
+            self._widened = self.weight.to(x.dtype)
+        return self._widened
+
+    def gemm_weight_bytes(self, device: torch.device, act_dtype: torch.dtype) -> int:
+        return self.out_features * self.in_features * act_dtype.itemsize
 
 
 WEIGHT_DTYPES = ("fp8", "bf16", "fp32")
