@@ -168,9 +168,7 @@ class LlamaModel(nn.Module):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         norms = [m.weight for m in self.modules() if isinstance(m, RMSNorm)]
         return (
-            sum(m.gemm_weight_bytes(dev, self.act_dtype) for m in linears)
-            + head.nbytes
-            + sum(w.nbytes for w in norms)
+            sum(m.gemm_weight_bytes(dev, self.act_dtype) for m in linears) + head.nbytes + sum(w.nbytes for w in norms)
         )
 
     @torch.inference_mode()
