@@ -5,9 +5,17 @@ On CUDA, Fp8Linear quantizes activations per token on the fly and calls `torch._
 (the FP8 tensor-core GEMM). On CPU it multiplies by the dequantized weight in fp32 (bf16/fp8
 matmuls crawl on CPU).
 
-CPU fp32 GEMMs go through `PackedWeight`: oneDNN's pre-blocked copy of the weight, made once.
-Measured on the 2-core dev VM (1 thread, SmolLM2-135M shapes): 1.3-1.5x faster than `x @ w.t()`
-for the decode step's 16 rows and ~2x for the 49k-row lm_head, and no slower for prefill.
+CPU fp32 GEMMs go through `PackedWeight`, which keeps the weight in the layout each GEMM wants,
+made once from the stored weight (FP8 dequantized, bf16 widened) and never per step:
+- several rows: oneDNN's pre-blocked copy. Measured on the 2-core dev VM (1 thread, SmolLM2-135M
+  shapes): 1.3-1.5x faster than `x @ w.t()` for the decode step's 16 rows and ~2x for the
+  49k-row lm_head, and no slower for prefill;
+- one row (batch-1 decode): the transposed copy [in, out], so the GEMV runs `x @ wt` down its
+  rows (MKL's axpy-style kernel, no per-output reduction). Measured over every GEMM of a
+  SmolLM2 step (538 MB, cold, alternating in one process): 42.7 ms against 51.1 ms for the
+  oneDNN copy and ~1.5x less than `F.linear` on the plain weight, which batch 1 used before.
+Neither keeps the plain fp32 copy: an FP8 layer holds its e4m3 bytes plus the layouts the
+batches it has seen use (4 bytes per weight each).
 
 A GEMM can carry its elementwise epilogue (`post`): "silu", "mul" by a tensor or "add" a
 tensor (the residual). On the oneDNN path it is fused into the GEMM's output pass instead of a
@@ -18,6 +26,7 @@ runs a fused [gate; up] weight as two fused GEMMs, silu(x @ gate.t()) * (x @ up.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -49,38 +58,56 @@ def apply_post(y: torch.Tensor, post: Post, other: torch.Tensor | None) -> torch
 
 
 class PackedWeight:
-    """A CPU fp32 weight [out, in] in oneDNN's blocked layout, re-packed if the weight changes
-        in place (tracked by the tensor's version counter; inference tensors have none, and are
-        re-packed only if their storage changes, or on `reset`). Elsewhere, and for a single row: a
-    plain GEMM (MKL on CPU) with the epilogue after it."""
+    """The CPU fp32 layouts of one weight [out, in]: `matmul(x, stored, make)` multiplies by the
+    weight `make()` returns, made from `stored` (the layer's parameter: FP8 bytes, or the dense
+    weight itself) only when a layout is first needed or `stored` has changed in place (tracked
+    by its version counter; inference tensors have none, and are re-made only if their storage
+    changes, or on `reset`). Off the oneDNN path (another device or dtype): a plain GEMM with the
+    epilogue after it."""
 
     def __init__(self) -> None:
-        self._packed: torch.Tensor | None = None
+        self._layouts: dict[str, torch.Tensor] = {}  # "packed" (oneDNN), "t" (one-row), "plain"
         self._key: tuple[int, int] | None = None
 
     def matmul(
-        self, x: torch.Tensor, w: torch.Tensor, post: Post = "none", other: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        stored: torch.Tensor,
+        make: Callable[[], torch.Tensor],
+        post: Post = "none",
+        other: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [..., in] @ w.t() -> [..., out], then `post` (with `other` [..., out] for mul/add)."""
-        if not (_MKLDNN and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32):
-            return apply_post(x @ w.t(), post, other)
-        if x.numel() == x.shape[-1]:  # one row (batch-1 decode): MKL's GEMV streams the plain weight
-            # faster than oneDNN's packed kernel (measured: batch-1 decode step ~10% faster)
-            return apply_post(F.linear(x, w), post, other)
-        key = (w.data_ptr(), -1 if w.is_inference() else w._version)
-        if self._packed is None or self._key != key:
-            self._packed, self._key = torch.ops.mkldnn._reorder_linear_weight(w, None), key
+        key = (stored.data_ptr(), -1 if stored.is_inference() else stored._version)
+        if self._key != key:
+            self._layouts, self._key = {}, key
+        if not (_MKLDNN and x.device.type == "cpu" and x.dtype == torch.float32):
+            return apply_post(x @ self._layout("plain", make).t(), post, other)
+        if x.numel() == x.shape[-1]:  # one row: the GEMV down the transposed copy's rows
+            return apply_post(x @ self._layout("t", make), post, other)
+        packed = self._layout("packed", make)
         x2 = x.reshape(-1, x.shape[-1])
+        out_features = packed.shape[0]
         if post in ("mul", "add"):
             assert other is not None
-            other2 = other.reshape(-1, w.shape[0]).contiguous()
-            out = torch.ops.mkldnn._linear_pointwise.binary(x2, other2, self._packed, None, post)
+            other2 = other.reshape(-1, out_features).contiguous()
+            out = torch.ops.mkldnn._linear_pointwise.binary(x2, other2, packed, None, post)
         else:  # oneDNN's "swish" (alpha 1) is silu
-            out = torch.ops.mkldnn._linear_pointwise(x2, self._packed, None, _ONEDNN_UNARY[post], [], "")
-        return out.reshape(*x.shape[:-1], w.shape[0])
+            out = torch.ops.mkldnn._linear_pointwise(x2, packed, None, _ONEDNN_UNARY[post], [], "")
+        return out.reshape(*x.shape[:-1], out_features)
+
+    def _layout(self, name: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if name not in self._layouts:
+            w = make()
+            if name == "packed":
+                w = torch.ops.mkldnn._reorder_linear_weight(w.float(), None)
+            elif name == "t":
+                w = w.float().t().contiguous()
+            self._layouts[name] = w
+        return self._layouts[name]
 
     def reset(self) -> None:
-        self._packed = self._key = None
+        self._layouts, self._key = {}, None
 
 
 _MKLDNN = torch.backends.mkldnn.is_available()
@@ -89,8 +116,9 @@ _ONEDNN_UNARY = {"none": "none", "silu": "swish"}
 
 class _Linear(nn.Module):
     """What both layers share: the epilogue-carrying forward and the SwiGLU of a [gate; up]
-    weight. A layer gives the weight to multiply by on the host path (`_host_weight`), or None
-    where it has a GEMM of its own (`_own_matmul`: FP8 on CUDA)."""
+    weight. On the host path a layer gives its stored weight and how to make the weight to
+    multiply by from it (`_host_weight`), or None where it has a GEMM of its own (`_own_matmul`:
+    FP8 on CUDA)."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -98,7 +126,7 @@ class _Linear(nn.Module):
         self._packed = PackedWeight()
         self._halves = (PackedWeight(), PackedWeight())  # swiglu: the gate and up halves
 
-    def _host_weight(self, x: torch.Tensor) -> torch.Tensor | None:
+    def _host_weight(self, x: torch.Tensor) -> tuple[torch.Tensor, Callable[[], torch.Tensor]] | None:
         raise NotImplementedError
 
     def _own_matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,20 +143,22 @@ class _Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, post: Post = "none", other: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in] -> post(x @ W.t()) [T, out]; e.g. post="add", other=residual."""
-        w = self._host_weight(x)
-        if w is None:
+        host = self._host_weight(x)
+        if host is None:
             return apply_post(self._own_matmul(x), post, other)
-        return self._packed.matmul(x, w, post, other)
+        return self._packed.matmul(x, *host, post, other)
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for this layer's [gate; up] output halves: x [T, in] -> [T, out / 2]."""
-        w = self._host_weight(x)
-        if w is None:
-            gate, up = self._own_matmul(x).chunk(2, dim=-1)
+        host = self._host_weight(x)
+        if host is None or x.numel() == x.shape[-1]:  # own GEMM, or one row: one GEMV of [gate; up]
+            y = self._own_matmul(x) if host is None else self._packed.matmul(x, *host)
+            gate, up = y.chunk(2, dim=-1)
             return F.silu(gate) * up
+        stored, make = host
         half = self.out_features // 2
-        gate = self._halves[0].matmul(x, w[:half], "silu")
-        return self._halves[1].matmul(x, w[half:], "mul", gate)
+        gate = self._halves[0].matmul(x, stored, lambda: make()[:half], "silu")
+        return self._halves[1].matmul(x, stored, lambda: make()[half:], "mul", gate)
 
 
 class Fp8Linear(_Linear):
@@ -139,25 +169,19 @@ class Fp8Linear(_Linear):
         super().__init__(in_features, out_features)
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=FP8, device=device))
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
-        self._dequant: torch.Tensor | None = None  # CPU only: fp32 copy made once, on first use
 
     def load(self, w: torch.Tensor) -> None:
         """Quantize a full-precision weight [out, in] into this layer."""
         q, s = quantize_weight_fp8(w.to(self.weight.device))
         self.weight.copy_(q)
         self.weight_scale.copy_(s)
-        self._dequant = None
         self._reset_packed()
 
     def dequantized(self) -> torch.Tensor:
         return self.weight.float() * self.weight_scale[:, None]
 
-    def _host_weight(self, x: torch.Tensor) -> torch.Tensor | None:
-        if x.is_cuda:
-            return None
-        if self._dequant is None:
-            self._dequant = self.dequantized()
-        return self._dequant
+    def _host_weight(self, x: torch.Tensor) -> tuple[torch.Tensor, Callable[[], torch.Tensor]] | None:
+        return None if x.is_cuda else (self.weight, self.dequantized)
 
     def gemm_weight_bytes(self, device: torch.device, act_dtype: torch.dtype) -> int:
         if device.type == "cuda":  # torch._scaled_mm reads the e4m3 bytes and the scales
@@ -181,21 +205,15 @@ class DenseLinear(_Linear):
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
         super().__init__(in_features, out_features)
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=dtype, device=device))
-        # bf16 weights under fp32 activations (CPU): the widened copy, made once on first use. It
-        # was widened in every forward, so each decode step wrote and read the weights twice over.
-        self._widened: torch.Tensor | None = None
 
     def load(self, w: torch.Tensor) -> None:
         self.weight.copy_(w.to(self.weight.dtype))
-        self._widened = None
         self._reset_packed()
 
-    def _host_weight(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype == x.dtype:
-            return self.weight
-        if self._widened is None or self._widened.dtype != x.dtype:
-            self._widened = self.weight.to(x.dtype)
-        return self._widened
+    def _host_weight(self, x: torch.Tensor) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+        # bf16 weights under fp32 activations (CPU) are widened once, into the GEMM's layouts:
+        # `self.weight.to(x.dtype)` in every forward wrote and read the weights twice per step
+        return self.weight, lambda: self.weight.to(x.dtype)
 
     def gemm_weight_bytes(self, device: torch.device, act_dtype: torch.dtype) -> int:
         return self.out_features * self.in_features * act_dtype.itemsize

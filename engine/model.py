@@ -153,7 +153,7 @@ class LlamaModel(nn.Module):
             )
         )
 
-        self._head = PackedWeight()  # the lm_head GEMM (CPU: oneDNN-packed copy)
+        self._head = PackedWeight()  # the lm_head GEMM (CPU: its oneDNN-packed / transposed copies)
 
     def layer(self, i: int) -> DecoderLayer:
         """Decoder layer i, typed (a type checker sees nn.ModuleList items as plain Modules)."""
@@ -193,4 +193,4 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> fp32 logits [B, vocab]."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return self._head.matmul(hidden, head).float()
+        return self._head.matmul(hidden, head, lambda: head).float()
