@@ -13,8 +13,8 @@ and to the probabilities (V), as the Triton kernel does; this is the reference's
 to float rounding order (the 256 is a power of two: the result is bit-identical to widening
 straight to float32).
 
-The windows and masks depend only on the step, so `prepare` builds them once per step and every
-layer reuses them. Prefill rows (several new tokens) are compute-bound and few per step; they go
+The windows, masks and K/V write positions depend only on the step, so `prepare` builds them
+once per step and every layer reuses them. Prefill rows (several new tokens) are compute-bound and few per step; they go
 one sequence at a time, like the reference, but as one 4-D SDPA call with grouped-query heads
 (`enable_gqa`), which CPU torch sends to its flash kernel: the reference's 3-D call with K/V
 repeated per query head takes the math path, measured 3.7x slower for a 128-token SmolLM2
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, TorchReferenceAttention
-from engine.kv_cache import FP8_AS_FP16_SCALE, KVCache, fp8_as_float16
+from engine.kv_cache import FP8_AS_FP16_SCALE, KVCache, SlotIndex, fp8_as_float16
 
 
 @dataclass
@@ -41,6 +41,7 @@ class _RowGroup:
 
 @dataclass
 class _StepState:
+    slots: SlotIndex  # where every layer writes the step's K/V
     tokens: torch.Tensor | None  # [Bd] rows of q that are decode tokens (None: all, in order)
     groups: list[_RowGroup]
     prefill: list[tuple[int, int, int, int]]  # (first token row, query len, context len, sequence)
@@ -78,13 +79,13 @@ class BatchedAttention(TorchReferenceAttention):
             t = torch.arange(width * bs, device=lens.device)
             hidden = t[None, :] >= lens[g0:g1, None].long()
             groups.append(_RowGroup(slice(g0, g1), tables[g0:g1, :width], hidden[None, :, None, :]))
-        meta.backend_state = _StepState(tokens, groups, prefill)
+        meta.backend_state = _StepState(cache.slot_index(meta.slot_mapping), tokens, groups, prefill)
 
     def forward(self, layer, q, k, v, cache, meta, scale):
         if not isinstance(meta.backend_state, _StepState):  # a caller that skipped prepare (one layer)
             self.prepare(meta, cache)
         st: _StepState = meta.backend_state
-        cache.write(layer, meta.slot_mapping, k, v)
+        cache.write_at(layer, st.slots, k, v)
         out = torch.empty_like(q)
         q_d = q if st.tokens is None else q[st.tokens]
         out_d = out if st.tokens is None else torch.empty_like(q_d)

@@ -7,6 +7,8 @@ batched or chunked. That is what lets whole, chunked and disaggregated prefill a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.kv_layout import KVLayout
@@ -44,6 +46,16 @@ def fp8_as_float16(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     return i.bitwise_left_shift_(7).bitwise_and_(-16385).view(torch.float16)
 
 
+@dataclass(frozen=True)
+class SlotIndex:
+    """A step's write positions in `KVCache._rows`, for any layer: block ids [2T] and rows
+    [2T] of layer 0 (K rows, then V rows); layer l's rows are `rows + l * layer_stride`."""
+
+    blocks: torch.Tensor
+    rows: torch.Tensor
+    layer_stride: int
+
+
 class KVCache:
     def __init__(self, layout: KVLayout, device: torch.device | str = "cpu"):
         self.layout = layout
@@ -61,9 +73,35 @@ class KVCache:
             else None
         )
 
+        # the same bytes as [blocks, L * 2 * block_size, H * D] (and scales [..., H]): one token's
+        # K (or V) of one layer is one row, addressed by (block, row): `write_at`'s two indices
+        self._rows = self.data.view(nb, L * 2 * bs, H * D)
+        self._scale_rows = None if self.scales is None else self.scales.view(nb, L * 2 * bs, H)
+
     @property
     def is_fp8(self) -> bool:
         return self.scales is not None
+
+    def slot_index(self, slots: torch.Tensor) -> SlotIndex:
+        """Where a step's K and V rows go, computed once per step for every layer's `write_at`."""
+        bs = self.layout.block_size
+        blk, off = slots // bs, slots % bs
+        return SlotIndex(torch.cat([blk, blk]), torch.cat([off, off + bs]), 2 * bs)
+
+    def write_at(self, layer: int, where: SlotIndex, k: torch.Tensor, v: torch.Tensor) -> None:
+        """`write`, with the slots' indices precomputed, and K and V quantized and stored together
+        (the same bytes: FP8 scales are per token and head): a decode step writes 30 layers of a
+        few rows each, so the per-call work is all it costs."""
+        T, H, D = k.shape
+        kv = torch.cat([k, v])  # [2T, H, D]: K rows, then V rows, as `where` lists them
+        rows = where.rows + layer * where.layer_stride
+        if self.scales is not None:
+            q, s = quantize_fp8(kv)
+            assert self._scale_rows is not None
+            self._rows.index_put_((where.blocks, rows), q.view(2 * T, H * D))
+            self._scale_rows.index_put_((where.blocks, rows), s)
+        else:
+            self._rows.index_put_((where.blocks, rows), kv.view(2 * T, H * D).to(self.data.dtype))
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, H, D] at flat slots [T] (slot = block * block_size + offset)."""

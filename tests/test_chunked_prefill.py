@@ -219,6 +219,22 @@ def test_fp8_widening_is_bit_exact():
     assert torch.equal(bits.t().view(torch.float16), fp8_as_float16(x2))
 
 
+@pytest.mark.parametrize("kv_dtype", ["fp8", "bf16", "fp32"])
+def test_write_at_stores_the_bytes_write_does(kv_dtype):
+    """The batched backend's write (slot indices once per step, K and V quantized together)
+    leaves the pool byte-identical to the per-layer `write`, scales included."""
+    layout = KVLayout.build(CFG, CacheConfig(block_size=16, num_blocks=6, kv_dtype=kv_dtype))
+    a, b = KVCache(layout), KVCache(layout)
+    slots = torch.tensor([0, 17, 18, 95, 40])
+    where = b.slot_index(slots)
+    gen = torch.Generator().manual_seed(3)
+    for layer in range(CFG.num_layers):
+        k, v = (torch.randn(5, CFG.num_kv_heads, CFG.head_dim, generator=gen) for _ in range(2))
+        a.write(layer, slots, k, v)
+        b.write_at(layer, where, k, v)
+    assert torch.equal(a.raw, b.raw)
+
+
 def test_batched_decode_equals_reference_on_the_model(fp8_runner):
     """A decode step of many sequences at different contexts: the batched backend's logits equal
     the per-sequence reference's (same pool, same step) within float rounding."""
