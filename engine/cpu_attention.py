@@ -23,6 +23,7 @@ prompt, with bit-identical output (and chunk rows equal to the whole prompt's ro
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,13 @@ class _StepState:
     tokens: torch.Tensor | None  # [Bd] rows of q that are decode tokens (None: all, in order)
     groups: list[_RowGroup]
     prefill: list[tuple[int, int, int, int]]  # (first token row, query len, context len, sequence)
+
+
+@functools.cache
+def _kv_factors(scale: float, device: torch.device) -> torch.Tensor:
+    """[2, 1, 1, 1, 1]: what the K and V scales are multiplied by (the widening's 256; the
+    softmax scale on K's side). Made once per (scale, device), read-only."""
+    return torch.tensor([FP8_AS_FP16_SCALE * scale, FP8_AS_FP16_SCALE], device=device).view(2, 1, 1, 1, 1)
 
 
 class BatchedAttention(TorchReferenceAttention):
@@ -86,6 +94,8 @@ class BatchedAttention(TorchReferenceAttention):
             self.prepare(meta, cache)
         st: _StepState = meta.backend_state
         cache.write_at(layer, st.slots, k, v)
+        if st.tokens is None and len(st.groups) == 1:  # a decode-only step of one group: its output
+            return self._decode(layer, q, cache, st.groups[0], scale)
         out = torch.empty_like(q)
         q_d = q if st.tokens is None else q[st.tokens]
         out_d = out if st.tokens is None else torch.empty_like(q_d)
@@ -142,11 +152,12 @@ class BatchedAttention(TorchReferenceAttention):
         scores = torch.matmul(qh, kv[0].transpose(-1, -2))  # [H, n, G, T]
         if cache.scales is not None:  # fp8: per-token K scale on the scores, V scale on the probs
             s = cache.scales[:, layer].index_select(0, blocks)  # [n*W, 2, bs, H]
-            s = s.permute(1, 3, 0, 2).reshape(2, H, n, 1, -1).to(q.dtype) * FP8_AS_FP16_SCALE
-            scores = scores * (s[0] * scale)
+            # one pass: K's scales times 256 * scale, V's times 256 (powers of two: no new rounding)
+            s = s.permute(1, 3, 0, 2).reshape(2, H, n, 1, -1) * _kv_factors(scale, s.device)
+            scores.mul_(s[0])
         else:
-            scores = scores * scale
+            scores.mul_(scale)
         probs = scores.masked_fill_(g.hidden, float("-inf")).softmax(dim=-1)
         if cache.scales is not None:
-            probs = probs * s[1]
+            probs.mul_(s[1])
         return torch.matmul(probs, kv[1]).transpose(0, 1).reshape(n, Hq, D)
