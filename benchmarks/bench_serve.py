@@ -107,6 +107,8 @@ def format_table(result: BenchResult) -> str:
         dists += [(f"TTFT {k} (ms)", d) for k, d in m.ttft_ms_by_kind.items()]
     if m.documents:
         dists += [("Stall per document (ms)", m.stall_ms), ("Tokens lost per document", m.tokens_lost)]
+    if m.serving_overhead_ms.count:  # pdserve's timeline: step end at the worker -> chunk here
+        dists.append(("Serving overhead (ms)", m.serving_overhead_ms))
     w = max(len(n) for n, _ in scalars + [(n, "") for n, _ in dists]) + 2
     cols = ["count", "mean", "p50", "p90", "p99", "max"]
     width = w + 10 * len(cols)
@@ -124,6 +126,11 @@ def format_table(result: BenchResult) -> str:
             f"(stall: longest inter-token gap of the streams in flight while a document was "
             f"prefilled; {sum(d.stall_s is not None for d in m.documents)}/{len(m.documents)} "
             f"documents had streams in flight)"
+        )
+    if m.serving_overhead_ms.count:
+        lines.append(
+            "(serving overhead: per token, its decode step's end at the worker to its chunk at this "
+            "client: the event hop, router, SSE and socket; server and client clocks must agree)"
         )
     lines.append("=" * width)
     return "\n".join(lines)

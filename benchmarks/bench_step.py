@@ -11,6 +11,14 @@ step, then `--new-tokens` greedy tokens each. Every step is split (engine `StepS
 
 host = schedule + sample + output. Decode steps are summarised by their median.
 
+Beside every decode step, its floor: the bytes of weights a step reads (each once, in the layout
+the GEMMs multiply: on CPU the fp32 copies of FP8 weights) over the memory bandwidth, measured
+just before that row in the same run by a large tensor copy ((read + write) bytes / s, as `bench
+gpu` counts it), and the step's ratio to it. The KV bytes the step reads are recorded beside (at
+small contexts they are a few percent of the weights). A memory-bound step's cost follows the
+bytes it reads, so a batch of 8 should cost about what a batch of 1 does: `vs batch 1` is each
+row's decode step over the first batch's (of `--batches`), same backend.
+
 For a checkpoint (a registry model such as smollm2-135m-instruct, a Hugging Face directory or a
 .gguf file), transformers' `generate` runs the same prompts in the same run (greedy, the same
 number of new tokens, same torch threads), and its tokens are compared with the engine's: with
@@ -131,6 +139,18 @@ def run_engine(runner: Any, prompts: list[list[int]], new_tokens: int) -> dict[s
     }
 
 
+def _floor(step_ms: float, weight_bytes: int, copy_bps: float, copy_bytes: int) -> dict[str, Any]:
+    """The decode step against the weight-read floor: weight bytes / measured copy bandwidth."""
+    floor_ms = weight_bytes / copy_bps * 1e3
+    return {
+        "weight_bytes_per_step": weight_bytes,
+        "copy_GBps": copy_bps / 1e9,
+        "copy_bytes": copy_bytes,
+        "floor_ms": floor_ms,
+        "decode_step_over_floor": step_ms / floor_ms,
+    }
+
+
 def load_hf(model_dir: str, device: torch.device) -> Any:
     from transformers import AutoModelForCausalLM  # noqa: PLC0415 (only for checkpoints)
 
@@ -174,6 +194,9 @@ def render(r: dict[str, Any]) -> str:
                 x["attention"],
                 str(x["batch"]),
                 f"{x['decode_step_ms']:.2f}",
+                f"{x['decode_step_vs_first_batch']:.2f}x",
+                f"{x['floor_ms']:.2f}",
+                f"{x['decode_step_over_floor']:.2f}x",
                 f"{x['host_ms']:.3f}",
                 f"{x['forward_ms']:.2f}",
                 f"{x['schedule_ms']:.3f}/{x['sample_ms']:.3f}/{x['output_ms']:.3f}",
@@ -186,12 +209,17 @@ def render(r: dict[str, Any]) -> str:
         )
     head = (
         f"bench step: {r['model']} ({r['dtype']} weights, {r['kv_dtype']} KV) on {r['device']}, "
-        f"{r['prompt_len']}-token prompts, {r['new_tokens']} new tokens, {r['torch_threads']} torch threads"
+        f"{r['prompt_len']}-token prompts, {r['new_tokens']} new tokens, {r['torch_threads']} torch threads\n"
+        f"floor = {r['weight_bytes_per_step'] / 1e6:.0f} MB of weights per decode step / the (read + write) "
+        f"bandwidth of a {r['rows'][0]['copy_bytes'] / 2**20:.0f} MiB tensor copy measured before each row"
     )
     headers = [
         "attention",
         "batch",
         "decode step ms",
+        "vs first batch",
+        "floor ms",
+        "step/floor",
         "host ms",
         "forward ms",
         "sched/sample/out ms",
@@ -251,13 +279,18 @@ def main(args: argparse.Namespace) -> int:
     hf = load_hf(model, device) if ckpt and hf_batches else None
     log = (lambda *a: None) if args.no_progress else (lambda *a: print("bench step:", *a, file=sys.stderr))
     rows = []
+    weight_bytes = runner.model.decode_weight_bytes()
     for name in backends:
         runner.backend = backend_by_name(name, device)
         run_engine(runner, prompts[:2], 2)  # warm-up: allocator, kernels, first-call paths
         for B in batches:
             runner.graph_steps = 0
             row: dict[str, Any] = {"attention": name, "backend": type(runner.backend).__name__, "batch": B}
+            copy_bps, copy_bytes = eb.copy_bandwidth(device)  # this row's bandwidth: the VM is shared
             row.update(run_engine(runner, prompts[:B], args.new_tokens))
+            row.update(_floor(row["decode_step_ms"], weight_bytes, copy_bps, copy_bytes))
+            # KV a median decode step reads: every row's context (prompt + about half the new tokens)
+            row["kv_bytes_per_step"] = B * (args.prompt_len + args.new_tokens // 2) * runner.layout.bytes_per_token
             if hf is not None and B in hf_batches:
                 if not rows or "transformers" not in rows[0]:
                     run_hf(hf, prompts[:1], 2, device)  # warm-up
@@ -267,8 +300,13 @@ def main(args: argparse.Namespace) -> int:
                 row["greedy_equal_transformers"] = h["_ids"] == row["_ids"]
                 row["greedy_equal_rows"] = sum(a == b for a, b in zip(h["_ids"], row["_ids"]))
             row.pop("_ids")
+            first = next(x for x in rows + [row] if x["attention"] == name)
+            row["decode_step_vs_first_batch"] = row["decode_step_ms"] / first["decode_step_ms"]
             rows.append(row)
-            log(f"{name} batch {B}: decode step {row['decode_step_ms']:.2f} ms, host {row['host_ms']:.3f} ms")
+            log(
+                f"{name} batch {B}: decode step {row['decode_step_ms']:.2f} ms, host {row['host_ms']:.3f} ms, "
+                f"floor {row['floor_ms']:.2f} ms ({row['copy_GBps']:.1f} GB/s copy)"
+            )
     r: dict[str, Any] = {
         "bench": "step",
         "model": cfg.name if not ckpt else args.model,
@@ -279,6 +317,7 @@ def main(args: argparse.Namespace) -> int:
         "new_tokens": args.new_tokens,
         "torch_threads": torch.get_num_threads(),
         "cuda_graphs": runner.graphs is not None,
+        "weight_bytes_per_step": weight_bytes,
         "load_average": eb.load_average(),
         "rows": rows,
     }

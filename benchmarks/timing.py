@@ -4,6 +4,7 @@
   the call and a synchronize after it; on CPU with perf_counter. The engine's forward ends with
   a host copy of the logits, so both include the host-side step preparation a real step pays.
 - `measure`: warm-up, then repeats, summarised by the median (robust to a noisy neighbour).
+- `copy_bandwidth`: a large tensor copy's (read + write) bytes per second (`bench step`'s floor).
 - `probe_device`: the device's achievable memory bandwidth (a large tensor copy) and dense
   GEMM FLOP/s, measured in the same run. On a CPU there is no datasheet, so these two numbers
   are the "device spec" the cost model is evaluated against.
@@ -97,6 +98,19 @@ def _gemm_fn(n: int, dtype: str, device: torch.device) -> Callable[[], Any]:
     return lambda: a @ b
 
 
+def copy_bandwidth(device: torch.device, mib: int | None = None, repeats: int = 5) -> tuple[float, int]:
+    """(bytes read + bytes written) per second of a large tensor copy, and the bytes copied: the
+    memory traffic rate a memory-bound step can hope for. 256 MiB on a CPU (8x a server L3),
+    4 GiB on a GPU."""
+    mib = mib or (4096 if device.type == "cuda" else 256)
+    n_elem = mib * 2**20 // 4
+    src = torch.rand(n_elem, device=device)
+    dst = torch.empty_like(src)
+    t = measure(lambda: dst.copy_(src), device, repeats, warmup=2).median_s  # noqa: F821 - ruff misreads the later `del`
+    del src, dst
+    return 2 * n_elem * 4 / t, n_elem * 4
+
+
 def probe_device(
     device: torch.device,
     gemm_dtype: str | None = None,
@@ -107,14 +121,9 @@ def probe_device(
     """Measure copy bandwidth and GEMM FLOP/s. Sizes default to what saturates the device
     without taking long: 256 MiB / n=2048 on a CPU, 4 GiB / n=8192 on a GPU."""
     cuda = device.type == "cuda"
-    copy_mib = copy_mib or (4096 if cuda else 256)
     gemm_n = gemm_n or (8192 if cuda else 2048)
     gemm_dtype = gemm_dtype or ("bf16" if cuda else "fp32")
-    n_elem = copy_mib * 2**20 // 4
-    src = torch.rand(n_elem, device=device)
-    dst = torch.empty_like(src)
-    t_copy = measure(lambda: dst.copy_(src), device, repeats, warmup=2).median_s  # noqa: F821 - ruff misreads the later `del`
-    del src, dst
+    copy_bps, copy_bytes = copy_bandwidth(device, copy_mib, repeats)
     try:
         fn = _gemm_fn(gemm_n, gemm_dtype, device)
         t_gemm = measure(fn, device, repeats, warmup=2).median_s
@@ -124,8 +133,8 @@ def probe_device(
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     return DeviceProbe(
         device=name,
-        copy_gbps=2 * n_elem * 4 / t_copy / 1e9,
-        copy_bytes=n_elem * 4,
+        copy_gbps=copy_bps / 1e9,
+        copy_bytes=copy_bytes,
         gemm_tflops=2 * gemm_n**3 / t_gemm / 1e12,
         gemm_dtype=gemm_dtype,
         gemm_shape=gemm_n,

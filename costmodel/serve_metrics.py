@@ -68,6 +68,9 @@ class RequestRecord:
     worker_prefill_ms: float | None = None
     router_ttft_ms: float | None = None  # arrival at the router to its first token event (timeline)
     transfer: dict | None = None  # pdserve disagg: this request's KV pull (bytes, ms, rate; timeline)
+    # pdserve: each token's decode-step end at its worker (timeline), on this record's clock
+    # (server wall clock mapped at the end of the stream: valid when client and server share a host)
+    step_end_times_s: list[float] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -97,6 +100,14 @@ class RequestRecord:
     def itls_s(self) -> list[float]:
         t = self.chunk_times_s
         return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def serving_overheads_s(self) -> list[float]:
+        """Per token: its step's end at the worker to its chunk at the client (the worker's
+        event hop, the router, SSE and the socket). Only where chunks and tokens pair one to one."""
+        if len(self.step_end_times_s) != len(self.chunk_times_s):
+            return []
+        return [c - s for s, c in zip(self.step_end_times_s, self.chunk_times_s)]
 
 
 @dataclass(frozen=True)
@@ -154,6 +165,8 @@ class ServeMetrics:
     stall_ms: Dist  # one value per document with streams in flight
     tokens_lost: Dist  # one value (sum over streams) per such document
     documents: list[DocumentStall]
+    # per token, step end at the worker -> chunk at the client (pdserve servers; see RequestRecord)
+    serving_overhead_ms: Dist = field(default_factory=lambda: summarize([]))
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -252,4 +265,5 @@ def compute_metrics(
         stall_ms=summarize([d.stall_s for d in stalled], 1000.0),  # type: ignore[misc]
         tokens_lost=summarize([d.tokens_lost for d in stalled]),
         documents=docs,
+        serving_overhead_ms=summarize([x for r in done for x in r.serving_overheads_s], 1000.0),
     )

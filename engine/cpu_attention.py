@@ -7,12 +7,14 @@ group's dequantized K/V stay in the CPU caches (one 256-row window is ~20 MB for
 grouped version measured 2-3x faster). The grouped query heads of one KV head share their K/V
 (q viewed [rows, Hkv, G, D]), so K/V are never repeated per group.
 
-FP8 pages: K and V are widened to float32 exactly (`fp8_to_float32`) and the per-token scales
-are applied to the scores (K) and to the probabilities (V), as the Triton kernel does; this is
-the reference's arithmetic up to float rounding order.
+FP8 pages: K and V are widened exactly, as float16 holding x / 256 (`fp8_as_float16`: two-byte
+integer ops), then to float32; the per-token scales, times 256, are applied to the scores (K)
+and to the probabilities (V), as the Triton kernel does; this is the reference's arithmetic up
+to float rounding order (the 256 is a power of two: the result is bit-identical to widening
+straight to float32).
 
-The windows and masks depend only on the step, so `prepare` builds them once per step and every
-layer reuses them. Prefill rows (several new tokens) are compute-bound and few per step; they go
+The windows, masks and K/V write positions depend only on the step, so `prepare` builds them
+once per step and every layer reuses them. Prefill rows (several new tokens) are compute-bound and few per step; they go
 one sequence at a time, like the reference, but as one 4-D SDPA call with grouped-query heads
 (`enable_gqa`), which CPU torch sends to its flash kernel: the reference's 3-D call with K/V
 repeated per query head takes the math path, measured 3.7x slower for a 128-token SmolLM2
@@ -21,13 +23,14 @@ prompt, with bit-identical output (and chunk rows equal to the whole prompt's ro
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, TorchReferenceAttention
-from engine.kv_cache import KVCache, fp8_to_float32
+from engine.kv_cache import FP8_AS_FP16_SCALE, KVCache, SlotIndex, fp8_as_float16
 
 
 @dataclass
@@ -39,9 +42,17 @@ class _RowGroup:
 
 @dataclass
 class _StepState:
+    slots: SlotIndex  # where every layer writes the step's K/V
     tokens: torch.Tensor | None  # [Bd] rows of q that are decode tokens (None: all, in order)
     groups: list[_RowGroup]
     prefill: list[tuple[int, int, int, int]]  # (first token row, query len, context len, sequence)
+
+
+@functools.cache
+def _kv_factors(scale: float, device: torch.device) -> torch.Tensor:
+    """[2, 1, 1, 1, 1]: what the K and V scales are multiplied by (the widening's 256; the
+    softmax scale on K's side). Made once per (scale, device), read-only."""
+    return torch.tensor([FP8_AS_FP16_SCALE * scale, FP8_AS_FP16_SCALE], device=device).view(2, 1, 1, 1, 1)
 
 
 class BatchedAttention(TorchReferenceAttention):
@@ -76,13 +87,15 @@ class BatchedAttention(TorchReferenceAttention):
             t = torch.arange(width * bs, device=lens.device)
             hidden = t[None, :] >= lens[g0:g1, None].long()
             groups.append(_RowGroup(slice(g0, g1), tables[g0:g1, :width], hidden[None, :, None, :]))
-        meta.backend_state = _StepState(tokens, groups, prefill)
+        meta.backend_state = _StepState(cache.slot_index(meta.slot_mapping), tokens, groups, prefill)
 
     def forward(self, layer, q, k, v, cache, meta, scale):
         if not isinstance(meta.backend_state, _StepState):  # a caller that skipped prepare (one layer)
             self.prepare(meta, cache)
         st: _StepState = meta.backend_state
-        cache.write(layer, meta.slot_mapping, k, v)
+        cache.write_at(layer, st.slots, k, v)
+        if st.tokens is None and len(st.groups) == 1:  # a decode-only step of one group: its output
+            return self._decode(layer, q, cache, st.groups[0], scale)
         out = torch.empty_like(q)
         q_d = q if st.tokens is None else q[st.tokens]
         out_d = out if st.tokens is None else torch.empty_like(q_d)
@@ -121,20 +134,30 @@ class BatchedAttention(TorchReferenceAttention):
         """q [n, Hq, D] -> out [n, Hq, D] over the group's padded page window."""
         n, Hq, D = q.shape
         H = cache.layout.num_kv_heads
-        # One gather straight into [2, H, n, W, bs, D] (the pool is [blocks, L, 2, bs, H, D]): KV
-        # head outermost, so each head's [n, T, D] keys are one contiguous batch of matrices and
-        # no permuted copy of the window is needed after the gather.
         blocks = g.tables.flatten()
-        pages = cache.data[:, layer].permute(1, 3, 0, 2, 4).index_select(2, blocks)  # [2, H, n*W, bs, D]
-        kv = (fp8_to_float32(pages) if cache.is_fp8 else pages).to(q.dtype).view(2, H, n, -1, D)
+        # The pool is [blocks, L, 2, bs, H, D]: a page's K and V for one layer are one contiguous
+        # run, so the gather copies whole runs ([n*W, 2, bs, H, D]); the widening then writes
+        # KV head outermost ([2, H, n*W, bs, D]) so each head's [n, T, D] keys are one batch of
+        # contiguous matrices for the matmul, with no permuted copy of its own.
+        pages = cache.data[:, layer].index_select(0, blocks)
+        if cache.scales is not None:  # fp8: x / 256 as float16 (exact), the 256 joins the scales
+            bits = torch.empty(2, H, blocks.shape[0], pages.shape[2], D, dtype=torch.int16, device=q.device)
+            fp8_as_float16(pages, out=bits.permute(2, 0, 3, 1, 4))
+            kv = bits.view(torch.float16).view(2, H, n, -1, D).to(q.dtype)
+        else:  # one pass: widened (if bf16) straight into the head-outermost layout
+            kv = torch.empty(2, H, blocks.shape[0], pages.shape[2], D, dtype=q.dtype, device=q.device)
+            kv.permute(2, 0, 3, 1, 4).copy_(pages)
+            kv = kv.view(2, H, n, -1, D)
         qh = q.view(n, H, Hq // H, D).transpose(0, 1)  # [H, n, G, D]; query head h*G + g uses KV head h
         scores = torch.matmul(qh, kv[0].transpose(-1, -2))  # [H, n, G, T]
         if cache.scales is not None:  # fp8: per-token K scale on the scores, V scale on the probs
-            s = cache.scales[:, layer].permute(1, 3, 0, 2).index_select(2, blocks).view(2, H, n, 1, -1).to(q.dtype)
-            scores = scores * (s[0] * scale)
+            s = cache.scales[:, layer].index_select(0, blocks)  # [n*W, 2, bs, H]
+            # one pass: K's scales times 256 * scale, V's times 256 (powers of two: no new rounding)
+            s = s.permute(1, 3, 0, 2).reshape(2, H, n, 1, -1) * _kv_factors(scale, s.device)
+            scores.mul_(s[0])
         else:
-            scores = scores * scale
+            scores.mul_(scale)
         probs = scores.masked_fill_(g.hidden, float("-inf")).softmax(dim=-1)
         if cache.scales is not None:
-            probs = probs * s[1]
+            probs.mul_(s[1])
         return torch.matmul(probs, kv[1]).transpose(0, 1).reshape(n, Hq, D)

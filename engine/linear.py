@@ -5,9 +5,18 @@ On CUDA, Fp8Linear quantizes activations per token on the fly and calls `torch._
 (the FP8 tensor-core GEMM). On CPU it multiplies by the dequantized weight in fp32 (bf16/fp8
 matmuls crawl on CPU).
 
-CPU fp32 GEMMs go through `PackedWeight`: oneDNN's pre-blocked copy of the weight, made once.
-Measured on the 2-core dev VM (1 thread, SmolLM2-135M shapes): 1.3-1.5x faster than `x @ w.t()`
-for the decode step's 16 rows and ~2x for the 49k-row lm_head, and no slower for prefill.
+CPU fp32 GEMMs go through `PackedWeight`, which keeps the weight in the layout each GEMM wants,
+made once from the stored weight (FP8 dequantized, bf16 widened) and never per step:
+- several rows: oneDNN's pre-blocked copy. Measured on the 2-core dev VM (1 thread, SmolLM2-135M
+  shapes): 1.3-1.5x faster than `x @ w.t()` for the decode step's 16 rows and ~2x for the
+  49k-row lm_head, and no slower for prefill;
+- one row (batch-1 decode): the transposed copy [in, out], so the GEMV runs `x @ wt` down its
+  rows (MKL's axpy-style kernel, no per-output reduction). Measured over every GEMM of a
+  SmolLM2 step (538 MB, cold, alternating in one process): 42.7 ms against 51.1 ms for the
+  oneDNN copy, and ~1.6x faster than `F.linear` on the plain weight (batch 1's path before).
+The plain fp32 copy is not kept: an FP8 layer holds its e4m3 bytes plus the layouts the batches
+it has seen use (4 bytes per weight each; a server that prefills and decodes one stream holds
+both, as many copies as the plain + packed pair before).
 
 A GEMM can carry its elementwise epilogue (`post`): "silu", "mul" by a tensor or "add" a
 tensor (the residual). On the oneDNN path it is fused into the GEMM's output pass instead of a
@@ -18,6 +27,7 @@ runs a fused [gate; up] weight as two fused GEMMs, silu(x @ gate.t()) * (x @ up.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -116,55 +126,74 @@ def row_buckets() -> RowBuckets:
 
 
 class PackedWeight:
-    """A CPU fp32 weight [out, in] in oneDNN's blocked layout, re-packed if the weight changes
-        in place (tracked by the tensor's version counter; inference tensors have none, and are
-        re-packed only if their storage changes, or on `reset`). Elsewhere, and for a single row: a
-    plain GEMM (MKL on CPU) with the epilogue after it."""
+    """The CPU fp32 layouts of one weight [out, in]: `matmul(x, stored, make)` multiplies by the
+    weight `make()` returns, made from `stored` (the layer's parameter: FP8 bytes, or the dense
+    weight itself) only when a layout is first needed or `stored` has changed in place (tracked
+    by its version counter; inference tensors have none, and are re-made only if their storage
+    changes, or on `reset`). Off the oneDNN path (another device or dtype): a plain GEMM with the
+    epilogue after it."""
 
     def __init__(self) -> None:
-        self._packed: torch.Tensor | None = None
+        self._layouts: dict[str, torch.Tensor] = {}  # "packed" (oneDNN), "t" (one-row), "plain"
         self._key: tuple[int, int] | None = None
 
     def matmul(
-        self, x: torch.Tensor, w: torch.Tensor, post: Post = "none", other: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        stored: torch.Tensor,
+        make: Callable[[], torch.Tensor],
+        post: Post = "none",
+        other: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [..., in] @ w.t() -> [..., out], then `post` (with `other` [..., out] for mul/add)."""
-        if not (_MKLDNN and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32):
-            return apply_post(x @ w.t(), post, other)
-        if x.numel() == x.shape[-1]:  # one row (batch-1 decode): MKL's GEMV streams the plain weight
-            # faster than oneDNN's packed kernel (measured: batch-1 decode step ~10% faster)
-            return apply_post(F.linear(x, w), post, other)
-        key = (w.data_ptr(), -1 if w.is_inference() else w._version)
-        if self._packed is None or self._key != key:
-            self._packed, self._key = torch.ops.mkldnn._reorder_linear_weight(w, None), key
+        key = (stored.data_ptr(), -1 if stored.is_inference() else stored._version)
+        if self._key != key:
+            self._layouts, self._key = {}, key
+        if not (_MKLDNN and x.device.type == "cpu" and x.dtype == torch.float32):
+            return apply_post(x @ self._layout("plain", make).t(), post, other)
+        if x.numel() == x.shape[-1]:  # one row: the GEMV down the transposed copy's rows
+            return apply_post(x @ self._layout("t", make), post, other)
+        packed = self._layout("packed", make)
         x2 = x.reshape(-1, x.shape[-1])
+        out_features = packed.shape[0]
         other2 = None
         if post in ("mul", "add"):
             assert other is not None
-            other2 = other.reshape(-1, w.shape[0]).contiguous()
+            other2 = other.reshape(-1, out_features).contiguous()
         calls = _row_buckets.plan(x2.shape[0])
         if len(calls) == 1 and calls[0][1] == calls[0][2]:  # already a bucket size: one call, no copies
-            out = self._call(x2, other2, post)
+            out = self._call(x2, other2, packed, post)
         else:
-            out = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype)
+            out = torch.empty(x2.shape[0], out_features, dtype=x.dtype)
             for start, rows, run in calls:
                 xs = x2[start : start + rows]
                 os_ = None if other2 is None else other2[start : start + rows]
                 if run > rows:  # zero rows up to the bucket, cut off below
                     xs = F.pad(xs, (0, 0, 0, run - rows))
                     os_ = None if os_ is None else F.pad(os_, (0, 0, 0, run - rows))
-                out[start : start + rows] = self._call(xs, os_, post)[:rows]
-        return out.reshape(*x.shape[:-1], w.shape[0])
+                out[start : start + rows] = self._call(xs, os_, packed, post)[:rows]
+        return out.reshape(*x.shape[:-1], out_features)
 
-    def _call(self, x2: torch.Tensor, other2: torch.Tensor | None, post: Post) -> torch.Tensor:
+    def _layout(self, name: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if name not in self._layouts:
+            w = make()
+            if name == "packed":
+                w = torch.ops.mkldnn._reorder_linear_weight(w.float(), None)
+            elif name == "t":
+                w = w.float().t().contiguous()
+            self._layouts[name] = w
+        return self._layouts[name]
+
+    @staticmethod
+    def _call(x2: torch.Tensor, other2: torch.Tensor | None, packed: torch.Tensor, post: Post) -> torch.Tensor:
         """One oneDNN GEMM of x2 [m, in] (m >= 2) with the packed weight and its fused epilogue."""
         if other2 is not None:
-            return torch.ops.mkldnn._linear_pointwise.binary(x2, other2, self._packed, None, post)
+            return torch.ops.mkldnn._linear_pointwise.binary(x2, other2, packed, None, post)
         # oneDNN's "swish" (alpha 1) is silu
-        return torch.ops.mkldnn._linear_pointwise(x2, self._packed, None, _ONEDNN_UNARY[post], [], "")
+        return torch.ops.mkldnn._linear_pointwise(x2, packed, None, _ONEDNN_UNARY[post], [], "")
 
     def reset(self) -> None:
-        self._packed = self._key = None
+        self._layouts, self._key = {}, None
 
 
 _MKLDNN = torch.backends.mkldnn.is_available()
@@ -173,8 +202,9 @@ _ONEDNN_UNARY = {"none": "none", "silu": "swish"}
 
 class _Linear(nn.Module):
     """What both layers share: the epilogue-carrying forward and the SwiGLU of a [gate; up]
-    weight. A layer gives the weight to multiply by on the host path (`_host_weight`), or None
-    where it has a GEMM of its own (`_own_matmul`: FP8 on CUDA)."""
+    weight. On the host path a layer gives its stored weight and how to make the weight to
+    multiply by from it (`_host_weight`), or None where it has a GEMM of its own (`_own_matmul`:
+    FP8 on CUDA)."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -182,10 +212,15 @@ class _Linear(nn.Module):
         self._packed = PackedWeight()
         self._halves = (PackedWeight(), PackedWeight())  # swiglu: the gate and up halves
 
-    def _host_weight(self, x: torch.Tensor) -> torch.Tensor | None:
+    def _host_weight(self, x: torch.Tensor) -> tuple[torch.Tensor, Callable[[], torch.Tensor]] | None:
         raise NotImplementedError
 
     def _own_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def gemm_weight_bytes(self, device: torch.device, act_dtype: torch.dtype) -> int:
+        """Bytes of weight one forward's GEMM reads on `device` with `act_dtype` activations, in
+        the layout it multiplies (the floor of a memory-bound decode step; `bench step`)."""
         raise NotImplementedError
 
     def _reset_packed(self) -> None:
@@ -194,20 +229,22 @@ class _Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, post: Post = "none", other: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in] -> post(x @ W.t()) [T, out]; e.g. post="add", other=residual."""
-        w = self._host_weight(x)
-        if w is None:
+        host = self._host_weight(x)
+        if host is None:
             return apply_post(self._own_matmul(x), post, other)
-        return self._packed.matmul(x, w, post, other)
+        return self._packed.matmul(x, *host, post, other)
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for this layer's [gate; up] output halves: x [T, in] -> [T, out / 2]."""
-        w = self._host_weight(x)
-        if w is None:
-            gate, up = self._own_matmul(x).chunk(2, dim=-1)
+        host = self._host_weight(x)
+        if host is None or x.numel() == x.shape[-1]:  # own GEMM, or one row: one GEMV of [gate; up]
+            y = self._own_matmul(x) if host is None else self._packed.matmul(x, *host)
+            gate, up = y.chunk(2, dim=-1)
             return F.silu(gate) * up
+        stored, make = host
         half = self.out_features // 2
-        gate = self._halves[0].matmul(x, w[:half], "silu")
-        return self._halves[1].matmul(x, w[half:], "mul", gate)
+        gate = self._halves[0].matmul(x, stored, lambda: make()[:half], "silu")
+        return self._halves[1].matmul(x, stored, lambda: make()[half:], "mul", gate)
 
 
 class Fp8Linear(_Linear):
@@ -218,25 +255,24 @@ class Fp8Linear(_Linear):
         super().__init__(in_features, out_features)
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=FP8, device=device))
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
-        self._dequant: torch.Tensor | None = None  # CPU only: fp32 copy made once, on first use
 
     def load(self, w: torch.Tensor) -> None:
         """Quantize a full-precision weight [out, in] into this layer."""
         q, s = quantize_weight_fp8(w.to(self.weight.device))
         self.weight.copy_(q)
         self.weight_scale.copy_(s)
-        self._dequant = None
         self._reset_packed()
 
     def dequantized(self) -> torch.Tensor:
         return self.weight.float() * self.weight_scale[:, None]
 
-    def _host_weight(self, x: torch.Tensor) -> torch.Tensor | None:
-        if x.is_cuda:
-            return None
-        if self._dequant is None:
-            self._dequant = self.dequantized()
-        return self._dequant
+    def _host_weight(self, x: torch.Tensor) -> tuple[torch.Tensor, Callable[[], torch.Tensor]] | None:
+        return None if x.is_cuda else (self.weight, self.dequantized)
+
+    def gemm_weight_bytes(self, device: torch.device, act_dtype: torch.dtype) -> int:
+        if device.type == "cuda":  # torch._scaled_mm reads the e4m3 bytes and the scales
+            return self.out_features * (self.in_features + 4)
+        return self.out_features * self.in_features * act_dtype.itemsize  # the widened copy
 
     def _own_matmul(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
@@ -260,8 +296,13 @@ class DenseLinear(_Linear):
         self.weight.copy_(w.to(self.weight.dtype))
         self._reset_packed()
 
-    def _host_weight(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+    def _host_weight(self, x: torch.Tensor) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+        # bf16 weights under fp32 activations (CPU) are widened once, into the GEMM's layouts:
+        # `self.weight.to(x.dtype)` in every forward wrote and read the weights twice per step
+        return self.weight, lambda: self.weight.to(x.dtype)
+
+    def gemm_weight_bytes(self, device: torch.device, act_dtype: torch.dtype) -> int:
+        return self.out_features * self.in_features * act_dtype.itemsize
 
 
 WEIGHT_DTYPES = ("fp8", "bf16", "fp32")

@@ -17,7 +17,7 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig, RopeScaling
 from engine.kv_cache import KVCache
-from engine.linear import PackedWeight, make_linear
+from engine.linear import DenseLinear, Fp8Linear, PackedWeight, make_linear
 
 
 class RMSNorm(nn.Module):
@@ -153,11 +153,23 @@ class LlamaModel(nn.Module):
             )
         )
 
-        self._head = PackedWeight()  # the lm_head GEMM (CPU: oneDNN-packed copy)
+        self._head = PackedWeight()  # the lm_head GEMM (CPU: its oneDNN-packed / transposed copies)
 
     def layer(self, i: int) -> DecoderLayer:
         """Decoder layer i, typed (a type checker sees nn.ModuleList items as plain Modules)."""
         return cast(DecoderLayer, self.layers[i])
+
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights a decode step reads, each once, in the layout its GEMMs multiply:
+        every projection, the lm_head (the tied embedding, if tied) and the norms. At small
+        batches the step is memory-bound, so this over the memory bandwidth is its floor."""
+        dev = self.embed_tokens.device
+        linears = [m for m in self.modules() if isinstance(m, (Fp8Linear, DenseLinear))]
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        norms = [m.weight for m in self.modules() if isinstance(m, RMSNorm)]
+        return (
+            sum(m.gemm_weight_bytes(dev, self.act_dtype) for m in linears) + head.nbytes + sum(w.nbytes for w in norms)
+        )
 
     @torch.inference_mode()
     def forward(
@@ -181,4 +193,4 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> fp32 logits [B, vocab]."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return self._head.matmul(hidden, head).float()
+        return self._head.matmul(hidden, head, lambda: head).float()

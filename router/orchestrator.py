@@ -480,6 +480,9 @@ class Orchestrator:
             "prompt_tokens": len(req.prompt_ids),
             "output_tokens": 0,
             "token_ids": [],
+            # each token's step end at its worker (ms after arrival): against the client's receive
+            # time, the serving path's own cost per token (`bench serve`: "serving overhead")
+            "token_ms": [],
         }
         self._timelines[req.request_id] = tl
         while len(self._timelines) > TIMELINES_KEPT:
@@ -555,5 +558,6 @@ class Orchestrator:
         tl["last_token_ms"] = t
         tl["output_tokens"] = ev.index + 1
         tl["token_ids"].append(ev.token_id)  # lets clients check greedy equality across modes
+        tl["token_ms"].append(t)
         if ev.finished:
             tl["finish_reason"] = ev.finish_reason

@@ -139,7 +139,8 @@ def test_bad_input_is_one_line_error(argv, message, capsys, tmp_path):
 
 def test_bench_step_splits_every_step_and_compares_backends(tmp_path, capsys):
     """`bench step` on tiny: one row per (backend, batch), each decode step split into host parts
-    and forward, the backend ratio of the same run recorded."""
+    and forward, beside its weight-read floor (weights / the copy bandwidth of that row), the
+    backend ratio of the same run recorded."""
     rc = main(
         ["bench", "step", *COMMON, "--batches", "1,3", "--prompt-len", "20", "--new-tokens", "5",
          "--attention", "batched,reference", "--out-dir", str(tmp_path), "--out", "s", "--json"]
@@ -157,4 +158,9 @@ def test_bench_step_splits_every_step_and_compares_backends(tmp_path, capsys):
         assert x["decode_steps"] == 4  # 5 tokens: the first comes from the prefill step
         for k in ("forward_ms", "schedule_ms", "sample_ms", "output_ms", "host_ms", "e2e_s"):
             assert _positive(x[k]), (k, x)
+        assert x["weight_bytes_per_step"] == r["weight_bytes_per_step"] > 0
+        assert x["floor_ms"] == pytest.approx(x["weight_bytes_per_step"] / (x["copy_GBps"] * 1e9) * 1e3)
+        assert x["decode_step_over_floor"] == pytest.approx(x["decode_step_ms"] / x["floor_ms"])
+        assert x["kv_bytes_per_step"] > 0 and _positive(x["decode_step_vs_first_batch"])
+    assert [x["decode_step_vs_first_batch"] for x in r["rows"] if x["batch"] == 1] == [1.0, 1.0]
     assert set(r["decode_step_ratio_vs_reference"]) == {"batched@1", "batched@3"}

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionMetadata, TorchReferenceAttention
 from engine.config import PRESETS, CacheConfig
 from engine.cpu_attention import BatchedAttention
-from engine.kv_cache import KVCache, fp8_to_float32, quantize_fp8
+from engine.kv_cache import FP8_AS_FP16_SCALE, KVCache, fp8_as_float16, quantize_fp8
 from engine.kv_layout import KVLayout
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner, StepItem
@@ -206,12 +206,33 @@ def test_prefill_on_one_pool_decode_on_another_equals_colocated(fp8_runner):
 
 
 def test_fp8_widening_is_bit_exact():
-    """fp8_to_float32 (the batched backend's fast path) equals torch's conversion on every finite
-    e4m3 value, subnormals and both zeros included."""
+    """fp8_as_float16 (the batched backend's fast path) times its power-of-two scale equals torch's
+    conversion on every finite e4m3 value, subnormals and both zeros included, also when it
+    writes into a permuted output."""
     x = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     finite = ~x.float().isnan()
-    got, want = fp8_to_float32(x)[finite], x.float()[finite]
+    got, want = (fp8_as_float16(x).float() * FP8_AS_FP16_SCALE)[finite], x.float()[finite]
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    x2 = x.view(16, 16)
+    bits = torch.empty(16, 16, dtype=torch.int16)
+    fp8_as_float16(x2, out=bits.t())
+    assert torch.equal(bits.t().view(torch.float16), fp8_as_float16(x2))
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "bf16", "fp32"])
+def test_write_at_stores_the_bytes_write_does(kv_dtype):
+    """The batched backend's write (slot indices once per step, K and V quantized together)
+    leaves the pool byte-identical to the per-layer `write`, scales included."""
+    layout = KVLayout.build(CFG, CacheConfig(block_size=16, num_blocks=6, kv_dtype=kv_dtype))
+    a, b = KVCache(layout), KVCache(layout)
+    slots = torch.tensor([0, 17, 18, 95, 40])
+    where = b.slot_index(slots)
+    gen = torch.Generator().manual_seed(3)
+    for layer in range(CFG.num_layers):
+        k, v = (torch.randn(5, CFG.num_kv_heads, CFG.head_dim, generator=gen) for _ in range(2))
+        a.write(layer, slots, k, v)
+        b.write_at(layer, where, k, v)
+    assert torch.equal(a.raw, b.raw)
 
 
 def test_batched_decode_equals_reference_on_the_model(fp8_runner):

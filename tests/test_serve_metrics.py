@@ -53,6 +53,20 @@ def test_percentile_interpolates_like_numpy():
     assert percentile([], 50) is None
 
 
+def test_serving_overhead_pairs_step_ends_with_chunks():
+    """Serving overhead: each token's chunk at the client less its step's end at the worker; a
+    record whose chunks do not pair one to one with its tokens contributes nothing."""
+    a = rec("a", 0.0, [0.10, 0.15, 0.20])
+    a.step_end_times_s = [0.098, 0.146, 0.199]
+    b = rec("b", 0.0, [0.10, 0.30])
+    b.step_end_times_s = [0.05, 0.1, 0.2]  # 3 tokens in 2 chunks: not paired
+    assert a.serving_overheads_s == approx([0.002, 0.004, 0.001])
+    assert b.serving_overheads_s == []
+    m = compute_metrics([a, b])
+    assert m.serving_overhead_ms.count == 3 and m.serving_overhead_ms.p50 == approx(2.0)
+    assert compute_metrics([rec("c", 0.0, [0.1])]).serving_overhead_ms.count == 0
+
+
 def _two_requests() -> list[RequestRecord]:
     return [
         # TTFT 100 ms, E2E 300 ms, 4 tokens: TPOT (300-100)/3 = 66.67 ms, ITL 50, 50, 100 ms
