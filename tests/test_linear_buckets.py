@@ -48,11 +48,11 @@ def test_bucketed_gemm_is_bit_identical_to_unbucketed(post, buckets_off):
     other = torch.randn(1100, 384, generator=g)
     lengths = [2, 3, 9, 17, 100, 255, 256, 257, 300, 513, 1100]
     plain = PackedWeight()
-    want = {n: plain.matmul(x[:n], w, post, other[:n] if post in ("mul", "add") else None) for n in lengths}
+    want = {n: plain.matmul(x[:n], w, lambda: w, post, other[:n] if post in ("mul", "add") else None) for n in lengths}
     set_row_buckets(RowBuckets(per_octave=4, tile=256))
     bucketed = PackedWeight()
     for n in lengths:
-        got = bucketed.matmul(x[:n], w, post, other[:n] if post in ("mul", "add") else None)
+        got = bucketed.matmul(x[:n], w, lambda: w, post, other[:n] if post in ("mul", "add") else None)
         assert got.shape == want[n].shape
         assert torch.equal(got, want[n]), f"{n} rows, post {post}"
 
