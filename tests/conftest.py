@@ -212,6 +212,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1]
         marks = _SLOW_MODULES.get(module, ())
+        if not marks and "ray_cluster" in item.fixturenames:  # a serving test in a module of unit tests
+            marks = ("ray", "server")
         for name in marks:
             item.add_marker(name)
         if marks:  # one xdist worker runs the module: its module-scoped server is started once
