@@ -14,11 +14,12 @@ to float rounding order (the 256 is a power of two: the result is bit-identical 
 straight to float32).
 
 The windows, masks and K/V write positions depend only on the step, so `prepare` builds them
-once per step and every layer reuses them. Prefill rows (several new tokens) are compute-bound and few per step; they go
-one sequence at a time, like the reference, but as one 4-D SDPA call with grouped-query heads
-(`enable_gqa`), which CPU torch sends to its flash kernel: the reference's 3-D call with K/V
-repeated per query head takes the math path, measured 3.7x slower for a 128-token SmolLM2
-prompt, with bit-identical output (and chunk rows equal to the whole prompt's rows).
+once per step and every layer reuses them. Prefill rows (several new tokens) are compute-bound
+and few per step; they go one sequence at a time, like the reference, but as one 4-D SDPA call
+with grouped-query heads (`enable_gqa`), which CPU torch sends to its flash kernel: the
+reference's 3-D call with K/V repeated per query head takes the math path, measured 3.7x slower
+for a 128-token SmolLM2 prompt, with bit-identical output (and chunk rows equal to the whole
+prompt's rows).
 """
 
 from __future__ import annotations
@@ -152,7 +153,8 @@ class BatchedAttention(TorchReferenceAttention):
         scores = torch.matmul(qh, kv[0].transpose(-1, -2))  # [H, n, G, T]
         if cache.scales is not None:  # fp8: per-token K scale on the scores, V scale on the probs
             s = cache.scales[:, layer].index_select(0, blocks)  # [n*W, 2, bs, H]
-            # one pass: K's scales times 256 * scale, V's times 256 (powers of two: no new rounding)
+            # one pass: K's scales times 256 * scale, V's times 256 (multiplying by 256 is exact,
+            # so the scores and outputs are bit-identical to widening straight to float32)
             s = s.permute(1, 3, 0, 2).reshape(2, H, n, 1, -1) * _kv_factors(scale, s.device)
             scores.mul_(s[0])
         else:
