@@ -49,7 +49,7 @@ def test_bench_compare_end_to_end(tmp_path, capsys):
         # chats long enough to be decoding when the document arrives, in the run and in the
         # simulation, however fast this device's calibrated decode step is
         "--chat-output-len",
-        "96",
+        "192",
         "--out-dir",
         str(tmp_path),
         "--out",
