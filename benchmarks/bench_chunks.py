@@ -16,7 +16,6 @@ The engine harness here (device, model, KV setup) is shared with `bench article`
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -33,7 +32,7 @@ from benchmarks.timing import measure, time_call
 from cli import CliError
 from cli.output import emit_json
 from costmodel import cost_model as cm
-from costmodel.provenance import RESULTS_DIR, write_result
+from costmodel.provenance import RESULTS_DIR, save_calibration, write_result
 from costmodel.step_fit import StepCostFit, StepShape, fit
 from engine.model_runner import StepItem
 
@@ -382,8 +381,7 @@ def main(args: argparse.Namespace) -> int:
         plot(r, out_dir / f"{name}.png")
         files["plot"] = str(out_dir / f"{name}.png")
     cal_path = Path(args.calibration_out) if args.calibration_out else out_dir / f"{name}.calibration.json"
-    cal_path.parent.mkdir(parents=True, exist_ok=True)
-    cal_path.write_text(json.dumps(r["calibration"], indent=2) + "\n")
+    cal_path = save_calibration(cm.Calibration.from_dict(r["calibration"]), cal_path)
     files["calibration"] = str(cal_path)
     r["files"] = files
     path = write_result(name, r, config=eb.config_record(args), out_dir=out_dir)

@@ -87,6 +87,11 @@ class WorkerStats:
         d["blocks_used"] = self.blocks_used
         return d
 
+    def step_log(self) -> dict:
+        """The recent steps as named fields (the JSON of `GET /v1/workers/steps`)."""
+        keys = ("step", "prefill_tokens", "attention_pairs", "decode_seqs", "seconds", "end_unix_s")
+        return {"worker": self.name, "role": self.role, "steps": [dict(zip(keys, s)) for s in self.recent_steps]}
+
 
 @dataclass
 class CacheEvents:

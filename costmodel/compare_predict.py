@@ -21,6 +21,7 @@ from typing import Any
 from costmodel import cost_model as cm
 from costmodel.serve_metrics import RequestRecord, ServeMetrics, compute_metrics
 from costmodel.sim_engine import Request, Sim, SimConfig, StepModel, Workload
+from costmodel.step_fit import StepCostFit
 from costmodel.workloads import RequestSpec
 
 
@@ -31,11 +32,19 @@ class PredictionSetup:
     steps: StepModel
     link: cm.Link
     source: str  # where the numbers come from (calibration file, or datasheet)
+    # "self": fitted to this server's own steps in this run; "file": a calibration file
+    kind: str = "file"
+    fitted_steps: int | None = None  # steps the fit was made from
+    warning: str | None = None  # a calibration file measured on another CPU or commit
 
     def describe(self) -> dict[str, Any]:
         hw = self.steps.hw
         return {
             "source": self.source,
+            "kind": self.kind,
+            "fitted_steps": self.fitted_steps,
+            "warning": self.warning,
+            "prefill_pool_step_fit": self.steps.prefill_fit.to_dict() if self.steps.prefill_fit else None,
             "hardware": hw.name,
             "mem_bw_gbps": hw.mem_bw / cm.GB,
             "peak_tflops": {k: v / cm.TFLOP for k, v in hw.peak_flops.items()},
@@ -76,7 +85,36 @@ def setup_from_calibration(model: str, calibration: Path, kv_dtype: str = "fp8")
         link = cm.Link("host-memory", f"host memory copy at {hw.mem_bw / cm.GB:.1f} GB/s (calibrated)", hw.mem_bw)
     # On a CPU the weights are dequantized and the FLOPs run in the calibration's dtype (fp32).
     steps = StepModel(spec, hw, mfu, weight_dtype=cal.dtype, kv_dtype=kv_dtype, fit=cal.fitted_steps())
-    return PredictionSetup(steps, link, f"{_shown(calibration)} ({cal.source or cal.device})")
+    fit = steps.fit
+    return PredictionSetup(
+        steps,
+        link,
+        f"{_shown(calibration)} ({cal.source or cal.device})",
+        fitted_steps=fit.samples if fit else None,
+        warning=cal.origin_warning(_shown(calibration)),
+    )
+
+
+def setup_from_steps(
+    model: str,
+    decode_fit: StepCostFit,
+    prefill_fit: StepCostFit | None,
+    link_gbytes_per_s: float | None,
+    source: str,
+    fitted_steps: int,
+    kv_dtype: str = "fp8",
+) -> PredictionSetup:
+    """A StepModel priced by step-cost fits made on the server being predicted (bench compare's
+    self-calibration): `decode_fit` for colocated or decode workers, `prefill_fit` for a
+    disaggregated prefill pool; the KV link at the rate the warm-up's pulls ran."""
+    spec = cm.ModelSpec.resolve(model)
+    if link_gbytes_per_s:
+        link = cm.Link("measured", f"KV pulls of the warm-up ({link_gbytes_per_s:.2f} GB/s)", link_gbytes_per_s * cm.GB)
+    else:  # no pull in the warm-up (colocated): nothing crosses a link
+        link = cm.Link("none", "no KV pull measured", 10 * cm.GB)
+    hw = cm.HardwareSpec("this server (fitted steps)", link.bw, {}, 0.0, source)
+    steps = StepModel(spec, hw, weight_dtype="fp32", kv_dtype=kv_dtype, fit=decode_fit, prefill_fit=prefill_fit)
+    return PredictionSetup(steps, link, source, kind="self", fitted_steps=fitted_steps)
 
 
 def _shown(path: Path) -> str:

@@ -32,7 +32,9 @@ optional, a missing field keeps the datasheet value)::
         "attention_ns_per_pair": 0.03,      #   context), per decode sequence; when present it
         "per_sequence_us": 900.0            #   prices steps instead of the FLOP/bandwidth terms
       },
-      "source": "pdserve bench gpu, commit abc123"
+      "source": "pdserve bench gpu, commit abc123",
+      "provenance": {"git_commit": "...", "cpu": "...", "cores": 2, "torch": "2.13.0",
+                     "date_utc": "...", "load_average": [0.1, 0.2, 0.3]}
     }
 
 `Calibration.apply(hw)` returns the effective `HardwareSpec` (measured bandwidth replaces the
@@ -152,6 +154,9 @@ class Calibration:
     links_gbps: dict[str, float] = field(default_factory=dict)
     source: str = ""
     step_fit: dict[str, Any] | None = None  # StepCostFit.to_dict()
+    # where and when it was measured (costmodel/provenance.calibration_provenance): commit, CPU,
+    # cores, torch, date, load; `origin_warning` compares it with this machine
+    provenance: dict[str, Any] | None = None
 
     SCHEMA = "pdserve.calibration/1"
 
@@ -161,7 +166,7 @@ class Calibration:
         if schema != cls.SCHEMA:
             raise ValueError(f"calibration schema {schema!r} is not {cls.SCHEMA!r}")
         known = {k for k in cls.__dataclass_fields__}
-        unknown = set(d) - known - {"schema", "provenance"}
+        unknown = set(d) - known - {"schema"}
         if unknown:
             raise ValueError(f"unknown calibration fields: {', '.join(sorted(unknown))}")
         cal = cls(**{k: v for k, v in d.items() if k in known})
@@ -188,6 +193,12 @@ class Calibration:
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema": self.SCHEMA, **asdict(self)}
+
+    def origin_warning(self, path: str | Path) -> str | None:
+        """One line if this calibration was measured on another CPU or commit, or says not where."""
+        from costmodel.machine import calibration_mismatch  # noqa: PLC0415
+
+        return calibration_mismatch(path, self.provenance)
 
     def apply(self, hw: HardwareSpec) -> HardwareSpec:
         peaks = dict(hw.peak_flops)

@@ -6,10 +6,11 @@ import datetime as _dt
 import json
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from costmodel.machine import cpu_model, git
 
 # Committed reference results (written only when asked: `--out-dir benchmarks/results`)...
 REFERENCE_RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
@@ -21,29 +22,9 @@ OUT_DIR_HELP = (
 )
 
 
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=5
-        )
-        return out.stdout.strip() or None if out.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def device_description() -> dict[str, Any]:
     """The accelerator if torch sees one, else the CPU."""
-    info: dict[str, Any] = {"kind": "cpu", "name": _cpu_model(), "cores": os.cpu_count()}
+    info: dict[str, Any] = {"kind": "cpu", "name": cpu_model(), "cores": os.cpu_count()}
     try:
         import torch  # noqa: PLC0415 - provenance must not force torch on pure-Python tools
 
@@ -61,17 +42,17 @@ def device_description() -> dict[str, Any]:
 
 
 def provenance(config: dict[str, Any] | None = None) -> dict[str, Any]:
-    dirty = _git("status", "--porcelain")
+    dirty = git("status", "--porcelain")
     return {
         "command": " ".join(["pdserve" if Path(sys.argv[0]).name == "pdserve" else sys.argv[0], *sys.argv[1:]]),
-        "git_commit": _git("rev-parse", "HEAD"),
+        "git_commit": git("rev-parse", "HEAD"),
         "git_dirty": bool(dirty),
         "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": {
             "hostname": platform.node(),
             "platform": platform.platform(),
             "python": platform.python_version(),
-            "cpu": _cpu_model(),
+            "cpu": cpu_model(),
             "cores": os.cpu_count(),
         },
         "device": device_description(),
@@ -87,4 +68,37 @@ def write_result(
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps({"provenance": provenance(config), **payload}, indent=2, default=str) + "\n")
+    return path
+
+
+# ---- calibration files -------------------------------------------------------------------------
+def calibration_provenance() -> dict[str, Any]:
+    """Where a calibration was measured: a calibration prices steps of one engine build on one
+    machine, and a consumer elsewhere must be told (see `calibration_mismatch`)."""
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
+    return {
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_dirty": bool(git("status", "--porcelain")),
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch": device_description().get("torch"),
+        "device": device_description().get("name"),
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "load_average": load,
+    }
+
+
+def save_calibration(cal: Any, path: str | Path) -> Path:
+    """Write a `cost_model.Calibration` as JSON, stamped with where and when it was measured
+    (unless it already is)."""
+    from dataclasses import replace  # noqa: PLC0415
+
+    if not cal.provenance:
+        cal = replace(cal, provenance=calibration_provenance())
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cal.to_dict(), indent=2) + "\n")
     return path

@@ -68,6 +68,9 @@ class StepModel:
     # A measured step-cost fit (costmodel/step_fit.py): when set it prices every step from its
     # shape, and a colocated whole prompt runs *with* the decode batch, as the engine does.
     fit: StepCostFit | None = None
+    # A disaggregated run's prefill pool priced apart (fitted on its own steps: on a CPU the two
+    # pools share cores, so each pool's steps cost what they cost beside the other); None: `fit`.
+    prefill_fit: StepCostFit | None = None
 
     def _ctx(self, r: Request) -> int:
         return int(self.fixed_ctx) if self.fixed_ctx is not None else r.ctx
@@ -77,6 +80,13 @@ class StepModel:
         if self.fit is not None:
             return self.fit.seconds(StepShape.of([self._ctx(r) for r in batch], parts))
         return (self.decode(batch) if batch else 0.0) + sum(self.chunk(s, n) for s, n in parts)
+
+    def prefill_pool_step(self, prompts: list[int]) -> float:
+        """One step of a disaggregated prefill worker: these whole prompts, batched."""
+        f = self.prefill_fit or self.fit
+        if f is not None:
+            return f.seconds(StepShape.of((), [(0, n) for n in prompts]))
+        return self.prefill(prompts[0])
 
     def decode(self, batch: list[Request]) -> float:
         if self.fit is not None:
@@ -368,7 +378,8 @@ class PrefillWorker(Worker):
             return None
         steps = self.sim.steps
         # measured steps (a fit): the engine's batch of waiting whole prompts; else one at a time
-        prompts = self._take_whole(0) if steps.fit is not None else [self.queue.popleft()]
+        measured = steps.fit is not None or steps.prefill_fit is not None
+        prompts = self._take_whole(0) if measured else [self.queue.popleft()]
         for r in prompts:
             r.prefilled, r.prefill_start = r.prompt, self.sim.now
 
@@ -380,11 +391,7 @@ class PrefillWorker(Worker):
                 else:
                     self.sim.send_kv(r)
 
-        dur = (
-            steps.step([], [(0, r.prompt) for r in prompts])
-            if steps.fit is not None
-            else steps.prefill(prompts[0].prompt)
-        )
+        dur = steps.prefill_pool_step([r.prompt for r in prompts])
         return dur, sum(r.prompt for r in prompts), 0, fin
 
 

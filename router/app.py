@@ -465,6 +465,13 @@ def create_app(orchestrator: Any, tokenizer: Tokenizer, cfg: ServeConfig, *, lif
             )
         return oar.json_safe(tl)
 
+    @app.get("/v1/workers/steps", dependencies=protected)
+    async def worker_steps() -> dict[str, Any]:
+        """Each worker's last steps (shape and seconds): what `bench compare` fits its step-cost
+        model to, so a prediction is calibrated on the very server it predicts."""
+        stats = await st.orch().stats()
+        return {"object": "list", "data": [s.step_log() for s in stats]}
+
     @app.get("/metrics", dependencies=protected)
     async def metrics() -> Response:
         if st.orchestrator is not None:

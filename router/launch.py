@@ -185,8 +185,12 @@ def build_dispatcher(cfg: Any, model_dir: str) -> AutoDispatcher | None:
                 f"--mode auto needs a calibration: pass --calibration FILE, or run "
                 f"`pdserve bench chunks --model {cfg.model} --out-dir benchmarks/results` (expected {path})"
             )
+    cal = Calibration.load(path)
+    warning = cal.origin_warning(path)
+    if warning:
+        log.warning("--mode auto: %s; its step prices may be off here", warning)
     return AutoDispatcher(
-        Calibration.load(path),
+        cal,
         ModelSpec.from_config(resolve_model_config(model_dir)),
         cfg.kv_dtype,
         cfg.chunk_size,

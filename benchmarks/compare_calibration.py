@@ -1,0 +1,199 @@
+"""Self-calibration for `bench compare`: the step-cost model fitted to the server's own steps.
+
+A prediction is only as good as the step prices it runs on. A calibration file made earlier (on
+another machine, or before an engine change) prices steps that no longer exist, and nothing in
+the prediction says so. So by default each mode is predicted from the steps that very server ran
+in its warm-up, in the same run:
+
+- `StepLogRecorder` polls `GET /v1/workers/steps` (each worker's last 256 steps: shape and
+  seconds) through the warm-up and keeps every step once;
+- `fit_pools` fits the four-term step model (`costmodel/step_fit.py`) per pool: colocated workers'
+  steps into one fit; a disaggregated run's prefill and decode workers apart, because on a CPU
+  they share cores and each pool's steps must be priced as they ran beside the other;
+- `measure_hop` times what a warm request waits beyond its worker's queue and prefill (HTTP/SSE,
+  router, Ray hops), from a few requests sent one at a time after the warm-up: the warm-up's own
+  requests include each shape's first, cold one.
+
+A step that ran cold (the first of its shape: allocator growth, oneDNN weight layouts) would pull
+the fit up, so the fit is trimmed: steps the first fit misprices by far more than the typical
+step (`TRIM_FACTOR` times the median relative error) are dropped, at most `TRIM_MAX_SHARE` of
+them, and the rest refitted.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from costmodel.step_fit import StepCostFit, StepShape, fit
+
+POLL_S = 1.0  # a worker keeps its last 256 steps; at >= 4 ms a step none is missed between polls
+TRIM_FACTOR = 4.0
+TRIM_MAX_SHARE = 0.1
+MIN_STEPS = 8  # fewer steps than this and a pool's fit is not trusted
+
+
+@dataclass(frozen=True)
+class LoggedStep:
+    worker: str
+    role: str  # "colocated" | "prefill" | "decode"
+    shape: StepShape
+    seconds: float
+
+
+class StepLogRecorder:
+    """Polls a pdserve server's step log in a background thread while the caller runs load.
+
+    with StepLogRecorder(root_url, api_key) as rec:
+        ...                      # the warm-up
+    rec.steps                    # every step seen, each once
+    """
+
+    def __init__(self, root_url: str, api_key: str | None = None, poll_s: float = POLL_S):
+        self.url = root_url.rstrip("/") + "/v1/workers/steps"
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.poll_s = poll_s
+        self._seen: dict[tuple[str, int], LoggedStep] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="step-log-recorder", daemon=True)
+        self.error: str | None = None
+
+    def __enter__(self) -> StepLogRecorder:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._poll_once()  # the steps of the last second
+
+    @property
+    def steps(self) -> list[LoggedStep]:
+        return list(self._seen.values())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self._poll_once()
+
+    def _poll_once(self) -> None:
+        try:
+            r = httpx.get(self.url, headers=self.headers, timeout=10.0)
+            r.raise_for_status()
+            self.add(r.json()["data"])
+        except (httpx.HTTPError, KeyError, ValueError) as e:
+            self.error = f"{type(e).__name__}: {e}"  # the fit says it had no steps; the run goes on
+
+    def add(self, workers: Sequence[dict[str, Any]]) -> None:
+        """One `GET /v1/workers/steps` answer's `data`."""
+        for w in workers:
+            for s in w["steps"]:
+                shape = StepShape(int(s["prefill_tokens"]), float(s["attention_pairs"]), int(s["decode_seqs"]))
+                self._seen[(w["worker"], int(s["step"]))] = LoggedStep(w["worker"], w["role"], shape, s["seconds"])
+
+
+@dataclass(frozen=True)
+class PoolFit:
+    """One pool's step-cost fit and what it was fitted on."""
+
+    pool: str  # "colocated" | "prefill" | "decode"
+    fit: StepCostFit
+    steps: int  # steps the fit kept
+    trimmed: int  # cold or disturbed steps dropped (see the module docstring)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pool": self.pool, "steps": self.steps, "trimmed": self.trimmed, "fit": self.fit.to_dict()}
+
+
+def trimmed_fit(samples: Sequence[tuple[StepShape, float]]) -> tuple[StepCostFit, int]:
+    """The NNLS fit after dropping the steps it misprices by far more than the typical step."""
+    first = fit(samples)
+    errs = [abs(first.seconds(s) - y) / y for s, y in samples]
+    typical = statistics.median(errs) or 1e-9
+    worst = sorted(range(len(samples)), key=lambda i: errs[i], reverse=True)
+    drop = {i for i in worst[: int(len(samples) * TRIM_MAX_SHARE)] if errs[i] > TRIM_FACTOR * typical}
+    if not drop:
+        return first, 0
+    return fit([x for i, x in enumerate(samples) if i not in drop]), len(drop)
+
+
+def fit_pools(steps: Sequence[LoggedStep]) -> dict[str, PoolFit]:
+    """A fit per pool role that ran at least MIN_STEPS steps."""
+    by_role: dict[str, list[tuple[StepShape, float]]] = {}
+    for s in steps:
+        if s.seconds > 0:
+            by_role.setdefault(s.role, []).append((s.shape, s.seconds))
+    out = {}
+    for role, samples in by_role.items():
+        if len(samples) >= MIN_STEPS:
+            f, trimmed = trimmed_fit(samples)
+            out[role] = PoolFit(role, f, len(samples) - trimmed, trimmed)
+    return out
+
+
+@dataclass
+class SelfCalibration:
+    """What `bench compare` measured on one server to predict that server."""
+
+    pools: dict[str, PoolFit]
+    hop_ms: float | None  # a warm request's wait beyond its worker's queue and prefill (median)
+    hop_requests: int
+    link_gbytes_per_s: float | None  # disagg: the KV pulls of the warm-up (model's KV bytes / time)
+    recorder_error: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def decode_fit(self) -> StepCostFit | None:
+        p = self.pools.get("decode") or self.pools.get("colocated")
+        return p.fit if p else None
+
+    @property
+    def prefill_fit(self) -> StepCostFit | None:
+        p = self.pools.get("prefill")
+        return p.fit if p else None
+
+    @property
+    def steps(self) -> int:
+        return sum(p.steps for p in self.pools.values())
+
+    def usable_for(self, mode: str) -> bool:
+        need = ("prefill", "decode") if mode == "disagg" else ("colocated",)
+        return all(r in self.pools for r in need)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "source": "self: the server's own warm-up steps (GET /v1/workers/steps)",
+            "pools": {k: p.to_dict() for k, p in self.pools.items()},
+            "steps": self.steps,
+            "hop_ms": self.hop_ms,
+            "hop_requests": self.hop_requests,
+            "link_gbytes_per_s": self.link_gbytes_per_s,
+            "recorder_error": self.recorder_error,
+            "notes": self.notes,
+        }
+
+
+def hop_ms(records: Sequence[Any]) -> tuple[float | None, int]:
+    """Median over finished requests of client TTFT minus the worker's queue and prefill (ms)."""
+    hops = [
+        (r.chunk_times_s[0] - r.send_s) * 1e3 - r.worker_queue_ms - r.worker_prefill_ms
+        for r in records
+        if r.ok and r.send_s is not None and r.worker_queue_ms is not None and r.worker_prefill_ms is not None
+    ]
+    return (statistics.median(hops) if hops else None), len(hops)
+
+
+def link_rate(records: Sequence[Any], kv_bytes_per_token: int) -> float | None:
+    """GB/s at which the warm-up's KV pulls moved the model's KV of their prompts: the simulator
+    prices a pull as prompt tokens x KV bytes per token / rate, so the rate is fitted in those
+    terms (block padding and per-pull latency included)."""
+    pulls = [
+        (r.prompt_tokens or r.prompt_len) * kv_bytes_per_token / (r.transfer["ms"] / 1e3)
+        for r in records
+        if r.transfer and r.transfer.get("ms")
+    ]
+    return statistics.median(pulls) / 1e9 if pulls else None
