@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench_compare as bc
-from benchmarks import compare_report as rep
+from benchmarks.bench_compare import served_prompt_lengths
 from benchmarks.bench_serve import BenchConfig, BenchResult
-from benchmarks.compare_report import unpack
+from benchmarks.compare_args import ModeSpec, build_modes
+from benchmarks.compare_equality import check_equality
+from benchmarks.compare_record import ModeRun, unpack
+from benchmarks.compare_table import near_tie_note
 from cli import main as cli_main
 from costmodel import compare_predict as cp
 from costmodel.serve_metrics import compute_metrics
@@ -104,9 +106,9 @@ def test_bench_compare_end_to_end(tmp_path, capsys):
     assert (tmp_path / "cmp.md").is_file()
 
 
-def _run(label: str, ids: dict[str, list[int]]) -> bc.ModeRun:
-    return bc.ModeRun(
-        bc.ModeSpec(label, "colocated"),
+def _run(label: str, ids: dict[str, list[int]]) -> ModeRun:
+    return ModeRun(
+        ModeSpec(label, "colocated"),
         {},
         0.0,
         ids,
@@ -119,13 +121,13 @@ def test_equality_check_reports_the_first_differing_token():
     ref = _run("colocated", {"a": [1, 2, 3], "b": [4, 5]})
     same = _run("disagg-1P1D", {"a": [1, 2, 3], "b": [4, 5]})
     bad = _run("chunked-7", {"a": [1, 9, 3], "b": [4]})
-    eq = bc.check_equality([ref, same, bad])
+    eq = check_equality([ref, same, bad])
     assert eq["identical"] is False and eq["compared"] == 4
     assert {(m["mode"], m["request_id"], m["first_difference"]) for m in eq["mismatches"]} == {
         ("chunked-7", "a", 1),
         ("chunked-7", "b", 1),
     }
-    assert bc.check_equality([ref, same])["identical"] is True
+    assert check_equality([ref, same])["identical"] is True
 
 
 def test_equality_check_tells_near_ties_from_real_differences():
@@ -134,18 +136,18 @@ def test_equality_check_tells_near_ties_from_real_differences():
     ref = _run("colocated", {"a": [1, 2, 3], "b": [4, 5, 6]})
     ref.margins = {"a": [3.0, 0.02, 2.0], "b": [5.0, 4.0, 1.0]}
     tie = _run("disagg-1P1D", {"a": [1, 7, 8], "b": [4, 5, 6]})
-    eq = bc.check_equality([ref, tie])
+    eq = check_equality([ref, tie])
     assert eq["identical"] is False and eq["only_near_ties"] is True
-    assert eq["mismatches"][0]["reference_margin"] == 0.02 and "near-tie" in rep.near_tie_note(eq)
+    assert eq["mismatches"][0]["reference_margin"] == 0.02 and "near-tie" in near_tie_note(eq)
     sure = _run("chunked-128", {"a": [1, 2, 3], "b": [9, 5, 6]})
-    eq = bc.check_equality([ref, tie, sure])
+    eq = check_equality([ref, tie, sure])
     assert eq["only_near_ties"] is False and [m["near_tie"] for m in eq["mismatches"]] == [True, False]
 
 
 def test_mode_list_parsing_and_errors():
     from cli import CliError
 
-    modes = bc.build_modes("colocated,chunked,disagg", "32,128", 2, 1)
+    modes = build_modes("colocated,chunked,disagg", "32,128", 2, 1)
     assert [(m.label, m.mode, m.chunk_size, m.prefill, m.decode) for m in modes] == [
         ("colocated", "colocated", None, 1, 1),
         ("chunked-32", "colocated", 32, 1, 1),
@@ -154,7 +156,7 @@ def test_mode_list_parsing_and_errors():
     ]
     for bad in (("colocated,fast", "32"), ("chunked", "0"), ("chunked", "a,b")):
         with pytest.raises(CliError):
-            bc.build_modes(*bad, 1, 1)
+            build_modes(*bad, 1, 1)
 
 
 def test_prediction_of_the_freeze_on_the_calibrated_device():
@@ -192,10 +194,8 @@ def test_predictions_price_the_served_tokens_and_the_link():
         RequestRecord(s.request_id, s.kind, s.prompt_len, s.max_tokens, 0.0, prompt_tokens=served[s.request_id])
         for s in specs
     ]
-    run = bc.ModeRun(
-        bc.build_modes("disagg", "", 1, 1)[0], {}, 0.0, {}, [], BenchResult(None, "tiny", records, None, 0.0)
-    )
-    sim_specs = bc.served_prompt_lengths(specs, run)
+    run = ModeRun(build_modes("disagg", "", 1, 1)[0], {}, 0.0, {}, [], BenchResult(None, "tiny", records, None, 0.0))
+    sim_specs = served_prompt_lengths(specs, run)
     assert [s.prompt_len for s in sim_specs] == [served[s.request_id] for s in specs]
 
     setup = cp.setup_from_calibration("tiny", CALIBRATION)
