@@ -1,10 +1,12 @@
-"""`pdserve bench compare`: colocated vs chunked vs disaggregated pdserve on the same workload.
+"""`pdserve bench compare`: colocated vs chunked vs disaggregated pdserve on the same workload,
+and beside them any OpenAI-compatible server pdserve did not start (`--endpoint`).
 
-This file is the command: it reads the flags, runs every mode on its own fresh server, puts the
-simulator's prediction beside each measurement, checks greedy equality across modes, and writes
-the result JSON, the report and the table. Each of those jobs lives in its own file:
+This file is the command: it reads the flags, runs every mode on its own fresh server (then each
+endpoint), puts the simulator's prediction beside each measurement, checks greedy equality across
+modes, and writes the result JSON, the report and the table. Each of those jobs lives in its own file:
 - `compare_args.py`: the flags, the workload they set, the modes they name;
 - `compare_modes.py`: one pdserve server per mode (warm-up, timed run, equality pass);
+- `compare_endpoints.py`: the same for servers pdserve did not start (`--endpoint NAME=URL`);
 - `compare_equality.py`: the equality pass and the check across modes;
 - `compare_calibration_file.py`: which calibration the predictions use;
 - `compare_record.py`: the result JSON's payload;
@@ -23,9 +25,17 @@ from typing import Any
 
 from benchmarks import compare_markdown, compare_table
 from benchmarks.bench_serve import BenchConfig
-from benchmarks.compare_args import add_arguments, build_modes, workload_from_args
+from benchmarks.compare_args import (
+    EndpointSpec,
+    ModeSpec,
+    add_arguments,
+    build_modes,
+    parse_endpoints,
+    workload_from_args,
+)
 from benchmarks.compare_calibration_file import find_calibration
-from benchmarks.compare_equality import check_equality
+from benchmarks.compare_endpoints import prediction_setup, run_endpoint
+from benchmarks.compare_equality import check_endpoints, check_equality
 from benchmarks.compare_modes import default_device, ensure_ray, gpu_count, log, run_mode
 from benchmarks.compare_record import ModeRun, result_payload
 from benchmarks.serve_client import ClientConfig
@@ -36,12 +46,14 @@ __all__ = ["add_arguments", "main"]
 
 
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """Run every mode, predict, check equality; the JSON payload (without provenance)."""
+    """Run every mode and endpoint, predict, check equality; the JSON payload (without provenance)."""
     from cli import CliError  # noqa: PLC0415
-    from costmodel import compare_predict as cp  # noqa: PLC0415
     from costmodel.provenance import RESULTS_DIR  # noqa: PLC0415
 
     modes = build_modes(args.modes, args.chunk_sizes, args.prefill, args.decode)
+    endpoints = parse_endpoints(args.endpoint, args.endpoint_calibration, {m.label for m in modes})
+    if not modes and not endpoints:
+        raise CliError("--modes none: nothing to measure without --endpoint NAME=URL")
     device = args.device or default_device()
     wl = workload_from_args(args)
     try:
@@ -50,6 +62,44 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     except ValueError as e:
         raise CliError(str(e)) from None
     out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
+    if modes:
+        setup, setup_error, cal = _file_setup(args, out_dir, device)
+    else:
+        setup, setup_error, cal = None, "no pdserve mode ran (--modes none)", None
+    bench = BenchConfig(
+        wl,
+        ClientConfig(duration_limit_s=args.duration_limit_s, seed=args.seed, show_progress=not args.no_progress),
+        args.slo_ttft_ms,
+        args.slo_tpot_ms,
+    )
+    # Endpoints first: starting the embedded Ray may move this thread into a private network
+    # namespace (router/ray_cluster.py), from where no outside server can be reached.
+    outside = [_run_endpoint(ep, i, len(endpoints), bench, specs) for i, ep in enumerate(endpoints, 1)]
+    runs = (_run_modes(args, modes, device, cal, bench, specs) if modes else []) + outside
+    predictions = _predict(args, runs, setup, specs)
+    ours = [r for r in runs if isinstance(r.spec, ModeSpec)]
+    equality = check_equality(ours)
+    if endpoints:  # beside, never in, the verdict on pdserve's modes: another server may differ and pass
+        reference = next((r for r in ours if r.error is None), None)
+        equality["endpoints"] = check_endpoints(reference, [r for r in runs if isinstance(r.spec, EndpointSpec)])
+    return result_payload(args, device, wl, specs, runs, predictions, setup, setup_error, cal, equality)
+
+
+def _run_endpoint(ep: EndpointSpec, i: int, n: int, bench: BenchConfig, specs: list[RequestSpec]) -> ModeRun:
+    log(f"[endpoint {i}/{n}] {ep.label}: {ep.url} (a server pdserve did not start)")
+    try:
+        return run_endpoint(ep, bench, specs)
+    except Exception as e:  # noqa: BLE001 - one failed endpoint is reported; the others still run
+        log(f"  FAILED: {type(e).__name__}: {e}")
+        info = {"url": ep.url, "model": ep.model, "calibration": ep.calibration}
+        return ModeRun(ep, {}, None, {}, [], None, f"{type(e).__name__}: {e}", endpoint=info)
+
+
+def _file_setup(args: argparse.Namespace, out_dir: Path, device: str) -> tuple[Any, str | None, Path]:
+    """The device model pdserve's modes are predicted with, from a calibration file."""
+    from cli import CliError  # noqa: PLC0415
+    from costmodel import compare_predict as cp  # noqa: PLC0415
+
     setup, setup_error = None, None
     cal = find_calibration(args.calibration, out_dir, args.model, device.split(":")[0])
     if args.calibration and not cal.is_file():
@@ -61,21 +111,24 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
             setup_error = str(e)
     else:
         setup_error = f"no calibration at {cal} (run `pdserve bench chunks --model {args.model}` first)"
-    bench = BenchConfig(
-        wl,
-        ClientConfig(duration_limit_s=args.duration_limit_s, seed=args.seed, show_progress=not args.no_progress),
-        args.slo_ttft_ms,
-        args.slo_tpot_ms,
-    )
+    if setup is not None and args.link_gbps:
+        from benchmarks.link_probe import rehearsal_link  # noqa: PLC0415 - --link-gbps only
+
+        setup = replace(setup, link=rehearsal_link(args.link_gbps))
+    return setup, setup_error, cal
+
+
+def _run_modes(
+    args: argparse.Namespace, modes: list[ModeSpec], device: str, cal: Path | None, bench: BenchConfig, specs: list
+) -> list[ModeRun]:
+    """Each of pdserve's modes on a fresh server, one after another, on one Ray."""
+    from benchmarks.link_probe import cluster_kwargs  # noqa: PLC0415 - keeps this file short
+
     gpus = 0.0 if device == "cpu" else None
     cfg_kw = dict(model=args.model, device=device, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs)
     if args.no_prefix_cache:
         cfg_kw["prefix_cache"] = False
-    from benchmarks.link_probe import cluster_kwargs, rehearsal_link  # noqa: PLC0415 - keeps this file short
-
     cfg_kw.update(cluster_kwargs(args))
-    if setup is not None and args.link_gbps:
-        setup = replace(setup, link=rehearsal_link(args.link_gbps))
     started_ray = ensure_ray(args.ray_address)
     runs: list[ModeRun] = []
     try:
@@ -95,27 +148,43 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
             import ray  # noqa: PLC0415
 
             ray.shutdown()
-    predictions = {}
-    if setup is not None:
-        for r in runs:
-            if r.spec.mode == "auto":  # the simulator has no auto mode: the router's own predictions stand
-                continue
-            sc = cp.sim_config(
-                r.spec.mode, r.spec.chunk_size, r.spec.prefill, r.spec.decode, args.max_num_seqs, setup.link
-            )
-            sim_specs = served_prompt_lengths(specs, r)
-            hop = (r.serving_overhead or {}).get("hop_ms") or 0.0
-            predictions[r.spec.label] = cp.predict(
-                r.spec.label, sc, setup, sim_specs, args.slo_ttft_ms, args.slo_tpot_ms, hop / 1e3
-            )
-            if r.probes is not None:
-                from benchmarks.link_probe import predict_documents  # noqa: PLC0415
+    return runs
 
-                r.probes = [
-                    {"measured": m, "simulated": p}
-                    for m, p in zip(r.probes, predict_documents(setup, sc, sim_specs, args.link_gbps, r.probes))
-                ]
-    return result_payload(args, device, wl, specs, runs, predictions, setup, setup_error, cal, check_equality(runs))
+
+def _predict(args: argparse.Namespace, runs: list[ModeRun], setup: Any, specs: list[RequestSpec]) -> dict:
+    """The simulator on the workload as each server saw it: pdserve's modes on `setup`, each
+    endpoint on its own calibration (its row's `endpoint.prediction` says on which, or why none)."""
+    from costmodel import compare_predict as cp  # noqa: PLC0415
+
+    predictions = {}
+    for r in runs:
+        if isinstance(r.spec, EndpointSpec):
+            if r.bench is None or r.endpoint is None:
+                continue
+            ep_setup, sim, r.endpoint["prediction"] = prediction_setup(r.spec, r.bench.model, args.model)
+            if ep_setup is not None and sim is not None:
+                sc = cp.sim_config(*sim, args.max_num_seqs, ep_setup.link)
+                sim_specs = served_prompt_lengths(specs, r)
+                predictions[r.spec.label] = cp.predict(
+                    r.spec.label, sc, ep_setup, sim_specs, args.slo_ttft_ms, args.slo_tpot_ms
+                )
+            continue
+        if setup is None or r.spec.mode == "auto":  # the simulator has no auto mode: the router's own predictions stand
+            continue
+        sc = cp.sim_config(r.spec.mode, r.spec.chunk_size, r.spec.prefill, r.spec.decode, args.max_num_seqs, setup.link)
+        sim_specs = served_prompt_lengths(specs, r)
+        hop = (r.serving_overhead or {}).get("hop_ms") or 0.0
+        predictions[r.spec.label] = cp.predict(
+            r.spec.label, sc, setup, sim_specs, args.slo_ttft_ms, args.slo_tpot_ms, hop / 1e3
+        )
+        if r.probes is not None:
+            from benchmarks.link_probe import predict_documents  # noqa: PLC0415
+
+            r.probes = [
+                {"measured": m, "simulated": p}
+                for m, p in zip(r.probes, predict_documents(setup, sc, sim_specs, args.link_gbps, r.probes))
+            ]
+    return predictions
 
 
 def served_prompt_lengths(specs: list[RequestSpec], run: ModeRun) -> list[RequestSpec]:
@@ -142,7 +211,10 @@ def main(args: argparse.Namespace) -> int:
         path = Path(args.from_json)
     else:
         payload = run_from_args(args)
-        name = args.out or f"compare-{Path(args.model).name}-{payload['device'].split(':')[0]}"
+        if any(not m.get("endpoint") for m in payload["modes"]):
+            name = args.out or f"compare-{Path(args.model).name}-{payload['device'].split(':')[0]}"
+        else:  # --modes none: the servers measured are the endpoints
+            name = args.out or "compare-" + "-".join(m["label"] for m in payload["modes"])
         config = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "from_json"}
         path = write_result(name, payload, config, out_dir)
         result = json.loads(path.read_text())

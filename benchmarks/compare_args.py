@@ -7,7 +7,9 @@ server starts, and so that the defaults shown in `--help` are the ones the run u
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from costmodel.provenance import OUT_DIR_HELP
 from costmodel.workloads import WorkloadConfig
@@ -49,6 +51,17 @@ class ModeSpec:
     decode: int = 1
 
 
+@dataclass(frozen=True)
+class EndpointSpec:
+    """A server pdserve did not start (`--endpoint NAME=URL[,model=M]`): one more row of the table."""
+
+    label: str  # NAME
+    url: str  # the OpenAI API base URL, ending in /v1
+    model: str | None = None  # None: the first model the server lists at /v1/models
+    calibration: str | None = None  # --endpoint-calibration NAME=FILE (a `pdserve bench probe` calibration)
+    mode: str = "endpoint"  # in the result's "spec", where pdserve's rows say colocated/disagg/auto
+
+
 def _ints(text: str, flag: str) -> list[int]:
     from cli import CliError  # noqa: PLC0415
 
@@ -65,9 +78,13 @@ def build_modes(modes: str, chunk_sizes: str, prefill: int, decode: int) -> list
     from cli import CliError  # noqa: PLC0415
 
     names = [m.strip() for m in modes.split(",") if m.strip()]
+    if names in ([], ["none"]):  # only the --endpoint servers
+        return []
     bad = [m for m in names if m not in ("colocated", "chunked", "disagg", "auto")]
-    if bad or not names:
-        raise CliError(f"--modes: expected a comma-separated subset of colocated,chunked,disagg,auto, got {modes!r}")
+    if bad:
+        raise CliError(
+            f"--modes: expected a comma-separated subset of colocated,chunked,disagg,auto, or none, got {modes!r}"
+        )
     if prefill < 1 or decode < 1:
         raise CliError("--prefill and --decode must be >= 1")
     out: list[ModeSpec] = []
@@ -87,6 +104,47 @@ def build_modes(modes: str, chunk_sizes: str, prefill: int, decode: int) -> list
     return out
 
 
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # a row label, and part of plot file names
+
+
+def parse_endpoints(given: list[str] | None, calibrations: list[str] | None, taken: set[str]) -> list[EndpointSpec]:
+    """`--endpoint NAME=URL[,model=M]` and `--endpoint-calibration NAME=FILE` (both repeatable);
+    `taken`: the labels of pdserve's own modes, which a NAME must not repeat."""
+    from benchmarks.serve_client import normalize_base_url  # noqa: PLC0415
+    from cli import CliError  # noqa: PLC0415
+
+    out: dict[str, EndpointSpec] = {}
+    for text in given or []:
+        name, sep, rest = text.partition("=")
+        url, *options = rest.split(",")
+        if not sep or not _NAME.fullmatch(name.strip()) or not url.strip():
+            raise CliError(f"--endpoint: expected NAME=URL[,model=M] (NAME: letters, digits, . _ -), got {text!r}")
+        name = name.strip()
+        if name in out or name in taken:
+            raise CliError(f"--endpoint {text!r}: the name {name!r} is already a row of the table; pick another")
+        try:
+            url = normalize_base_url(url.strip())
+        except ValueError:
+            raise CliError(f"--endpoint {text!r}: the URL must start with http:// or https://") from None
+        model = None
+        for opt in options:
+            key, sep, value = opt.partition("=")
+            if key.strip() != "model" or not sep or not value.strip() or model is not None:
+                raise CliError(f"--endpoint {text!r}: after the URL only one model=M is understood, got {opt!r}")
+            model = value.strip()
+        out[name] = EndpointSpec(name, url, model)
+    for text in calibrations or []:
+        name, sep, path = (x.strip() for x in text.partition("="))
+        if not sep or not path:
+            raise CliError(f"--endpoint-calibration: expected NAME=FILE, got {text!r}")
+        if name not in out:
+            raise CliError(f"--endpoint-calibration {text!r}: no --endpoint is named {name!r}")
+        if not Path(path).is_file():
+            raise CliError(f"--endpoint-calibration {text!r}: no such file")
+        out[name] = replace(out[name], calibration=path)
+    return list(out.values())
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = (
@@ -95,9 +153,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "  pdserve bench compare --quick                  # CI-sized\n"
         "  pdserve bench compare --modes colocated,disagg --prefill 2 --decode 2\n"
         "  pdserve bench compare --from-json benchmarks/results/compare-tiny-cpu.json  # redraw\n"
+        "  pdserve bench compare --modes colocated --endpoint vllm=http://HOST:8000,model=M  # beside vLLM\n"
+        "  pdserve bench compare --modes none --endpoint a=http://HOST:8000 --endpoint b=http://HOST:8100\n"
     )
     g = p.add_argument_group("servers")
-    g.add_argument("--modes", default="colocated,chunked,disagg", help="comma-separated: colocated,chunked,disagg")
+    g.add_argument(
+        "--modes",
+        default="colocated,chunked,disagg",
+        help="pdserve servers to start, comma-separated: colocated,chunked,disagg,auto; "
+        "none: start none, measure only the --endpoint servers",
+    )
     g.add_argument("--chunk-sizes", default="32,128", help="one chunked run per size (tokens)")
     g.add_argument("--prefill", type=int, default=1, metavar="N", help="disagg prefill workers")
     g.add_argument("--decode", type=int, default=1, metavar="M", help="decode (and colocated) workers")
@@ -117,6 +182,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "a document sent again is neither prefilled nor pulled in full)",
     )
     g.add_argument("--startup-timeout-s", type=float, default=300.0)
+    e = p.add_argument_group("servers pdserve did not start (vLLM, SGLang, ...; recipes in docs/external.md)")
+    e.add_argument(
+        "--endpoint",
+        action="append",
+        metavar="NAME=URL[,model=M]",
+        help="repeatable: one more row of the table, named NAME: the same warm-up, timed run and report "
+        "against this OpenAI-compatible server (model: default the first at /v1/models). Greedy equality is "
+        "checked where the server returns token ids (pdserve does) and compared as text otherwise; "
+        "it never fails the run",
+    )
+    e.add_argument(
+        "--endpoint-calibration",
+        action="append",
+        metavar="NAME=FILE",
+        help="repeatable: the calibration `pdserve bench probe --base-url URL` wrote for that server; "
+        "without one the endpoint's row has no prediction",
+    )
     w = p.add_argument_group("workload (the article mix; defaults are CPU-sized)")
     for flag, key in (
         ("--chat-streams", "chat_streams"),

@@ -11,6 +11,7 @@ prefix-cache hits shape nothing that is timed.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.compare_record import ModeRun
@@ -23,35 +24,46 @@ from costmodel.workloads import RequestSpec
 NEAR_TIE_NATS = 0.25
 
 
-async def equality_pass(base_url: str, model: str, specs: list[RequestSpec]) -> tuple[dict, dict]:
-    """Every request at once, non-streamed, greedy: (token ids by request id, top-2 logprob margin
-    of each generated token by request id). It runs after the timed run, so with prefix caching on
-    its prompts are cached: its KV transfers say nothing, the timed run's are reported."""
+@dataclass
+class GreedyPass:
+    """What the equality pass got back, by request id."""
+
+    token_ids: dict[str, list[int]]  # from pdserve.timeline.token_ids; [] where the server sends none
+    margins: dict[str, list[float | None]]  # top-2 logprob margin of each generated token
+    texts: dict[str, str]  # the text: the only witness a server without token ids gives
+
+
+async def equality_pass(
+    base_url: str, model: str, specs: list[RequestSpec], api_key: str = "none", logprobs: int | None = 2
+) -> GreedyPass:
+    """Every request at once, non-streamed, greedy. It runs after the timed run, so with prefix
+    caching on its prompts are cached: its KV transfers say nothing, the timed run's are reported.
+    `logprobs=None` for servers pdserve did not start: the margins only matter for a reference."""
     from openai import AsyncOpenAI  # noqa: PLC0415
 
-    client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600)
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
 
-    async def one(s: RequestSpec) -> tuple[str, list[int], list[float | None]]:
+    async def one(s: RequestSpec) -> tuple[str, list[int], list[float | None], str]:
         prompt = list(s.prompt) if isinstance(s.prompt, tuple) else s.prompt
         resp = await client.completions.create(
             model=model,
             prompt=prompt,
             max_tokens=s.max_tokens,
             temperature=0,
-            logprobs=2,
-            extra_body={"ignore_eos": True},
+            # logprobs rides in the body: the same JSON as the parameter, and absent when None
+            extra_body={"ignore_eos": True, **({"logprobs": logprobs} if logprobs is not None else {})},
         )
-        tl = (resp.model_extra or {}).get("pdserve", {}).get("timeline", {})
+        tl = ((resp.model_extra or {}).get("pdserve") or {}).get("timeline") or {}
         lp = resp.choices[0].logprobs
         tops = (lp.top_logprobs or []) if lp is not None else []
         margins = [_margin(t) for t in tops]
-        return s.request_id, list(tl.get("token_ids", [])), margins
+        return s.request_id, list(tl.get("token_ids") or []), margins, resp.choices[0].text or ""
 
     try:
         out = await asyncio.gather(*(one(s) for s in specs))
     finally:
         await client.close()
-    return {rid: ids for rid, ids, _ in out}, {rid: m for rid, _, m in out}
+    return GreedyPass({o[0]: o[1] for o in out}, {o[0]: o[2] for o in out}, {o[0]: o[3] for o in out})
 
 
 def _margin(top: dict[str, float] | None) -> float | None:
@@ -114,3 +126,32 @@ def check_equality(runs: list[ModeRun]) -> dict[str, Any]:
         "how": "greedy token ids from pdserve.timeline.token_ids of the equality pass (every request of "
         "the workload at once), compared request by request with the reference mode",
     }
+
+
+def check_endpoints(reference: ModeRun | None, endpoints: list[ModeRun]) -> dict[str, dict[str, Any]]:
+    """Each server pdserve did not start against the reference mode, by token ids where it sent
+    them (a pdserve server does), else by greedy text. Informational: another model, tokenizer or
+    precision answers differently and is not wrong, so this never fails the run."""
+    out = {}
+    for run in endpoints:
+        row: dict[str, Any] = {"reference": reference.spec.label if reference else None, "identical": None}
+        pass_error = (run.endpoint or {}).get("equality_pass_error")
+        if run.error is not None:
+            row["note"] = "the endpoint failed"
+        elif reference is None:
+            row["note"] = "no pdserve mode ran to compare with"
+        elif pass_error:
+            row["note"] = f"its equality pass failed: {pass_error}"
+        else:
+            mine: dict[str, Any]
+            theirs: dict[str, Any]
+            if run.token_ids:
+                mine, theirs = run.token_ids, reference.token_ids
+                row["how"] = "greedy token ids (pdserve.timeline.token_ids), request by request"
+            else:
+                mine, theirs = run.greedy_texts or {}, reference.greedy_texts or {}
+                row["how"] = "greedy text, request by request (the server returns no token ids)"
+            differ = [rid for rid, want in theirs.items() if mine.get(rid) != want]
+            row.update(identical=not differ, compared=len(theirs), differing=len(differ), examples=differ[:10])
+        out[run.spec.label] = row
+    return out

@@ -14,7 +14,7 @@ from typing import Any
 
 from benchmarks import compare_auto, demo_samples
 from benchmarks.compare_plots import plot_latency, plot_predicted, plot_timelines
-from benchmarks.compare_table import fmt_num, fmt_pct, num, ok_modes, table_cells
+from benchmarks.compare_table import endpoint_notes, fmt_num, fmt_pct, num, ok_modes, table_cells
 
 
 @dataclass
@@ -120,6 +120,56 @@ def _transfer_section(result: dict[str, Any]) -> list[str]:
     ]
 
 
+def _equality_section(eq: dict[str, Any]) -> list[str]:
+    """Greedy equality across pdserve's own modes (the endpoints have theirs beside it)."""
+    return [
+        "## Greedy equality across modes",
+        "",
+        {
+            True: f"**Identical.** All {eq.get('requests')} requests returned the same greedy token ids in every mode "
+            f"({', '.join(eq.get('modes', []))}; {eq.get('compared')} comparisons against {eq.get('reference')}).",
+            False: f"**MISMATCH** in {len(eq.get('mismatches', []))} of {eq.get('compared')} comparisons against "
+            f"{eq.get('reference')}: "
+            + "; ".join(
+                f"{x['mode']} {x['request_id']} from token {x['first_difference']}"
+                for x in eq.get("mismatches", [])[:10]
+            ),
+            None: f"Not checked: {eq.get('note')}.",
+        }[eq.get("identical")]
+        + (
+            f" Each difference starts where the {eq.get('reference')} run's greedy choice was a near-tie "
+            f"(top-2 logprob margin below {eq.get('near_tie_nats')} nats; margins: "
+            + ", ".join(str(x.get("reference_margin")) for x in eq.get("mismatches", [])[:10])
+            + "): the FP8 KV of a real model, quantized from activations that differ in their last bits "
+            "between batch shapes and chunk sizes, can flip such a choice. Random-weight models are scaled so "
+            "that greedy margins are far larger; for them any difference is a bug."
+            if eq.get("only_near_ties")
+            else ""
+        ),
+        f"Method: {eq.get('how', '-')}. The streamed text of the timed runs was "
+        f"{'identical too' if eq.get('timed_text_identical') else 'NOT identical'} across modes.",
+        "",
+    ]
+
+
+def _endpoint_section(result: dict[str, Any]) -> list[str]:
+    notes = endpoint_notes(result)
+    if not notes:
+        return []
+    return [
+        "## Servers pdserve did not start (`--endpoint`)",
+        "",
+        "Driven by the same client with the same warm-up, timed run and equality pass as pdserve's modes. "
+        "Their greedy output is compared with the reference mode's by token ids where the server returns them "
+        "(pdserve does), else by text; a different model, tokenizer or precision answers differently, so the "
+        "comparison never fails the run. Their predictions use the calibration `pdserve bench probe` measured "
+        "on them (`--endpoint-calibration NAME=FILE`), simulated in the serving mode the probe inferred.",
+        "",
+        *(f"- {line}" for line in notes),
+        "",
+    ]
+
+
 def write_report(result: dict[str, Any], out_dir: Path, name: str, result_path: Path | None = None) -> ReportFiles:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -170,32 +220,8 @@ def write_report(result: dict[str, Any], out_dir: Path, name: str, result_path: 
         + "; ".join(f"{m['label']} {m.get('load_average')}" for m in ok_modes(result))
         + ".",
         "",
-        "## Greedy equality across modes",
-        "",
-        {
-            True: f"**Identical.** All {eq.get('requests')} requests returned the same greedy token ids in every mode "
-            f"({', '.join(eq.get('modes', []))}; {eq.get('compared')} comparisons against {eq.get('reference')}).",
-            False: f"**MISMATCH** in {len(eq.get('mismatches', []))} of {eq.get('compared')} comparisons against "
-            f"{eq.get('reference')}: "
-            + "; ".join(
-                f"{x['mode']} {x['request_id']} from token {x['first_difference']}"
-                for x in eq.get("mismatches", [])[:10]
-            ),
-            None: f"Not checked: {eq.get('note')}.",
-        }[eq.get("identical")]
-        + (
-            f" Each difference starts where the {eq.get('reference')} run's greedy choice was a near-tie "
-            f"(top-2 logprob margin below {eq.get('near_tie_nats')} nats; margins: "
-            + ", ".join(str(x.get("reference_margin")) for x in eq.get("mismatches", [])[:10])
-            + "): the FP8 KV of a real model, quantized from activations that differ in their last bits "
-            "between batch shapes and chunk sizes, can flip such a choice. Random-weight models are scaled so "
-            "that greedy margins are far larger; for them any difference is a bug."
-            if eq.get("only_near_ties")
-            else ""
-        ),
-        f"Method: {eq.get('how', '-')}. The streamed text of the timed runs was "
-        f"{'identical too' if eq.get('timed_text_identical') else 'NOT identical'} across modes.",
-        "",
+        *(_equality_section(eq) if any(not m.get("endpoint") for m in result["modes"]) else []),
+        *_endpoint_section(result),
         *demo_samples.report_section(result["modes"]),
         "## Stall per document",
         "",
@@ -230,6 +256,8 @@ def write_report(result: dict[str, Any], out_dir: Path, name: str, result_path: 
         ]
     else:
         lines += [f"No predictions: {result.get('prediction_error')}", ""]
+        if any(m.get("endpoint") and m.get("predicted") for m in result["modes"]):
+            lines += ["Endpoints, each cell: measured / simulated (error).", "", *_predicted_section(result), ""]
     lines += compare_auto.report_lines(result) + [""]
     lines += _transfer_section(result)
     if result["device"] == "cpu":

@@ -74,7 +74,7 @@ def run_mode(
         with QuietGC() as quiet:  # no full collection of the whole process mid-run
             result = asyncio.run(run_benchmark(replace(bench, client=client), specs))
         log(f"  equality pass ({len(specs)} requests at once)")
-        ids, margins = asyncio.run(equality_pass(srv.base_url, cfg.model_name, specs))
+        greedy = asyncio.run(equality_pass(srv.base_url, cfg.model_name, specs))
         transfers = [{"request_id": r.request_id, **r.transfer} for r in result.records if r.transfer]
         samples = None
         if cfg.model not in PRESETS:  # a real model: a few answers a person can read
@@ -90,13 +90,14 @@ def run_mode(
         spec,
         cfg.to_dict(),
         startup,
-        ids,
+        greedy.token_ids,
         transfers,
         result,
-        load_average=_load(),
+        load_average=load_average(),
         samples=samples,
         probes=probes,
-        margins=margins,
+        margins=greedy.margins,
+        greedy_texts=greedy.texts,
         serving_overhead=serving_overhead(warmup.records),
         gc=quiet.summary(),
     )
@@ -126,7 +127,7 @@ def serving_overhead(records: list[Any]) -> dict[str, float | None]:
     return {"hop_ms": med(hop), "client_beyond_router_ms": med(client_extra), "requests": len(hop)}
 
 
-def _load() -> list[float] | None:
+def load_average() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:

@@ -11,16 +11,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from benchmarks.compare_args import ModeSpec
+from benchmarks.compare_args import EndpointSpec, ModeSpec
 
 
 @dataclass
 class ModeRun:
     """One mode's run as measured, before it becomes JSON (`error` set: the mode failed)."""
 
-    spec: ModeSpec
+    spec: ModeSpec | EndpointSpec
     serve_config: dict[str, Any]
-    startup_s: float
+    startup_s: float | None  # None: a server pdserve did not start
     token_ids: dict[str, list[int]]  # equality pass, by request id
     transfers: list[dict[str, Any]]  # disagg: the KV transfer of each request (timed run)
     bench: Any  # BenchResult of the timed run
@@ -31,6 +31,8 @@ class ModeRun:
     margins: dict[str, list[float | None]] | None = None  # equality pass: top-2 margin per token
     serving_overhead: dict[str, Any] | None = None  # measured in the warm-up (compare_modes.serving_overhead)
     gc: dict[str, Any] | None = None  # the garbage collector during the timed run (benchmarks/gc_pauses.py)
+    greedy_texts: dict[str, str] | None = None  # equality pass: the text (compared for servers without token ids)
+    endpoint: dict[str, Any] | None = None  # --endpoint rows: URL, model, calibration, the prediction's basis
 
 
 def pack(times: list[float]) -> str:
@@ -65,6 +67,8 @@ def result_payload(
             "serving_overhead": r.serving_overhead,
             "gc_timed_run": r.gc,
         }
+        if r.endpoint is not None:
+            entry["endpoint"] = r.endpoint
         if r.bench is not None:
             entry["metrics"] = asdict(r.bench.metrics)
             entry["wall_s"] = r.bench.wall_s

@@ -91,19 +91,50 @@ def format_table(result: dict[str, Any]) -> str:
     )
     lines = [title, fmt(head), fmt(units), "-" * (sum(w) + 2 * (len(w) - 1))]
     lines += [fmt(r) if not r[1].startswith("FAILED") else f"{r[0]}  {r[1]}" for r in rows]
-    eq = result["equality"]
-    verdict = {True: "IDENTICAL", False: "MISMATCH", None: "not checked"}[eq.get("identical")]
-    if eq.get("only_near_ties"):
-        verdict = "identical except at near-ties (see report)"
-    lines.append(
-        f"greedy tokens across modes ({eq.get('compared', 0)} request comparisons vs {eq.get('reference')}): {verdict}"
-    )
-    lines.append(
-        "sim = simulator + cost model on the calibrated device (predicted, not measured)"
-        if result.get("prediction_setup")
-        else f"no predictions: {result.get('prediction_error')}"
-    )
+    if any(not m.get("endpoint") for m in result["modes"]):  # pdserve's own modes ran
+        eq = result["equality"]
+        verdict = {True: "IDENTICAL", False: "MISMATCH", None: "not checked"}[eq.get("identical")]
+        if eq.get("only_near_ties"):
+            verdict = "identical except at near-ties (see report)"
+        lines.append(
+            f"greedy tokens across modes ({eq.get('compared', 0)} request comparisons vs {eq.get('reference')}): "
+            f"{verdict}"
+        )
+        lines.append(
+            "sim = simulator + cost model on the calibrated device (predicted, not measured)"
+            if result.get("prediction_setup")
+            else f"no predictions: {result.get('prediction_error')}"
+        )
+    lines += endpoint_notes(result)
     return "\n".join(lines)
+
+
+def endpoint_notes(result: dict[str, Any]) -> list[str]:
+    """One line per server pdserve did not start: where it is, how its greedy output compared
+    with pdserve's reference mode, and what its prediction stands on (or why there is none)."""
+    lines = []
+    for m in result["modes"]:
+        ep = m.get("endpoint")
+        if not ep:
+            continue
+        if "metrics" not in m:
+            lines.append(f"{m['label']} = {ep['url']}: failed, nothing measured")
+            continue
+        eq = (result["equality"].get("endpoints") or {}).get(m["label"], {})
+        if eq.get("identical") is None:
+            same = f"not checked ({eq.get('note')})"
+        else:
+            what = "token ids" if "token ids" in eq.get("how", "") else "text"
+            same = (
+                f"{what} identical to {eq['reference']} in all {eq['compared']} requests"
+                if eq["identical"]
+                else f"{what} differs from {eq['reference']} in {eq['differing']} of {eq['compared']} requests "
+                "(informational)"
+            )
+        pred = ep.get("prediction") or {}
+        sim = f"sim: {pred['basis']}" if pred.get("setup") else f"no prediction: {pred.get('error')}"
+        lines.append(f"{m['label']} = {ep['url']} ({ep.get('model') or 'model not known'}): greedy {same}; {sim}")
+    return lines
 
 
 def near_tie_note(eq: dict[str, Any]) -> str:

@@ -217,3 +217,46 @@ def test_predictions_price_the_served_tokens_and_the_link():
         "decode_wait_ms": True,
         "transfer_ms": True,
     }
+
+
+@pytest.mark.timeout(240)
+def test_bench_compare_endpoint_beside_a_mode(ray_cluster, tmp_path, capsys):
+    """Cost: two tiny servers (one started here, as a server pdserve's compare did not start; one
+    colocated mode) through the quick workload. The endpoint's row is measured like the mode's,
+    its greedy tokens compared by id (a pdserve endpoint returns them), its prediction made on
+    the calibration given for it; an unreachable endpoint fails its own row only (exit 1)."""
+    import socket
+
+    from router.config import ServeConfig
+    from router.serve_cli import ServerThread
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    with ServerThread(ServeConfig(model="tiny", num_blocks=512), startup_timeout_s=180) as srv:
+        rc = cli_main(
+            [
+                "bench", "compare", "--quick", "--model", "tiny", "--device", "cpu", "--modes", "colocated",
+                "--endpoint", f"ext={srv.url},model=tiny", "--endpoint-calibration", f"ext={CALIBRATION}",
+                "--endpoint", f"down=http://127.0.0.1:{closed}", "--calibration", str(CALIBRATION),
+                "--out-dir", str(tmp_path), "--out", "ep", "--no-progress",
+            ]
+        )  # fmt: skip
+    out, err = capsys.readouterr()
+    assert rc == 1, out + err  # the unreachable endpoint's row failed
+    result = json.loads((tmp_path / "ep.json").read_text())
+    rows = {m["label"]: m for m in result["modes"]}
+    assert list(rows) == ["colocated", "ext", "down"]
+    ext, n = rows["ext"], len(result["requests"])
+    assert ext["error"] is None and ext["spec"]["mode"] == "endpoint"
+    assert ext["endpoint"]["url"] == srv.base_url and ext["endpoint"]["model"] == "tiny"
+    assert ext["metrics"]["completed"] == n and ext["metrics"]["ttft_ms"]["p50"] > 0
+    assert ext["predicted"]["compared"]["ttft_chat_p50_ms"]["predicted"] is not None
+    assert ext["endpoint"]["prediction"]["simulated_as"] == "colocated"
+    eq = result["equality"]["endpoints"]["ext"]
+    assert eq["identical"] is True and eq["compared"] == n and "token ids" in eq["how"], eq
+    assert "cannot reach" in rows["down"]["error"] and "metrics" not in rows["down"]
+    assert result["equality"]["endpoints"]["down"]["identical"] is None
+    assert rows["colocated"]["error"] is None and rows["colocated"]["metrics"]["completed"] == n
+    assert "ext = " in out and "down" in err
+    assert "## Servers pdserve did not start" in (tmp_path / "ep.md").read_text()
