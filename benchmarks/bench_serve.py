@@ -4,6 +4,9 @@ TTFT/TPOT/ITL/E2E, throughput, goodput and the article's stall metric.
 In-process use (`bench compare`): `result = await run_benchmark(BenchConfig(...))`, then
 `result.metrics` (a ServeMetrics) and `result.records` (one RequestRecord per request).
 Metric formulas: see costmodel/serve_metrics.py.
+
+Prompts are fresh on every run (a seed drawn at random and recorded in the result) unless
+`--seed` pins them: a server with a prefix cache would serve a repeated run's documents from it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import argparse
 import asyncio
 import datetime as _dt
 import math
+import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -19,7 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.multiturn import MultiTurnWorkload, NoTimeline, run_chats, summarize, table
-from benchmarks.serve_client import ClientConfig, ClientError, normalize_base_url, run_requests
+from benchmarks.serve_client import (
+    ClientConfig,
+    ClientError,
+    StreamRecord,
+    normalize_base_url,
+    run_requests,
+    shape_counts,
+    shape_warning,
+)
 from cli import CliError
 from cli.output import emit_json
 from costmodel.provenance import OUT_DIR_HELP, write_result
@@ -50,6 +62,9 @@ class BenchResult:
             "config": asdict(self.config),
             "metrics": asdict(self.metrics),
         }
+        shapes = shape_counts(self.records)
+        if shapes:  # {code: streams}: serve_client.SHAPE_NOTES says what each means
+            out["stream_shape"] = shapes
         if include_records:
             out["records"] = [asdict(r) for r in self.records]
         return _finite(out)
@@ -76,6 +91,32 @@ async def run_benchmark(config: BenchConfig, specs: list[RequestSpec] | None = N
     return BenchResult(config, model, records, metrics, wall)
 
 
+# ----------------------------------------------------------------------------- prefix cache
+
+
+def cached_tokens(records: list[RequestRecord]) -> tuple[int, int] | None:
+    """(prompt tokens the server served from its cache, prompt tokens) over the requests where it
+    said (usage.prompt_tokens_details.cached_tokens); None where it never did."""
+    told = [r for r in records if isinstance(r, StreamRecord) and r.cached_tokens is not None]
+    if not told:
+        return None
+    return sum(r.cached_tokens or 0 for r in told), sum(r.n_in for r in told)
+
+
+def cached_documents_warning(records: list[RequestRecord]) -> str | None:
+    """One line when a measured document's prompt came (partly) from the server's cache: its TTFT
+    and the stall it causes are then not a fresh prefill's."""
+    hit = [r for r in records if r.kind == "document" and isinstance(r, StreamRecord) and r.cached_tokens]
+    if not hit:
+        return None
+    docs = sum(r.kind == "document" for r in records)
+    each = ", ".join(f"{r.request_id} {r.cached_tokens}/{r.n_in}" for r in hit[:4]) + (", ..." if len(hit) > 4 else "")
+    return (
+        f"{len(hit)}/{docs} documents were served partly from the server's prefix cache (cached/prompt "
+        f"tokens: {each}): their TTFT and stall are not a fresh prefill's (one --seed twice sends the same prompts)"
+    )
+
+
 # ----------------------------------------------------------------------------- summary table
 
 
@@ -90,10 +131,14 @@ def format_table(result: BenchResult) -> str:
         ("Requests completed / failed / not sent", f"{m.completed} / {m.failed} / {m.not_sent}"),
         ("Benchmark duration (s)", _fmt(m.duration_s)),
         ("Input / output tokens", f"{m.total_input_tokens} / {m.total_output_tokens}"),
+        ("Workload seed", str(c.workload.seed)),
         ("Request throughput (req/s)", _fmt(m.request_throughput, 3)),
         ("Output token throughput (tok/s)", _fmt(m.output_throughput)),
         ("Total token throughput (tok/s)", _fmt(m.total_token_throughput)),
     ]
+    cached = cached_tokens(result.records)
+    if cached is not None:
+        scalars.append(("Prompt tokens from the server's cache", f"{cached[0]} / {cached[1]}"))
     if m.goodput is not None:
         slo = f"TTFT<={_fmt(m.slo_ttft_ms, 0)}ms TPOT<={_fmt(m.slo_tpot_ms, 0)}ms"
         scalars.append((f"Goodput (req/s) [{slo}]", f"{_fmt(m.goodput, 3)} ({m.slo_met}/{m.completed} met)"))
@@ -166,7 +211,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="send prompts as lists of token ids (exact lengths on any tokenizer)",
     )
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seeds the prompts, lengths and arrivals (default: a new seed each run, recorded in the result, so a "
+        "rerun's prompts never come from the server's prefix cache; pass it to repeat a run)",
+    )
     a = p.add_argument_group("article mix (--workload article)")
     a.add_argument("--chat-streams", type=int, default=d_w.chat_streams)
     a.add_argument("--chat-prompt-len", type=int, default=d_w.chat_prompt_len)
@@ -205,10 +256,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--out-dir", "--results-dir", dest="results_dir", metavar="DIR", default=None, help=OUT_DIR_HELP)
 
 
+def drawn_seed(args: argparse.Namespace) -> int:
+    """--seed, or a fresh one: the same seed twice sends the same prompts, which a server with a
+    prefix cache then serves from it (one seeded article run measured a 3,387 ms stall, its repeat 474 ms)."""
+    return args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    seed = drawn_seed(args)
     workload = WorkloadConfig(
         workload=args.workload,
-        seed=args.seed,
+        seed=seed,
         prompt_token_ids=args.prompt_token_ids,
         num_requests=args.num_requests,
         request_rate=args.request_rate,
@@ -233,7 +291,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         api_key=args.api_key,
         model=args.model,
         temperature=args.temperature,
-        seed=args.seed,
+        seed=seed,
         max_concurrency=args.max_concurrency,
         duration_limit_s=args.duration_limit_s,
         request_timeout_s=args.request_timeout_s,
@@ -246,7 +304,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 def multiturn_main(args: argparse.Namespace) -> int:
     """`--workload multiturn`: TTFT by turn, prefix hit rate per side and KV bytes per request of
     the server as it is deployed (bench kvcache compares cache and routing settings)."""
-    wl = MultiTurnWorkload(args.conversations, args.turns, args.system_len, args.user_len, args.reply_len, args.seed)
+    seed = drawn_seed(args)
+    wl = MultiTurnWorkload(args.conversations, args.turns, args.system_len, args.user_len, args.reply_len, seed)
     try:
         wl.validate()
         url = normalize_base_url(args.base_url)
@@ -257,7 +316,7 @@ def multiturn_main(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     summary = summarize(rows, wl.turns)
     name = args.out or f"serve_multiturn_{_dt.datetime.now():%Y%m%d_%H%M%S}"
-    config = {"workload": asdict(wl), "base_url": url, "model": args.model}
+    config = {"workload": asdict(wl), "base_url": url, "model": args.model, "seed_drawn": args.seed is None}
     out_dir = Path(args.results_dir) if args.results_dir else None
     path = write_result(name, {**summary, "records": rows}, config, out_dir)
     if args.json:
@@ -288,9 +347,12 @@ def main(args: argparse.Namespace) -> int:
     path = write_result(
         name,
         {k: v for k, v in payload.items() if k != "config"},
-        payload["config"],
+        {**payload["config"], "seed_drawn": args.seed is None},  # the seed itself: config.workload.seed
         Path(args.results_dir) if args.results_dir else None,
     )
+    for warning in (shape_warning(result.records), cached_documents_warning(result.records)):
+        if warning:
+            print(f"pdserve bench serve: warning: {warning}", file=sys.stderr)
     if args.json:
         emit_json({"result_file": str(path), "model": result.model, "metrics": payload["metrics"]})
     else:

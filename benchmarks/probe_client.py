@@ -22,7 +22,18 @@ from typing import Literal
 
 from openai import AsyncOpenAI
 
-from benchmarks.serve_client import ClientConfig, ClientError, discover_model, make_client, send_one
+from benchmarks.serve_client import (
+    NOT_PER_TOKEN,
+    SHAPE_NOTES,
+    ClientConfig,
+    ClientError,
+    StreamRecord,
+    discover_model,
+    make_client,
+    send_one,
+    shape_of,
+    tokens_in_chunks,
+)
 from costmodel.serve_metrics import RequestRecord
 from costmodel.workloads import RequestSpec, WorkloadConfig
 
@@ -123,7 +134,8 @@ class ProbeClient:
 
     @staticmethod
     def record(spec: RequestSpec) -> RequestRecord:
-        return RequestRecord(spec.request_id, spec.kind, spec.prompt_len, spec.max_tokens, 0.0)
+        # a StreamRecord: `checked` reads how the server shaped the stream
+        return StreamRecord(spec.request_id, spec.kind, spec.prompt_len, spec.max_tokens, 0.0)
 
     async def run(self, spec: RequestSpec, rec: RequestRecord | None = None) -> RequestRecord:
         """Send one request and stream it to the end (bounded by the request timeout), filling `rec`."""
@@ -148,7 +160,15 @@ class ProbeClient:
 
 
 def checked(rec: RequestRecord) -> RequestRecord:
-    """The record, or a ProbeError saying why the request failed (a server that died mid-probe)."""
+    """The record, or a ProbeError saying why the request failed (a server that died mid-probe),
+    or why its stream cannot be timed token by token (the probe's decode step and stall are gaps
+    between tokens, taken as gaps between chunks)."""
     if not rec.ok:
         raise ProbeError(f"request {rec.request_id} ({rec.prompt_len}-token prompt) failed: {rec.error}")
+    for code in NOT_PER_TOKEN:
+        if code in shape_of(rec):
+            raise ProbeError(
+                f"request {rec.request_id} streamed {tokens_in_chunks(rec)}: {SHAPE_NOTES[code]}; the probe "
+                "times each token by its own chunk and cannot measure this server"
+            )
     return rec

@@ -1,7 +1,8 @@
 """Fakes for tests about a caller's own logic. The project's single home for fakes.
 
 FakeCompletionsServer: a minimal OpenAI-compatible completions server (FastAPI + uvicorn on
-127.0.0.1, a free port) that streams a scripted answer with known delays. It exists to test the
+127.0.0.1, a free port) that streams a scripted answer with known delays, shaped as pdserve's
+streams or as other servers shape theirs (FakeScript's stream-shape fields). It exists to test the
 benchmark client's timing and parsing, not serving; serving is tested against the real router.
 """
 
@@ -31,17 +32,22 @@ class FakeScript:
     report_usage: bool = True
     fail_prompts: tuple[str, ...] = ()  # prompts answered with HTTP 500
     refuse_token_ids: bool = False  # answer prompts given as token-id lists with HTTP 400 (text only)
+    # stream shapes of other servers (benchmarks/serve_client.py, "stream shapes"):
+    finish_in_last_token: bool = False  # vLLM: finish_reason in the last token's chunk, no bare marker
+    empty_text_tokens: tuple[int, ...] = ()  # tokens streamed with empty text (a partial UTF-8 character)
+    first_chunk: str | None = None  # before the first token: "role" (a chat role-only delta) or "empty" text
+    cached_tokens: int | None = None  # reported as usage.prompt_tokens_details.cached_tokens
     model: str = "fake-model"
     received: list[dict[str, Any]] = field(default_factory=list)  # request bodies, in order
 
 
-def _chunk(rid: str, model: str, text: str, finish: str | None) -> str:
+def _chunk(rid: str, model: str, text: str, finish: str | None, choice: dict[str, Any] | None = None) -> str:
     body = {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "choices": [choice or {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
     }
     return f"data: {json.dumps(body)}\n\n"
 
@@ -67,22 +73,32 @@ def build_app(script: FakeScript) -> FastAPI:
         usage = bool((body.get("stream_options") or {}).get("include_usage")) and script.report_usage
 
         async def events() -> AsyncIterator[str]:
+            if script.first_chunk == "role":  # at once: the first token comes first_token_delay_s later
+                yield _chunk(rid, script.model, "", None, {"index": 0, "delta": {"role": "assistant"}})
+            elif script.first_chunk == "empty":
+                yield _chunk(rid, script.model, "", None)
             await asyncio.sleep(script.first_token_delay_s)
             for start in range(0, n, script.tokens_per_chunk):
                 if start:
                     await asyncio.sleep(script.itl_s)
-                text = "".join(f"t{i} " for i in range(start, min(n, start + script.tokens_per_chunk)))
-                yield _chunk(rid, script.model, text, None)
-            yield _chunk(rid, script.model, "", "length")
+                ids = range(start, min(n, start + script.tokens_per_chunk))
+                text = "".join("" if i in script.empty_text_tokens else f"t{i} " for i in ids)
+                last = script.finish_in_last_token and ids[-1] == n - 1
+                yield _chunk(rid, script.model, text, "length" if last else None)
+            if not script.finish_in_last_token:
+                yield _chunk(rid, script.model, "", "length")
             if usage:
                 n_in = len(prompt) if isinstance(prompt, (str, list)) else 0
+                use: dict[str, Any] = {"prompt_tokens": n_in, "completion_tokens": n, "total_tokens": n_in + n}
+                if script.cached_tokens is not None:
+                    use["prompt_tokens_details"] = {"cached_tokens": script.cached_tokens}
                 u = {
                     "id": rid,
                     "object": "text_completion",
                     "created": int(time.time()),
                     "model": script.model,
                     "choices": [],
-                    "usage": {"prompt_tokens": n_in, "completion_tokens": n, "total_tokens": n_in + n},
+                    "usage": use,
                 }
                 yield f"data: {json.dumps(u)}\n\n"
             yield "data: [DONE]\n\n"
