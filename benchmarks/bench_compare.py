@@ -8,7 +8,9 @@ modes, and writes the result JSON, the report and the table. Each of those jobs 
 - `compare_modes.py`: one pdserve server per mode (warm-up, timed run, equality pass);
 - `compare_endpoints.py`: the same for servers pdserve did not start (`--endpoint NAME=URL`);
 - `compare_equality.py`: the equality pass and the check across modes;
-- `compare_calibration_file.py`: which calibration the predictions use;
+- `compare_calibration.py`: each server's own steps, fitted (the self-calibration);
+- `compare_calibration_file.py`: where a calibration file is found;
+- `compare_prediction.py`: which calibration predicts each mode, and the SLOs;
 - `compare_record.py`: the result JSON's payload;
 - `compare_table.py`, `compare_markdown.py`, `compare_plots.py`: the report.
 Predictions come from the simulator on a calibrated device model (`costmodel/compare_predict.py`)
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import compare_markdown, compare_table
+from benchmarks import compare_prediction as pc
 from benchmarks.bench_serve import BenchConfig
 from benchmarks.compare_args import (
     EndpointSpec,
@@ -62,10 +65,9 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     except ValueError as e:
         raise CliError(str(e)) from None
     out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
-    if modes:
-        setup, setup_error, cal = _file_setup(args, out_dir, device)
-    else:
-        setup, setup_error, cal = None, "no pdserve mode ran (--modes none)", None
+    file_setup, file_error, cal = _file_setup(args, out_dir, device) if modes else (None, None, None)
+    if file_setup is not None and file_setup.warning:
+        log(f"warning: {file_setup.warning}")
     bench = BenchConfig(
         wl,
         ClientConfig(duration_limit_s=args.duration_limit_s, seed=args.seed, show_progress=not args.no_progress),
@@ -75,14 +77,21 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     # Endpoints first: starting the embedded Ray may move this thread into a private network
     # namespace (router/ray_cluster.py), from where no outside server can be reached.
     outside = [_run_endpoint(ep, i, len(endpoints), bench, specs) for i, ep in enumerate(endpoints, 1)]
-    runs = (_run_modes(args, modes, device, cal, bench, specs) if modes else []) + outside
-    predictions = _predict(args, runs, setup, specs)
+    runs = (_run_modes(args, modes, device, cal, file_setup, bench, specs) if modes else []) + outside
+    setups = _choose_setups(args, runs, file_setup, file_error, specs)
+    reference = next(iter(setups.values()), None)  # the SLOs and the report's reference points
+    slo = _slos(args, wl, reference, runs)
+    pc.apply_slos(runs, slo["ttft_ms"], slo["tpot_ms"])
+    predictions = _predict(args, runs, setups, specs, slo)
     ours = [r for r in runs if isinstance(r.spec, ModeSpec)]
     equality = check_equality(ours)
     if endpoints:  # beside, never in, the verdict on pdserve's modes: another server may differ and pass
-        reference = next((r for r in ours if r.error is None), None)
-        equality["endpoints"] = check_endpoints(reference, [r for r in runs if isinstance(r.spec, EndpointSpec)])
-    return result_payload(args, device, wl, specs, runs, predictions, setup, setup_error, cal, equality)
+        first = next((r for r in ours if r.error is None), None)
+        equality["endpoints"] = check_endpoints(first, [r for r in runs if isinstance(r.spec, EndpointSpec)])
+    setup_error = None if setups else (file_error or "no pdserve mode ran (--modes none)")
+    return result_payload(
+        args, device, wl, specs, runs, predictions, reference, setup_error, cal, equality, slo, setups
+    )
 
 
 def _run_endpoint(ep: EndpointSpec, i: int, n: int, bench: BenchConfig, specs: list[RequestSpec]) -> ModeRun:
@@ -96,7 +105,8 @@ def _run_endpoint(ep: EndpointSpec, i: int, n: int, bench: BenchConfig, specs: l
 
 
 def _file_setup(args: argparse.Namespace, out_dir: Path, device: str) -> tuple[Any, str | None, Path]:
-    """The device model pdserve's modes are predicted with, from a calibration file."""
+    """The calibration file's device model: what every mode is predicted with under
+    --calibration, else the candidate beside each server's self-calibration."""
     from cli import CliError  # noqa: PLC0415
     from costmodel import compare_predict as cp  # noqa: PLC0415
 
@@ -110,16 +120,27 @@ def _file_setup(args: argparse.Namespace, out_dir: Path, device: str) -> tuple[A
         except ValueError as e:
             setup_error = str(e)
     else:
-        setup_error = f"no calibration at {cal} (run `pdserve bench chunks --model {args.model}` first)"
-    if setup is not None and args.link_gbps:
-        from benchmarks.link_probe import rehearsal_link  # noqa: PLC0415 - --link-gbps only
+        setup_error = f"no calibration file at {cal} (`pdserve bench chunks --model {args.model}` makes one)"
+    return _with_link(args, setup), setup_error, cal
 
-        setup = replace(setup, link=rehearsal_link(args.link_gbps))
-    return setup, setup_error, cal
+
+def _with_link(args: argparse.Namespace, setup: Any) -> Any:
+    """--link-gbps: the KV link priced at the rehearsal's shaped rate, whatever the calibration."""
+    if setup is None or not args.link_gbps:
+        return setup
+    from benchmarks.link_probe import rehearsal_link  # noqa: PLC0415 - --link-gbps only
+
+    return replace(setup, link=rehearsal_link(args.link_gbps))
 
 
 def _run_modes(
-    args: argparse.Namespace, modes: list[ModeSpec], device: str, cal: Path | None, bench: BenchConfig, specs: list
+    args: argparse.Namespace,
+    modes: list[ModeSpec],
+    device: str,
+    cal: Path | None,
+    file_setup: Any,
+    bench: BenchConfig,
+    specs: list,
 ) -> list[ModeRun]:
     """Each of pdserve's modes on a fresh server, one after another, on one Ray."""
     from benchmarks.link_probe import cluster_kwargs  # noqa: PLC0415 - keeps this file short
@@ -136,8 +157,13 @@ def _run_modes(
             log(f"[{i}/{len(modes)}] {m.label}: starting a fresh pdserve server")
             workers = m.decode if m.mode == "colocated" else m.prefill + m.decode
             kw = dict(cfg_kw, gpus_per_worker=gpus if gpus is not None else min(1.0, gpu_count() / workers))
-            if m.mode == "auto":  # decides under the benchmark's SLO pair, with its calibration
-                kw.update(calibration=str(cal), slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_tpot_ms)
+            if m.mode == "auto":  # decides under the benchmark's SLO pair, with the calibration file
+                ttft, tpot = args.slo_ttft_ms, args.slo_tpot_ms
+                if (ttft is None or tpot is None) and file_setup is not None:  # it must decide before any step ran
+                    d_ttft, d_tpot, _ = pc.derive_slos(file_setup, bench.workload, 0.0)
+                    ttft, tpot = ttft or d_ttft, tpot or d_tpot
+                kw.update(calibration=str(cal))
+                kw.update({k: v for k, v in (("slo_ttft_ms", ttft), ("slo_itl_ms", tpot)) if v is not None})
             try:
                 runs.append(run_mode(m, kw, bench, specs, args.startup_timeout_s, probe=bool(args.link_gbps)))
             except Exception as e:  # noqa: BLE001 - one failed mode is reported; the others still run
@@ -151,31 +177,67 @@ def _run_modes(
     return runs
 
 
-def _predict(args: argparse.Namespace, runs: list[ModeRun], setup: Any, specs: list[RequestSpec]) -> dict:
-    """The simulator on the workload as each server saw it: pdserve's modes on `setup`, each
-    endpoint on its own calibration (its row's `endpoint.prediction` says on which, or why none)."""
+def _choose_setups(
+    args: argparse.Namespace, runs: list[ModeRun], file_setup: Any, file_error: str | None, specs: list[RequestSpec]
+) -> dict[str, Any]:
+    """Each pdserve mode's device model (self-calibrated or the file's, see compare_prediction)."""
+    setups = {}
+    for r in runs:
+        if not isinstance(r.spec, ModeSpec) or r.bench is None or r.spec.mode == "auto":
+            continue  # the simulator has no auto mode: the router's own predictions stand
+        choice = pc.choose(args.model, r, file_setup, file_error, bool(args.calibration), specs, args.max_num_seqs)
+        r.prediction_basis = choice.basis
+        if choice.setup is not None:
+            setups[r.spec.label] = _with_link(args, choice.setup)
+        log(f"{r.spec.label}: predicted from {pc.describe_basis(choice.basis)}")
+    return setups
+
+
+def _slos(args: argparse.Namespace, wl: Any, reference: Any, runs: list[ModeRun]) -> dict[str, Any]:
+    """The SLOs goodput is counted under: the flags, else derived from the first mode's calibration."""
+    ttft, tpot, how = args.slo_ttft_ms, args.slo_tpot_ms, "given (--slo-ttft-ms, --slo-tpot-ms)"
+    if (ttft is None or tpot is None) and reference is not None:
+        hop = next((pc.hop_s(r) * 1e3 for r in runs if r.serving_overhead), 0.0)
+        d_ttft, d_tpot, how = pc.derive_slos(reference, wl, hop)
+        ttft, tpot = ttft or d_ttft, tpot or d_tpot
+    elif ttft is None or tpot is None:
+        how = "none: no calibration to derive them from, and no --slo-ttft-ms/--slo-tpot-ms"
+    log(f"SLOs: TTFT <= {_ms(ttft)}, TPOT <= {_ms(tpot)} ({how})")
+    return {"ttft_ms": ttft, "tpot_ms": tpot, "how": how}
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f} ms"
+
+
+def _predict(
+    args: argparse.Namespace, runs: list[ModeRun], setups: dict[str, Any], specs: list[RequestSpec], slo: dict
+) -> dict:
+    """The simulator on the workload as each server saw it: pdserve's modes on their chosen device
+    model, each endpoint on its own calibration (its row's `endpoint.prediction` says on which)."""
     from costmodel import compare_predict as cp  # noqa: PLC0415
 
     predictions = {}
     for r in runs:
+        if r.bench is None:
+            continue
+        sim_specs = pc.served_prompt_lengths(specs, r.bench.records)
         if isinstance(r.spec, EndpointSpec):
-            if r.bench is None or r.endpoint is None:
+            if r.endpoint is None:
                 continue
             ep_setup, sim, r.endpoint["prediction"] = prediction_setup(r.spec, r.bench.model, args.model)
             if ep_setup is not None and sim is not None:
                 sc = cp.sim_config(*sim, args.max_num_seqs, ep_setup.link)
-                sim_specs = served_prompt_lengths(specs, r)
                 predictions[r.spec.label] = cp.predict(
-                    r.spec.label, sc, ep_setup, sim_specs, args.slo_ttft_ms, args.slo_tpot_ms
+                    r.spec.label, sc, ep_setup, sim_specs, slo["ttft_ms"], slo["tpot_ms"]
                 )
             continue
-        if setup is None or r.spec.mode == "auto":  # the simulator has no auto mode: the router's own predictions stand
+        setup = setups.get(r.spec.label)
+        if setup is None:
             continue
-        sc = cp.sim_config(r.spec.mode, r.spec.chunk_size, r.spec.prefill, r.spec.decode, args.max_num_seqs, setup.link)
-        sim_specs = served_prompt_lengths(specs, r)
-        hop = (r.serving_overhead or {}).get("hop_ms") or 0.0
+        sc = pc.sim_config_of(r.spec, args.max_num_seqs, setup)
         predictions[r.spec.label] = cp.predict(
-            r.spec.label, sc, setup, sim_specs, args.slo_ttft_ms, args.slo_tpot_ms, hop / 1e3
+            r.spec.label, sc, setup, sim_specs, slo["ttft_ms"], slo["tpot_ms"], pc.hop_s(r)
         )
         if r.probes is not None:
             from benchmarks.link_probe import predict_documents  # noqa: PLC0415
@@ -188,11 +250,8 @@ def _predict(args: argparse.Namespace, runs: list[ModeRun], setup: Any, specs: l
 
 
 def served_prompt_lengths(specs: list[RequestSpec], run: ModeRun) -> list[RequestSpec]:
-    """The workload as the server saw it: each prompt's length in the model's own tokens
-    (usage.prompt_tokens of the timed run). A real tokenizer turns a 1024-word document into ~600
-    tokens; the simulator must price those, not the workload's nominal length."""
-    served = {x.request_id: x.prompt_tokens for x in run.bench.records if x.prompt_tokens} if run.bench else {}
-    return [replace(s, prompt_len=served.get(s.request_id, s.prompt_len)) for s in specs]
+    """The workload as the server saw it (compare_prediction.served_prompt_lengths) for one run."""
+    return pc.served_prompt_lengths(specs, run.bench.records if run.bench else None)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -229,13 +229,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "is probed alone (TTFT, time to 2nd token, decode wait, transfer, share of TTST)",
     )
     o = p.add_argument_group("SLO, predictions and output")
-    o.add_argument("--slo-ttft-ms", type=float, default=1000.0)
-    o.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    o.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=None,
+        help="TTFT SLO for goodput (default: derived from the calibration, 2x a document's predicted "
+        "prefill alone plus the serving hop; the report prints the SLOs used)",
+    )
+    o.add_argument(
+        "--slo-tpot-ms",
+        type=float,
+        default=None,
+        help="TPOT SLO for goodput (default: derived from the calibration, 1.25x the predicted decode "
+        "step of the workload's chat streams)",
+    )
     o.add_argument(
         "--calibration",
         default=None,
-        help="cost-model calibration JSON for the predictions (default: "
-        "<out-dir>/chunks-<model>-<device>.calibration.json from `pdserve bench chunks`)",
+        help="cost-model calibration JSON that predicts every mode (default: each mode is predicted "
+        "from its own server's warm-up steps, or from <out-dir>/chunks-<model>-<device>.calibration.json "
+        "of `pdserve bench chunks` where that predicted the warm-up better)",
     )
     o.add_argument("--duration-limit-s", type=float, default=300.0, help="per timed run")
     o.add_argument("--out", default=None, help="result name (default compare-<model>-<device>)")

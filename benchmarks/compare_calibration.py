@@ -10,9 +10,9 @@ in its warm-up, in the same run:
 - `fit_pools` fits the four-term step model (`costmodel/step_fit.py`) per pool: colocated workers'
   steps into one fit; a disaggregated run's prefill and decode workers apart, because on a CPU
   they share cores and each pool's steps must be priced as they ran beside the other;
-- `measure_hop` times what a warm request waits beyond its worker's queue and prefill (HTTP/SSE,
-  router, Ray hops), from a few requests sent one at a time after the warm-up: the warm-up's own
-  requests include each shape's first, cold one.
+- `hop_ms` times what a warm request waits beyond its worker's queue and prefill (HTTP/SSE,
+  router, Ray hops), from a few requests sent one at a time after the warm-up (`hop_specs`): the
+  warm-up's own requests queue behind each other.
 
 A step that ran cold (the first of its shape: allocator growth, oneDNN weight layouts) would pull
 the fit up, so the fit is trimmed: steps the first fit misprices by far more than the typical
@@ -25,12 +25,15 @@ from __future__ import annotations
 import statistics
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
 
+from costmodel import compare_predict as cp
+from costmodel.compare_predict import PredictionSetup
 from costmodel.step_fit import StepCostFit, StepShape, fit
+from costmodel.workloads import RequestSpec
 
 POLL_S = 1.0  # a worker keeps its last 256 steps; at >= 4 ms a step none is missed between polls
 TRIM_FACTOR = 4.0
@@ -164,6 +167,15 @@ class SelfCalibration:
         need = ("prefill", "decode") if mode == "disagg" else ("colocated",)
         return all(r in self.pools for r in need)
 
+    def summary(self) -> str:
+        """One line for the progress log."""
+        if not self.pools:
+            return "none (" + "; ".join(self.notes + ([self.recorder_error] if self.recorder_error else [])) + ")"
+        pools = ", ".join(f"{k} {p.steps} steps ({p.trimmed} trimmed)" for k, p in self.pools.items())
+        hop = f"{self.hop_ms:.1f} ms" if self.hop_ms is not None else "not measured"
+        link = f", KV pulls at {self.link_gbytes_per_s:.2f} GB/s" if self.link_gbytes_per_s else ""
+        return f"{pools}; serving hop {hop}{link}"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "source": "self: the server's own warm-up steps (GET /v1/workers/steps)",
@@ -197,3 +209,40 @@ def link_rate(records: Sequence[Any], kv_bytes_per_token: int) -> float | None:
         if r.transfer and r.transfer.get("ms")
     ]
     return statistics.median(pulls) / 1e9 if pulls else None
+
+
+def hop_specs(warmup: Sequence[RequestSpec], n: int = 4, spacing_s: float = 0.4) -> list[RequestSpec]:
+    """`n` short requests, one at a time, on a warm server: the first chat of the warm-up (its text,
+    so no timed prompt lands in the prefix cache), two tokens each."""
+    chat = next((s for s in warmup if s.kind == "chat"), warmup[0])
+    return [replace(chat, request_id=f"hop-{i}", max_tokens=2, arrival_s=i * spacing_s) for i in range(n)]
+
+
+def build(
+    steps: Sequence[LoggedStep],
+    warmup_records: Sequence[Any],
+    hop_records: Sequence[Any],
+    kv_bytes_per_token: int,
+    recorder_error: str | None = None,
+) -> SelfCalibration:
+    """The self-calibration of one server from what its warm-up and hop requests measured."""
+    hop, n = hop_ms(hop_records)
+    cal = SelfCalibration(fit_pools(steps), hop, n, link_rate(warmup_records, kv_bytes_per_token), recorder_error)
+    if not cal.pools:
+        cal.notes.append(f"no pool ran {MIN_STEPS} steps in the warm-up ({len(steps)} steps seen)")
+    return cal
+
+
+def prediction_setup(model: str, mode: str, cal: SelfCalibration | None) -> tuple[PredictionSetup | None, str | None]:
+    """The simulator's device model from a server's self-calibration, or why there is none."""
+    if cal is None:
+        return None, "no self-calibration (the server's steps were not recorded)"
+    if not cal.usable_for(mode):
+        have = ", ".join(f"{k} {p.steps}" for k, p in cal.pools.items()) or "none"
+        return None, f"too few warm-up steps to fit every pool of a {mode} run (steps per pool: {have})"
+    decode = cal.decode_fit
+    assert decode is not None  # usable_for checked the pools
+    src = f"self-calibrated: fitted to {cal.steps} steps this server ran in its warm-up " + ", ".join(
+        f"{k} {p.steps}" for k, p in cal.pools.items()
+    )
+    return cp.setup_from_steps(model, decode, cal.prefill_fit, cal.link_gbytes_per_s, src, cal.steps), None

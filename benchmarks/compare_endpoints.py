@@ -63,7 +63,7 @@ def run_endpoint(ep: EndpointSpec, bench: BenchConfig, specs: list[RequestSpec])
         [],
         result,
         load_average=load_average(),
-        serving_overhead=serving_overhead(warmup.records),
+        serving_overhead=serving_overhead(warmup.records, []),  # no worker timings: no hop
         gc=quiet.summary(),
         greedy_texts=texts,
         endpoint=info,

@@ -54,7 +54,9 @@ def _documents_section(result: dict[str, Any]) -> list[str]:
 
 
 def _predicted_section(result: dict[str, Any]) -> list[str]:
-    """One row per mode; each cell: measured / simulated (error of the simulation)."""
+    """One row per mode; each cell: measured / simulated (error of the simulation); then what
+    each mode's prediction stood on."""
+    from benchmarks.compare_prediction import describe_basis  # noqa: PLC0415
     from costmodel.compare_predict import COMPARED  # noqa: PLC0415
 
     rows = []
@@ -68,7 +70,17 @@ def _predicted_section(result: dict[str, Any]) -> list[str]:
                     for k, _, _ in COMPARED
                 ]
             )
-    return _md_table(["mode"] + [label for _, label, _ in COMPARED], rows)
+    bases = [
+        f"- {m['label']}: {describe_basis(m['prediction_basis'])}"
+        for m in ok_modes(result)
+        if m.get("prediction_basis")
+    ]
+    head = (
+        "Calibration per mode (*self*: fitted to that server's own warm-up steps in this run; *file*: a "
+        "calibration file; of the two, the one that predicted the mode's warm-up better is used):"
+    )
+    bases = ["", head, "", *bases] if bases else []
+    return _md_table(["mode"] + [label for _, label, _ in COMPARED], rows) + bases
 
 
 def _reference_lines(ref: dict[str, Any] | None) -> list[str]:
@@ -207,7 +219,9 @@ def write_report(result: dict[str, Any], out_dir: Path, name: str, result_path: 
         )
         + ". "
         f"Each mode ran on a fresh server; greedy decoding, `ignore_eos`. SLO for goodput: TTFT <= "
-        f"{result['slo']['ttft_ms']} ms and TPOT <= {result['slo']['tpot_ms']} ms.",
+        f"{fmt_num(result['slo']['ttft_ms'])} ms and TPOT <= {fmt_num(result['slo']['tpot_ms'])} ms"
+        + (f" ({result['slo']['how']})" if result["slo"].get("how") else "")
+        + ".",
         "",
         "## Measured",
         "",

@@ -2,16 +2,18 @@
 
 For each mode a pdserve server (Ray actors + uvicorn on a free loopback port,
 `router.serve_cli.ServerThread`) is started and given:
-1. a warm-up: requests of the workload's shapes with other random text (the next seed), all at
-   once, so the first prefill of each shape is not timed and no timed prompt is in the prefix
-   cache (the timed prompts are uncached, as the simulator assumes);
+1. a warm-up: the workload's schedule and shapes with other random text (other seeds), twice,
+   so the first prefill of each shape is not timed and no timed prompt is in the prefix cache
+   (the timed prompts are uncached, as the simulator assumes);
 2. the timed run: the workload through `bench serve`'s client (arrivals on schedule, streamed,
    per-chunk timestamps) -> TTFT/ITL/TPOT/E2E, goodput, stall per document; with the process's
    objects frozen first (`benchmarks/gc_pauses.py`: client and router share this process, and a
    full collection of it paused both for up to 0.54 s), its collections recorded;
 3. the equality pass (`benchmarks/compare_equality.py`), after the timed run so that its burst
    (and its prefix-cache hits) shape nothing that is timed, auto's online fits included.
-The serving overhead per token (HTTP/SSE, router and Ray hops) is read off the warm-up.
+Through the warm-up (and a few warm requests after it, which time the serving overhead: HTTP/SSE,
+router and Ray hops) the server's own step log is recorded: the mode is predicted from steps that
+very server ran (`benchmarks/compare_calibration.py`).
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ from typing import Any
 from benchmarks import demo_samples
 from benchmarks.bench_serve import BenchConfig, run_benchmark
 from benchmarks.compare_args import ModeSpec
+from benchmarks.compare_calibration import StepLogRecorder, hop_ms, hop_specs
+from benchmarks.compare_calibration import build as build_self_calibration
 from benchmarks.compare_equality import equality_pass
 from benchmarks.compare_record import ModeRun
 from benchmarks.gc_pauses import QuietGC
+from costmodel import cost_model as cm
 from costmodel.workloads import RequestSpec, build_workload
 from engine.config import PRESETS
 from router.ray_cluster import connect_ray, start_local_ray
@@ -67,9 +72,22 @@ def run_mode(
     with ServerThread(cfg, startup_timeout_s=timeout_s) as srv:
         startup = time.perf_counter() - t0
         client = replace(bench.client, base_url=srv.base_url, model=cfg.model_name)
+        log(f"  up in {startup:.1f} s at {srv.base_url}; warm-up (the schedule again, other text, twice)")
+        # The first pass meets every shape cold (oneDNN layouts, allocator growth: a first prefill
+        # measured 2x its warm price), so only the second, with other text again (no prefix-cache
+        # hit), is fitted: the server's own steps are its calibration.
+        asyncio.run(run_benchmark(replace(bench, client=client), warmup_specs(bench, specs, 2)))
         warm = warmup_specs(bench, specs)
-        log(f"  up in {startup:.1f} s at {srv.base_url}; warm-up (the schedule again, other text)")
-        warmup = asyncio.run(run_benchmark(replace(bench, client=client), warm))
+        with StepLogRecorder(srv.url, cfg.api_key) as steps:
+            warmup = asyncio.run(run_benchmark(replace(bench, client=client), warm))
+            log("  serving overhead (a few warm requests, one at a time, twice: the second round is timed)")
+            # twice: the first single-stream steps of a fresh server run cold (a batch-1 decode
+            # step measured 2 s once, 0.07 s after), and a cold step is no serving overhead
+            for _ in range(2):
+                hops = asyncio.run(run_benchmark(replace(bench, client=client), hop_specs(warm)))
+        kv_bytes = cm.kv_bytes_per_token(cm.ModelSpec.resolve(cfg.model), cfg.kv_dtype)
+        calibration = build_self_calibration(steps.steps, warmup.records, hops.records, kv_bytes, steps.error)
+        log(f"  self-calibration: {calibration.summary()}")
         log("  timed run (arrivals on schedule, streamed)")
         with QuietGC() as quiet:  # no full collection of the whole process mid-run
             result = asyncio.run(run_benchmark(replace(bench, client=client), specs))
@@ -98,33 +116,34 @@ def run_mode(
         probes=probes,
         margins=greedy.margins,
         greedy_texts=greedy.texts,
-        serving_overhead=serving_overhead(warmup.records),
+        serving_overhead=serving_overhead(warmup.records, hops.records),
         gc=quiet.summary(),
+        self_calibration=calibration,
+        warmup=warmup,
     )
 
 
-def warmup_specs(bench: BenchConfig, specs: list[RequestSpec]) -> list[RequestSpec]:
-    """The workload's schedule and shapes with other random text (the next seed's prompts)."""
-    other = {s.request_id: s for s in build_workload(replace(bench.workload, seed=bench.workload.seed + 1))}
+def warmup_specs(bench: BenchConfig, specs: list[RequestSpec], seed_offset: int = 1) -> list[RequestSpec]:
+    """The workload's schedule and shapes with other random text (another seed's prompts)."""
+    seed = bench.workload.seed + seed_offset
+    other = {s.request_id: s for s in build_workload(replace(bench.workload, seed=seed))}
     return [replace(s, prompt=other[s.request_id].prompt) if s.request_id in other else s for s in specs]
 
 
-def serving_overhead(records: list[Any]) -> dict[str, float | None]:
-    """What the warm-up's requests waited beyond their worker's own queue + prefill (client TTFT
-    minus that: the HTTP/SSE, router and Ray hops), and beyond the router's TTFT; medians, ms."""
+def serving_overhead(warmup: list[Any], warm: list[Any]) -> dict[str, float | None]:
+    """What warm requests (sent one at a time after the warm-up) waited beyond their worker's own
+    queue + prefill (client TTFT minus that: the HTTP/SSE, router and Ray hops), and what the
+    warm-up's requests waited beyond the router's TTFT; medians, ms. The hop is not read off the
+    warm-up itself: its first request of each shape ran cold."""
     import statistics  # noqa: PLC0415
 
-    hop, client_extra = [], []
-    for r in records:
-        if not r.ok or r.send_s is None:
-            continue
-        ttft = (r.chunk_times_s[0] - r.send_s) * 1e3
-        if r.worker_queue_ms is not None and r.worker_prefill_ms is not None:
-            hop.append(ttft - r.worker_queue_ms - r.worker_prefill_ms)
-        if r.router_ttft_ms is not None:
-            client_extra.append(ttft - r.router_ttft_ms)
+    hop, n = hop_ms(warm)
+    client_extra = []
+    for r in warmup:
+        if r.ok and r.send_s is not None and r.router_ttft_ms is not None:
+            client_extra.append((r.chunk_times_s[0] - r.send_s) * 1e3 - r.router_ttft_ms)
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
-    return {"hop_ms": med(hop), "client_beyond_router_ms": med(client_extra), "requests": len(hop)}
+    return {"hop_ms": hop, "client_beyond_router_ms": med(client_extra), "requests": n}
 
 
 def load_average() -> list[float] | None:

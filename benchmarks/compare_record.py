@@ -33,6 +33,9 @@ class ModeRun:
     gc: dict[str, Any] | None = None  # the garbage collector during the timed run (benchmarks/gc_pauses.py)
     greedy_texts: dict[str, str] | None = None  # equality pass: the text (compared for servers without token ids)
     endpoint: dict[str, Any] | None = None  # --endpoint rows: URL, model, calibration, the prediction's basis
+    self_calibration: Any = None  # SelfCalibration: the server's own warm-up steps, fitted (compare_calibration)
+    warmup: Any = None  # BenchResult of the warm-up (the calibration's choice is scored on it)
+    prediction_basis: dict[str, Any] | None = None  # which calibration predicted this mode, and why
 
 
 def pack(times: list[float]) -> str:
@@ -47,13 +50,14 @@ def unpack(text: str | list, cast: type = float) -> list:
 
 
 def result_payload(
-    args, device, wl, specs, runs, predictions, setup, setup_error, calibration, equality
+    args, device, wl, specs, runs, predictions, setup, setup_error, calibration, equality, slo=None, setups=None
 ) -> dict[str, Any]:
     """The result JSON without provenance: the workload, each mode's records and metrics, the
     prediction beside them, and the equality verdict."""
     from benchmarks.bench_serve import _finite  # noqa: PLC0415
     from costmodel import compare_predict as cp  # noqa: PLC0415
 
+    slo = slo or {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}
     modes = []
     for r in runs:
         entry: dict[str, Any] = {
@@ -66,7 +70,11 @@ def result_payload(
             "samples": r.samples,
             "serving_overhead": r.serving_overhead,
             "gc_timed_run": r.gc,
+            "self_calibration": r.self_calibration.to_dict() if r.self_calibration is not None else None,
+            "prediction_basis": r.prediction_basis,
         }
+        if setups and r.spec.label in setups:
+            entry["prediction_setup"] = setups[r.spec.label].describe()
         if r.endpoint is not None:
             entry["endpoint"] = r.endpoint
         if r.bench is not None:
@@ -106,9 +114,9 @@ def result_payload(
             entry["accuracy"] = ca.accuracy_summary(entry["per_request"])
             entry["ttft_by_bucket"] = ca.ttft_by_bucket(r.bench.records)
             entry["dispatch"] = ca.dispatch_summary(entry["per_request"])
-            if r.spec.mode == "auto" and setup is not None:
+            if r.spec.mode == "auto" and setup is not None and None not in (slo["ttft_ms"], slo["tpot_ms"]):
                 entry["boundary"] = ca.boundary(
-                    calibration, args.model, r.spec.chunk_size, args.slo_ttft_ms, args.slo_tpot_ms,
+                    calibration, args.model, r.spec.chunk_size, slo["ttft_ms"], slo["tpot_ms"],
                     wl.chat_prompt_len + wl.chat_output_len // 2, max(8, wl.chat_streams), 2 * wl.doc_prompt_len,
                     wl.chat_output_len,
                 )  # fmt: skip
@@ -128,7 +136,7 @@ def result_payload(
                 }
                 for s in specs
             ],
-            "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
+            "slo": slo,
             "prediction_setup": setup.describe() if setup else None,
             "prediction_error": setup_error,
             "prediction_reference": cp.reference_points(

@@ -100,13 +100,29 @@ def format_table(result: dict[str, Any]) -> str:
             f"greedy tokens across modes ({eq.get('compared', 0)} request comparisons vs {eq.get('reference')}): "
             f"{verdict}"
         )
-        lines.append(
-            "sim = simulator + cost model on the calibrated device (predicted, not measured)"
-            if result.get("prediction_setup")
-            else f"no predictions: {result.get('prediction_error')}"
-        )
+        lines += prediction_notes(result)
     lines += endpoint_notes(result)
     return "\n".join(lines)
+
+
+def prediction_notes(result: dict[str, Any]) -> list[str]:
+    """What the sim columns stand on, per mode, and the SLOs goodput was counted under."""
+    from benchmarks.compare_prediction import describe_basis  # noqa: PLC0415
+
+    lines = []
+    bases = [(m["label"], m.get("prediction_basis")) for m in result["modes"] if not m.get("endpoint")]
+    if any(b for _, b in bases):
+        lines.append("sim = the simulator on a calibrated step model (predicted, not measured); per mode:")
+        lines += [f"  {label}: {describe_basis(b)}" for label, b in bases if b]
+    elif result.get("prediction_setup"):  # a result written before per-mode calibration
+        lines.append("sim = simulator + cost model on the calibrated device (predicted, not measured)")
+    else:
+        lines.append(f"no predictions: {result.get('prediction_error')}")
+    slo = result.get("slo") or {}
+    if slo.get("ttft_ms") is not None and slo.get("tpot_ms") is not None:
+        how = f" ({slo['how']})" if slo.get("how") else ""
+        lines.append(f"goodput SLOs: TTFT <= {slo['ttft_ms']:.0f} ms, TPOT <= {slo['tpot_ms']:.0f} ms{how}")
+    return lines
 
 
 def endpoint_notes(result: dict[str, Any]) -> list[str]:

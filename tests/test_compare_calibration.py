@@ -105,3 +105,67 @@ def test_calibration_files_carry_provenance_and_warn_when_foreign(tmp_path):
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps({"schema": cm.Calibration.SCHEMA, "peak_tflops": 1.0}))
     assert "no provenance" in cm.Calibration.load(bare).origin_warning(bare)
+
+
+def _mode_run(label: str, mode: str, warm_fit: StepCostFit, steps_fit: StepCostFit):
+    """A finished run whose warm-up was served at `warm_fit`'s prices and whose step log fitted to
+    `steps_fit`: what `compare_prediction.choose` sees after a real mode ran."""
+    from benchmarks.bench_serve import BenchConfig, BenchResult
+    from benchmarks.compare_args import ModeSpec
+    from benchmarks.compare_calibration import PoolFit, SelfCalibration
+    from benchmarks.compare_record import ModeRun
+    from costmodel.compare_predict import simulate_specs
+    from costmodel.serve_metrics import compute_metrics
+
+    specs = [RequestSpec(f"chat-{i}", "x", 64, 32, 0.0, "chat") for i in range(4)]
+    specs.append(RequestSpec("doc-0", "x", 512, 4, 0.05, "document"))
+    truth = setup_from_steps("tiny", warm_fit, None, None, "truth", 100)
+    records = simulate_specs(sim_config(mode, None, 1, 1, 64, truth.link), truth.steps, specs)
+    warm = BenchResult(BenchConfig(), "tiny", records, compute_metrics(records, None, None), 1.0)
+    cal = SelfCalibration({mode: PoolFit(mode, steps_fit, 90, 3)}, 0.0, 4, None)
+    run = ModeRun(ModeSpec(label, mode), {}, 1.0, {}, [], warm, self_calibration=cal, warmup=warm)
+    return run, specs
+
+
+def test_the_calibration_that_predicts_the_warm_up_better_predicts_the_run():
+    from benchmarks.compare_prediction import choose, describe_basis
+
+    stale = setup_from_steps("tiny", StepCostFit(0.09, 0.0012, 6e-9, 0.012), None, None, "file", None)
+    run, specs = _mode_run("colocated", "colocated", TRUE, TRUE)
+    picked = choose("tiny", run, stale, None, False, specs, 64)
+    assert picked.basis["used"] == "self" and picked.setup is not None and picked.setup.kind == "self"
+    assert picked.basis["warmup_scores"]["self"] < 0.05 < picked.basis["warmup_scores"]["file"]
+    assert "self, 90 steps" in describe_basis(picked.basis)
+    # a server whose step log misfits (here: fitted 3x too slow) loses to a file that prices it right
+    run, specs = _mode_run("colocated", "colocated", TRUE, StepCostFit(0.09, 0.0012, 6e-9, 0.012))
+    right = setup_from_steps("tiny", TRUE, None, None, "file", None)
+    assert choose("tiny", run, right, None, False, specs, 64).basis["used"] == "file"
+    # --calibration FILE wins without a contest
+    assert choose("tiny", run, stale, None, True, specs, 64).basis == {
+        "self_error": None, "file_error": None, "used": "file", "why": "--calibration given",
+        "source": "file", "fitted_steps": None, "warning": None,
+    }  # fmt: skip
+
+
+def test_a_mode_without_enough_steps_says_why_it_has_no_self_calibration():
+    from benchmarks.compare_prediction import choose, describe_basis
+
+    run, specs = _mode_run("disagg-1P1D", "disagg", TRUE, TRUE)  # a decode pool only: no prefill fit
+    picked = choose("tiny", run, None, "no calibration file", False, specs, 64)
+    assert picked.setup is None and picked.basis["used"] is None
+    assert "too few warm-up steps" in picked.basis["self_error"]
+    assert describe_basis(picked.basis).startswith("no prediction: too few warm-up steps")
+
+
+def test_slos_derived_from_the_calibration_scale_with_its_step_prices():
+    from benchmarks.compare_prediction import derive_slos
+    from costmodel.workloads import WorkloadConfig
+
+    wl = WorkloadConfig(chat_streams=4, chat_prompt_len=64, chat_output_len=48, doc_prompt_len=512)
+    fast = setup_from_steps("tiny", TRUE, None, None, "t", 1)
+    slow = setup_from_steps("tiny", StepCostFit(0.09, 0.0012, 6e-9, 0.012), None, None, "t", 1)
+    ttft, tpot, how = derive_slos(fast, wl, 10.0)
+    assert tpot == pytest.approx(1.25 * TRUE.decode_seconds([88] * 4) * 1e3)
+    assert ttft == pytest.approx(2 * TRUE.prefill_seconds(512) * 1e3 + 10.0)
+    assert "4-stream decode step" in how
+    assert derive_slos(slow, wl, 10.0)[1] > 2 * tpot

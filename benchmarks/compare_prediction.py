@@ -1,0 +1,150 @@
+"""The simulator's prediction beside each of `bench compare`'s measurements, and which device
+model it ran on.
+
+Each pdserve mode has up to two candidate device models:
+- **self**: step-cost fits to the steps that very server ran in its warm-up, in this run
+  (`benchmarks/compare_calibration.py`);
+- **file**: a calibration file (`--calibration FILE`, else `pdserve bench chunks`' file for this
+  model and device), possibly made on another machine or at another commit.
+
+`--calibration FILE` wins when given. Otherwise both candidates predict the mode's warm-up (the
+same schedule and shapes as the timed run, other text) and the one whose prediction lands nearer
+the warm-up's measurement predicts the timed run; the report says which, on how many steps, and
+both scores. The timed run itself never chooses: its prediction stays out of sample.
+
+The SLOs goodput is counted under come from the calibration too unless given
+(`derive_slos`): a fixed 50 ms TPOT is out of reach on a 2-core CPU and in reach of every mode on
+a GPU, and in neither case tells the modes apart.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, replace
+from typing import Any
+
+from benchmarks.compare_args import EndpointSpec, ModeSpec
+from benchmarks.compare_calibration import prediction_setup as self_setup
+from benchmarks.compare_record import ModeRun
+from costmodel import compare_predict as cp
+from costmodel.compare_predict import PredictionSetup
+from costmodel.serve_metrics import compute_metrics
+from costmodel.sim_engine import Request
+from costmodel.workloads import RequestSpec, WorkloadConfig
+
+# The figures a candidate is scored on (compare_predict.COMPARED keys): the ones the report leads with.
+SCORED = ("stall_max_ms", "ttft_chat_p50_ms", "ttft_doc_p50_ms", "itl_p50_ms")
+# Default SLOs, as multiples of what the chosen calibration predicts (see derive_slos).
+TPOT_SLO_FACTOR = 1.25
+TTFT_SLO_FACTOR = 2.0
+
+
+def served_prompt_lengths(specs: list[RequestSpec], records: list[Any] | None) -> list[RequestSpec]:
+    """The workload as the server saw it: each prompt's length in the model's own tokens
+    (usage.prompt_tokens). A real tokenizer turns a 1024-word document into ~600 tokens; the
+    simulator must price those, not the workload's nominal length."""
+    served = {x.request_id: x.prompt_tokens for x in records or [] if x.prompt_tokens}
+    return [replace(s, prompt_len=served.get(s.request_id, s.prompt_len)) for s in specs]
+
+
+def sim_config_of(spec: ModeSpec, max_num_seqs: int, setup: PredictionSetup) -> Any:
+    return cp.sim_config(spec.mode, spec.chunk_size, spec.prefill, spec.decode, max_num_seqs, setup.link)
+
+
+def hop_s(run: ModeRun) -> float:
+    return ((run.serving_overhead or {}).get("hop_ms") or 0.0) / 1e3
+
+
+def score(setup: PredictionSetup, run: ModeRun, specs: list[RequestSpec], max_num_seqs: int) -> float | None:
+    """Mean |relative error| of `setup`'s prediction of the mode's warm-up over SCORED."""
+    if run.warmup is None:
+        return None
+    warm_ids = {r.request_id for r in run.warmup.records}
+    warm_specs = served_prompt_lengths([s for s in specs if s.request_id in warm_ids], run.warmup.records)
+    p = cp.predict("warm-up", sim_config_of(run.spec, max_num_seqs, setup), setup, warm_specs, None, None, hop_s(run))
+    figs = cp.compare_figures(run.warmup.metrics, p.metrics)
+    errs = [abs(figs[k]["error"]) for k in SCORED if figs[k]["error"] is not None]
+    return statistics.fmean(errs) if errs else None
+
+
+@dataclass
+class Choice:
+    setup: PredictionSetup | None
+    basis: dict[str, Any]
+
+
+def choose(
+    model: str,
+    run: ModeRun,
+    file_setup: PredictionSetup | None,
+    file_error: str | None,
+    file_given: bool,
+    specs: list[RequestSpec],
+    max_num_seqs: int,
+) -> Choice:
+    """The device model that predicts this mode, and the record of why (the report's basis)."""
+    assert isinstance(run.spec, ModeSpec)
+    own, own_error = self_setup(model, run.spec.mode, run.self_calibration)
+    basis: dict[str, Any] = {"self_error": own_error, "file_error": file_error}
+    if file_given and file_setup is not None:
+        return Choice(file_setup, basis | {"used": "file", "why": "--calibration given", **_about(file_setup)})
+    candidates = {k: s for k, s in (("self", own), ("file", file_setup)) if s is not None}
+    if not candidates:
+        return Choice(None, basis | {"used": None, "why": "no calibration could be fitted or found"})
+    scores = {k: score(s, run, specs, max_num_seqs) for k, s in candidates.items()}
+    basis["warmup_scores"] = scores
+    ranked = sorted(candidates, key=lambda k: (scores[k] is None, scores[k] or 0.0, k != "self"))
+    used = ranked[0]
+    why = (
+        "the only candidate"
+        if len(candidates) == 1
+        else f"predicted the warm-up better (mean |error| {scores[used]:.0%} vs {scores[ranked[1]]:.0%})"
+        if scores[used] is not None and scores[ranked[1]] is not None
+        else "the warm-up scored only this one"
+    )
+    return Choice(candidates[used], basis | {"used": used, "why": why, **_about(candidates[used])})
+
+
+def _about(setup: PredictionSetup) -> dict[str, Any]:
+    return {"source": setup.source, "fitted_steps": setup.fitted_steps, "warning": setup.warning}
+
+
+def describe_basis(basis: dict[str, Any] | None) -> str:
+    """One line for the table and the report: which calibration predicted a mode, on how many steps."""
+    if not basis or not basis.get("used"):
+        return "no prediction: " + ((basis or {}).get("self_error") or (basis or {}).get("file_error") or "-")
+    steps = f", {basis['fitted_steps']} steps" if basis.get("fitted_steps") else ""
+    return f"{basis['used']}{steps}: {basis['why']}"
+
+
+def derive_slos(setup: PredictionSetup, wl: WorkloadConfig, hop_ms: float) -> tuple[float, float, str]:
+    """(TTFT SLO, TPOT SLO, how) from a calibration: a token every TPOT_SLO_FACTOR x the predicted
+    decode step of the workload's chats (their batch, their mid-answer context), and a first
+    token within TTFT_SLO_FACTOR x a document's predicted prefill alone, plus the serving hop.
+    So goodput counts the requests a mode served close to what the hardware allows: a chat frozen
+    behind a document prefill misses TPOT, a document queued behind another misses TTFT."""
+    ctx = wl.chat_prompt_len + wl.chat_output_len // 2
+    batch = [Request(i, "chat", 0.0, ctx, wl.chat_output_len) for i in range(max(1, wl.chat_streams))]
+    step_ms = setup.steps.step(batch, []) * 1e3
+    prefill_ms = setup.steps.prefill(wl.doc_prompt_len) * 1e3
+    tpot = TPOT_SLO_FACTOR * step_ms
+    ttft = TTFT_SLO_FACTOR * prefill_ms + hop_ms
+    how = (
+        f"derived: TPOT {TPOT_SLO_FACTOR:g} x the predicted {len(batch)}-stream decode step ({step_ms:.0f} ms), "
+        f"TTFT {TTFT_SLO_FACTOR:g} x a {wl.doc_prompt_len}-token prefill alone ({prefill_ms:.0f} ms) "
+        f"+ the serving hop ({hop_ms:.0f} ms)"
+    )
+    return ttft, tpot, how
+
+
+def apply_slos(runs: list[ModeRun], slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> None:
+    """Recount every measured run's goodput under the SLOs the report uses."""
+    for r in runs:
+        if r.bench is not None:
+            metrics = compute_metrics(r.bench.records, slo_ttft_ms, slo_tpot_ms)
+            config = replace(r.bench.config, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
+            r.bench = replace(r.bench, metrics=metrics, config=config)
+
+
+def is_endpoint(run: ModeRun) -> bool:
+    return isinstance(run.spec, EndpointSpec)
