@@ -73,6 +73,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--mix-context", type=int, default=d.mix_context, help="their context (tokens) when a document arrives"
     )
     m.add_argument("--mix-doc-tokens", type=int, default=d.mix_doc_tokens, help="the document's prompt tokens")
+    m.add_argument(
+        "--mix-docs",
+        type=int,
+        default=d.mix_docs,
+        help="documents in the printed `bench serve` command that checks the prediction (a median and a p90 "
+        "need several)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the result as one JSON document instead of the table")
     o.add_argument("--no-plot", action="store_true")
@@ -120,6 +127,7 @@ def main(args: argparse.Namespace) -> int:
         mix_streams=args.mix_streams,
         mix_context=args.mix_context,
         mix_doc_tokens=args.mix_doc_tokens,
+        mix_docs=args.mix_docs,
     )
     try:
         plan.validate()
@@ -137,7 +145,7 @@ def main(args: argparse.Namespace) -> int:
 
     async def run() -> ProbeResult:
         try:
-            return await probe(client, plan, log)
+            return await probe(client, plan, log, seed)
         finally:
             await client.close()
 

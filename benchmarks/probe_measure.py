@@ -1,9 +1,11 @@
 """The probe's measurements, each a black-box experiment over HTTP (see benchmarks/bench_probe.py).
 
 - overhead: a 1-token prompt, max_tokens=1, on the idle server: HTTP + scheduling + one tiny step;
-- decode step: b streams started together, short prompts, ignore_eos; the step is the streams'
-  median pace while all b decode (after the last one's first token, before the first one ends);
-- prefill: one prompt of T tokens alone, max_tokens=1; TTFT minus the request's own overhead;
+- decode step: b streams started together, ignore_eos, closed once all b have decoded side by side
+  for a while; the step is the streams' median pace while all b decode (after the last one's first
+  token), and the serving jitter what each step's longest gap over the streams adds to that pace;
+- prefill: one prompt of T tokens alone, max_tokens=1; its TTFT (costmodel/probe_fit.py fits the
+  differences from the shortest prompt's, so the request's own overhead cancels);
 - the tax: b streams decoding, then one T-token prompt; the longest gap the streams saw while it
   was prefilled (the stall, costmodel/serve_metrics.py's definition) and the tokens they lost;
 - prefix caching: the same prompt twice.
@@ -12,7 +14,7 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from statistics import median
 
 from benchmarks.probe_client import ProbeClient, ProbeError, checked
@@ -41,6 +43,10 @@ class DecodeSample:
     point: DecodePoint
     gaps: int  # inter-token gaps inside the window the streams' paces were taken over
     first_to_second_token_s: float  # median: a disaggregated server's KV transfer shows up here
+    # per step in that window: the longest gap over the streams less their pace. What a stall (the
+    # longest gap any stream sees) adds to the step that causes it: the client's reads, the HTTP
+    # path and the server's own hiccups, as this server and machine produce them
+    step_residuals_s: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -81,20 +87,60 @@ async def prefill(c: ProbeClient, tokens: int, repeats: int) -> PrefillSample:
 
 
 async def decode(c: ProbeClient, batch: int, prompt_tokens: int, max_tokens: int, repeats: int = 1) -> DecodeSample:
-    """The median of `repeats` runs (a shared machine's hiccups land in one run, not all)."""
+    """`repeats` runs pooled: the median pace over every stream of every run, so a hiccup of the
+    machine in one run moves a few paces, not the result (two runs buy what three kept apart did)."""
     runs = [await _decode_once(c, batch, prompt_tokens, max_tokens) for _ in range(repeats)]
-    return sorted(runs, key=lambda s: s.point.step_s)[len(runs) // 2]
+    paces = [p for r in runs for p in r.paces]
+    ctx = sum(x for r in runs for x in r.contexts) / sum(len(r.contexts) for r in runs)
+    return DecodeSample(
+        batch,
+        runs[0].prompt_tokens,
+        DecodePoint(batch, ctx, median(paces)),
+        sum(r.gaps for r in runs),
+        median(s for r in runs for s in r.second_s),
+        [x for r in runs for x in r.residuals_s],
+    )
 
 
-async def _decode_once(c: ProbeClient, batch: int, prompt_tokens: int, max_tokens: int) -> DecodeSample:
-    # unchecked while they run: one failure raised out of gather would leave the others' errors
-    # unretrieved (a traceback at exit instead of one line)
-    recs = await asyncio.gather(*(c.send(prompt_tokens, max_tokens, check=False) for _ in range(batch)))
+@dataclass(frozen=True)
+class _DecodeRun:
+    prompt_tokens: int
+    paces: list[float]  # each stream's pace over the window
+    contexts: list[float]  # each stream's mean context over it
+    gaps: int
+    second_s: list[float]  # each stream's first-to-second-token gap
+    residuals_s: list[float]  # per step: the longest gap over the streams less the median pace
+
+
+async def _decode_once(c: ProbeClient, batch: int, prompt_tokens: int, tokens: int) -> _DecodeRun:
+    """b streams started together, closed by the probe once all b have decoded `tokens` tokens side
+    by side. Not by max_tokens: on a chunked server the b prompts are prefilled one chunk at a time,
+    so the first stream decodes (beside the others' chunks) long before the last one starts, and
+    streams of `tokens` tokens would never all decode at once. The cap, `prompt` tokens more,
+    covers the (b - 1) x prompt / chunk steps the last one starts after, for any chunk of at least
+    b - 1 tokens; a whole-prompt server is closed after `tokens` as before (a lone stream waits
+    for nobody: `tokens` is its cap)."""
+    cap = tokens + (prompt_tokens if batch > 1 else 0)
+    specs = [c.spec(prompt_tokens, cap, "probe") for _ in range(batch)]
+    live = [c.record(s) for s in specs]  # send_one fills them in place while they stream
+    tasks = [asyncio.create_task(c.run(s, r)) for s, r in zip(specs, live)]
+    try:
+        while _side_by_side(live) < tokens and not any(t.done() for t in tasks):
+            await asyncio.sleep(0.005)
+    finally:
+        for t in tasks:
+            t.cancel()
+        # unchecked while they run: one failure raised out of gather would leave the others'
+        # errors unretrieved (a traceback at exit instead of one line)
+        await asyncio.gather(*tasks, return_exceptions=True)
+    recs = live
     for r in recs:
+        if r.error and r.error.startswith("cancelled"):
+            r.error = None  # closed by the probe, on purpose
         checked(r)
         if len(r.chunk_times_s) < 3:
             raise ProbeError(
-                f"a stream asked for {max_tokens} tokens (ignore_eos) streamed {len(r.chunk_times_s)}: "
+                f"a stream asked for {cap} tokens (ignore_eos) streamed {len(r.chunk_times_s)}: "
                 "the server ignores ignore_eos or does not stream token by token"
             )
     lo = max(r.chunk_times_s[0] for r in recs)  # all b decoding from here...
@@ -102,20 +148,37 @@ async def _decode_once(c: ProbeClient, batch: int, prompt_tokens: int, max_token
     # The step is each stream's pace over that window (its span over the tokens in it), not the
     # median gap: a client short of CPU reads tokens in bursts, and a burst's gaps are near zero
     # while the span between its ends stays true. Median over the streams.
-    paces, ctxs = [], []
+    paces, ctxs, windows = [], [], []
     for r in recs:
         inside = [t for t in r.chunk_times_s if lo <= t <= hi]
         if len(inside) >= 3:
             paces.append((inside[-1] - inside[0]) / (len(inside) - 1))
             ctxs.append(r.n_in + r.chunk_times_s.index(inside[0]) + len(inside) / 2)
+            windows.append(inside)
     gaps = sum(len([t for t in r.chunk_times_s if lo <= t <= hi]) - 1 for r in recs)
     if not paces:  # the streams barely overlapped (a server that runs them one after another)
         paces = [(r.chunk_times_s[-1] - r.chunk_times_s[1]) / (len(r.chunk_times_s) - 2) for r in recs]
         ctxs = [r.n_in + len(r.chunk_times_s) / 2 for r in recs]
         gaps = sum(len(r.chunk_times_s) - 2 for r in recs)
-    second = median(r.chunk_times_s[1] - r.chunk_times_s[0] for r in recs)
-    ctx = sum(ctxs) / len(ctxs)
-    return DecodeSample(batch, recs[0].n_in, DecodePoint(batch, ctx, median(paces)), gaps, second)
+    second = [r.chunk_times_s[1] - r.chunk_times_s[0] for r in recs]
+    return _DecodeRun(recs[0].n_in, paces, ctxs, gaps, second, step_residuals(windows, median(paces)))
+
+
+def _side_by_side(live: list[RequestRecord]) -> int:
+    """Tokens every stream has had since the last of them started (0 until all have)."""
+    if not all(r.chunk_times_s for r in live):
+        return 0
+    lo = max(r.chunk_times_s[0] for r in live)
+    return min(sum(t >= lo for t in r.chunk_times_s) for r in live)
+
+
+def step_residuals(windows: list[list[float]], pace_s: float) -> list[float]:
+    """Per step, the longest gap over the streams less the pace. The streams decode in the same
+    steps, so their k-th gaps in the window (from the same start) are one step seen by each."""
+    if not windows:
+        return []
+    steps = min(len(w) for w in windows) - 1
+    return [max(w[k + 1] - w[k] for w in windows) - pace_s for k in range(steps)]
 
 
 async def tax(

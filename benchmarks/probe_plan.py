@@ -1,7 +1,17 @@
-"""What a probe measures: the batches, contexts, prompt lengths and repeats, from the CLI's flags."""
+"""What a probe measures: the batches, contexts, prompt lengths and repeats, from the CLI's flags.
+
+Sized to what each measurement pays for (a full probe of SmolLM2 on 2 CPU cores took 539 s with
+3 repeats everywhere and every batch at both contexts): the per-context-token term needs only two
+batches at the long context, since the fit's other terms come from the short one; repeats are
+pooled (the streams' paces of every repeat, median) rather than one run kept, so two buy what
+three did; the stall's spread comes from the decode runs' gaps (probe_fit.stall_forecast), so the
+tax runs are a check and an anchor, not the only evidence.
+"""
 
 from __future__ import annotations
 
+import math
+import shlex
 from dataclasses import dataclass
 
 from costmodel.workloads import WorkloadConfig
@@ -26,6 +36,7 @@ class ProbePlan:
     mix_streams: int = WorkloadConfig.chat_streams
     mix_context: int = WorkloadConfig.chat_prompt_len + WorkloadConfig.chat_output_len // 2
     mix_doc_tokens: int = WorkloadConfig.doc_prompt_len
+    mix_docs: int = 8  # documents in the printed `bench serve` command: enough for a median and a p90
 
     def validate(self) -> None:
         if self.max_context < 128:
@@ -34,6 +45,8 @@ class ProbePlan:
             raise ValueError("--max-batch must be >= 1")
         if min(self.mix_streams, self.mix_context, self.mix_doc_tokens) < 1:
             raise ValueError("--mix-streams, --mix-context and --mix-doc-tokens must be >= 1")
+        if self.mix_docs < 1:
+            raise ValueError("--mix-docs must be >= 1")
 
     @property
     def batches(self) -> list[int]:
@@ -45,17 +58,25 @@ class ProbePlan:
         long = min(self.max_context // 2, 512) if self.quick else self.max_context // 2
         return [self.short_prompt, max(long, 2 * self.short_prompt)]
 
+    def decode_points(self) -> list[tuple[int, int]]:
+        """(batch, prompt tokens): every batch at the short context; at the long one only the
+        smallest and largest batch (they pin the per-context-token term; the batches between
+        would cost each a prefill of b long prompts for a term already fitted)."""
+        short, long = self.contexts
+        ends = sorted({self.batches[0], self.batches[-1]})
+        return [(b, short) for b in self.batches] + [(b, long) for b in ends]
+
     @property
     def decode_tokens(self) -> int:
-        return 24 if self.quick else 48
+        return 24 if self.quick else 32
 
     @property
     def decode_repeats(self) -> int:
-        return 1 if self.quick else 3
+        return 1 if self.quick else 2
 
     @property
     def tax_repeats(self) -> int:
-        return 1 if self.quick else 3
+        return 1 if self.quick else 2
 
     @property
     def prefill_tokens(self) -> list[int]:
@@ -63,20 +84,27 @@ class ProbePlan:
 
     @property
     def prefill_repeats(self) -> int:
-        return 3 if self.quick else 5
+        # the shortest prompt anchors every difference the prefill fit is made of: it gets more
+        return 2 if self.quick else 3
+
+    def prefill_repeats_at(self, tokens: int) -> int:
+        return self.prefill_repeats + (2 if tokens == self.prefill_tokens[0] else 0)
 
     @property
     def overhead_repeats(self) -> int:
-        return 5 if self.quick else 10
+        return 5 if self.quick else 8
+
+    @property
+    def prefix_pairs(self) -> int:
+        return 1 if self.quick else 2
 
     @property
     def tax_points(self) -> list[tuple[int, int]]:
         """(batch, prompt tokens): stall against T at the largest batch (chunking shows there), and
-        against batch at the longest prompt."""
+        (full probe) one smaller batch at the longest prompt."""
         b = self.batches[-1]
         ts = [t for t in self.prefill_tokens if t >= 256] or self.prefill_tokens
-        ts = ts[-2:] if self.quick else ts[-3:]
-        points = [(b, t) for t in ts]
+        points = [(b, t) for t in ts[-2:]]
         if not self.quick and len(self.batches) > 2:
             points.append((self.batches[1], ts[-1]))
         return points
@@ -84,3 +112,66 @@ class ProbePlan:
     @property
     def prefix_tokens(self) -> int:
         return min(self.max_context, 1024)
+
+
+@dataclass(frozen=True)
+class ArticleCheck:
+    """The `pdserve bench serve --workload article` run that measures the stall the probe
+    predicted, like with like: the mix's streams, at (on average) the mix's context when each
+    document arrives, and `docs` documents, each arriving while the streams decode alone (the
+    last one's first token well before the streams end), so each one's stall is a fresh sample of
+    the same distribution whose median and p90 the probe printed. No --seed: `bench serve` draws
+    fresh documents each run, so a rerun is not served from the prefix cache."""
+
+    chat_streams: int
+    chat_prompt_len: int
+    chat_output_len: int
+    doc_prompt_len: int
+    doc_count: int
+    doc_start_s: float
+    doc_interval_s: float
+    context: int  # the streams' mean context when a document arrives: the forecast's
+
+    def command(self, base_url: str, model: str | None, token_ids: bool) -> str:
+        args = ["pdserve", "bench", "serve", "--base-url", base_url]
+        args += ["--model", model] if model else []
+        args += ["--workload", "article"] + (["--prompt-token-ids"] if token_ids else [])
+        args += ["--chat-streams", str(self.chat_streams), "--chat-prompt-len", str(self.chat_prompt_len)]
+        args += ["--chat-output-len", str(self.chat_output_len), "--doc-prompt-len", str(self.doc_prompt_len)]
+        args += ["--doc-output-len", "1", "--doc-count", str(self.doc_count)]
+        args += ["--doc-start-s", f"{self.doc_start_s:g}", "--doc-interval-s", f"{self.doc_interval_s:g}"]
+        return shlex.join(args)
+
+
+def _round_up(x: float) -> float:
+    """Seconds a person can read: up to 0.05 s below a second, 0.5 s above."""
+    q = 0.05 if x < 1 else 0.5
+    return round(math.ceil(x / q - 1e-9) * q, 2)
+
+
+def article_check(plan: ProbePlan, step_s: float, doc_ttft_s: float) -> ArticleCheck:
+    """The check run for `plan`'s mix on a server whose decode step (the mix's batch) is `step_s`
+    and whose document TTFT beside the streams is `doc_ttft_s` (both the probe's predictions).
+
+    Documents are spaced by twice their TTFT plus a few steps (one is out of the server, and the
+    streams back at their pace, before the next arrives), and never closer than 20 steps; the
+    first waits for the streams' own prompts and a few steps. The streams decode through the last
+    document with a quarter to spare; their prompt is what leaves them at the mix's context, on
+    average, when the documents arrive (at least 16 tokens)."""
+    step = max(step_s, 1e-4)
+    start = _round_up(max(1.0, doc_ttft_s + 10 * step))
+    interval = _round_up(max(2 * doc_ttft_s + 4 * step, 20 * step, 0.25))
+    last = start + (plan.mix_docs - 1) * interval
+    output = math.ceil(1.25 * (last + doc_ttft_s + 10 * step) / step)
+    decoded = (start + last) / 2 / step  # tokens each stream has decoded when the mean document arrives
+    prompt = max(16, round(plan.mix_context - decoded))
+    return ArticleCheck(
+        plan.mix_streams,
+        prompt,
+        output,
+        plan.mix_doc_tokens,
+        plan.mix_docs,
+        start,
+        interval,
+        round(prompt + decoded),
+    )

@@ -33,6 +33,36 @@ def _break_even(x: float | None) -> str:
     return f"{x:.0f} tokens"
 
 
+def _prefill(fp: dict[str, Any], tokens: int) -> float:
+    return fp["fixed_s"] + fp["linear_s"] * tokens + fp["quadratic_s"] * tokens**2
+
+
+def _article_mix(mix: dict[str, Any], md: bool) -> list[str]:
+    """The forecast for the article mix, and the command that measures it."""
+    how = (
+        "prefill in another pool: the decode steps while it runs there, as slowed as the tax measured"
+        if mix["prefill_elsewhere"]
+        else f"chunks of {mix['chunk']}"
+        if mix["chunk"]
+        else "whole prompt"
+    )
+    chk = mix["check"]
+    cmd = f"`{mix['check_command']}`" if md else "  " + mix["check_command"]
+    return [
+        f"article mix ({mix['chat_streams']} chat streams at context {mix['context']}, "
+        f"{mix['doc_prompt_tokens']}-token documents): predicted stall median {mix['predicted_stall_ms']:.1f} ms, "
+        f"p90 {mix['predicted_p90_ms']:.1f} ms ({how}; the longest of {mix['window_steps']} steps, costliest "
+        f"{mix['costliest_step_ms']:.1f} ms, each plus the serving jitter of {mix['jitter_samples']} measured steps); "
+        f"document TTFT {mix['predicted_doc_ttft_ms']:,.0f} ms",
+        "",
+        f"measure it ({chk['doc_count']} documents, one every {chk['doc_interval_s']:g} s from "
+        f"{chk['doc_start_s']:g} s, each arriving while the streams decode; compare the stall's median and p90; "
+        "fresh documents each run):",
+        "",
+        cmd,
+    ]
+
+
 def render(d: dict[str, Any], md: bool = False) -> str:
     """`d` is ProbeResult.to_dict(): the same text on the terminal and in the .md file."""
     df, fp, sf, t = d["decode_fit"], d["prefill_fit"], d["step_fit"], d["tables"]
@@ -44,7 +74,8 @@ def render(d: dict[str, Any], md: bool = False) -> str:
         f"idle request overhead {_ms(d['overhead']['ttft_s'])} ms (HTTP and scheduling: "
         f"{_ms(d['http_overhead_s'])} ms); probe took {d['wall_s']:.0f} s",
         "",
-        f"{h}Fit (non-negative least squares on relative error)",
+        f"{h}Fit (non-negative least squares on relative error; prefill on TTFT differences from the "
+        f"{d['prefill'][0]['tokens'] if d['prefill'] else '-'}-token prompt's)",
         "",
         *_table(
             ["", "fixed (ms)", "per sequence (ms)", "per context token (us)", "quadratic (ns/token^2)", "rms error"],
@@ -91,13 +122,21 @@ def render(d: dict[str, Any], md: bool = False) -> str:
         ),
         "",
         *_table(
-            ["prompt tokens", "TTFT (ms)", "prefill (ms)", "fitted (ms)", "server's own (ms)"],
+            [
+                "prompt tokens",
+                "TTFT (ms)",
+                "TTFT - shortest's (ms)",
+                "fitted (ms)",
+                "prefill fitted (ms)",
+                "server's own (ms)",
+            ],
             [
                 [
                     str(p["tokens"]),
                     _ms(p["ttft_s"]),
-                    _ms(p["ttft_s"] - d["http_overhead_s"]),
-                    _ms(fp["fixed_s"] + fp["linear_s"] * p["tokens"] + fp["quadratic_s"] * p["tokens"] ** 2),
+                    _ms(p["ttft_s"] - d["prefill"][0]["ttft_s"]),
+                    _ms(_prefill(fp, p["tokens"]) - _prefill(fp, d["prefill"][0]["tokens"])),
+                    _ms(_prefill(fp, p["tokens"])),
                     "-" if p["server_prefill_ms"] is None else f"{p['server_prefill_ms']:.1f}",
                 ]
                 for p in d["prefill"]
@@ -108,13 +147,20 @@ def render(d: dict[str, Any], md: bool = False) -> str:
         f"{h}The tax: one prompt arrives while streams decode",
         "",
         *_table(
-            ["batch", "prompt tokens", "stall (ms)", "predicted (ms)", "tokens lost", "steps during prefill"],
+            [
+                "batch",
+                "prompt tokens",
+                "stall (ms)",
+                "predicted median / p90 (ms)",
+                "tokens lost",
+                "steps during prefill",
+            ],
             [
                 [
                     str(s["batch"]),
                     str(s["prompt_tokens"]),
                     "-" if s["measured_stall_ms"] is None else f"{s['measured_stall_ms']:.1f}",
-                    f"{s['predicted_stall_ms']:.1f}",
+                    f"{s['predicted_stall_ms']:.1f} / {s['predicted_p90_ms']:.1f}",
                     f"{s['tokens_lost']:.1f}",
                     f"{x['steps_during']:g}",
                 ]
@@ -125,20 +171,7 @@ def render(d: dict[str, Any], md: bool = False) -> str:
         "",
         f"chunking (inferred): {d['chunking']['verdict']}: {d['chunking']['why']}",
     ]
-    mix = t["article_mix"]
-    out.append(
-        f"article mix ({mix['chat_streams']} chat streams at context "
-        f"{mix['context']}, {mix['doc_prompt_tokens']}-token documents): predicted stall "
-        f"{mix['predicted_stall_ms']:.1f} ms ("
-        + (
-            "prefill in another pool: the decode step alone"
-            if mix["prefill_elsewhere"]
-            else f"chunks of {mix['chunk']}"
-            if mix["chunk"]
-            else "whole prompt"
-        )
-        + ")"
-    )
+    out += _article_mix(t["article_mix"], md)
     pc = d["prefix"]
     if pc:
         out.append(
@@ -209,8 +242,10 @@ def plot(d: dict[str, Any], path: Path) -> None:
     a.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     a.legend(fontsize=7)
     ts = [p["tokens"] for p in d["prefill"]]
-    b.plot(ts, [(p["ttft_s"] - d["http_overhead_s"]) * 1e3 for p in d["prefill"]], "o", label="TTFT - overhead")
-    b.plot(ts, [(fp["fixed_s"] + fp["linear_s"] * x + fp["quadratic_s"] * x * x) * 1e3 for x in ts], "--", label="fit")
+    # the measured points placed on the fit at the shortest prompt: their differences are what was fitted
+    base = _prefill(fp, ts[0]) - d["prefill"][0]["ttft_s"]
+    b.plot(ts, [(p["ttft_s"] + base) * 1e3 for p in d["prefill"]], "o", label="TTFT, anchored at the shortest")
+    b.plot(ts, [_prefill(fp, x) * 1e3 for x in ts], "--", label="fit")
     srv = [(p["tokens"], p["server_prefill_ms"]) for p in d["prefill"] if p["server_prefill_ms"] is not None]
     if srv:
         b.plot(*zip(*srv), "x", label="server's own prefill")
@@ -222,7 +257,9 @@ def plot(d: dict[str, Any], path: Path) -> None:
     labels = [f"b={s['batch']}\nT={s['prompt_tokens']}" for s in st]
     xs2 = range(len(st))
     c.bar([x - 0.2 for x in xs2], [s["measured_stall_ms"] or 0 for s in st], 0.4, label="measured stall")
-    c.bar([x + 0.2 for x in xs2], [s["predicted_stall_ms"] for s in st], 0.4, label="predicted")
+    med = [s["predicted_stall_ms"] for s in st]
+    p90 = [s.get("predicted_p90_ms", m) - m for s, m in zip(st, med)]
+    c.bar([x + 0.2 for x in xs2], med, 0.4, yerr=[[0] * len(st), p90], capsize=3, label="predicted (median, p90)")
     c.set_xticks(list(xs2), labels, fontsize=7)
     c.set(ylabel="longest gap of the streams (ms)", title=f"the tax (chunking: {d['chunking']['verdict']})")
     c.legend(fontsize=7)

@@ -7,6 +7,7 @@ goes through `log`, which the CLI points at stderr).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from statistics import median
@@ -14,9 +15,16 @@ from typing import Any
 
 from benchmarks import probe_measure as pm
 from benchmarks.probe_client import ProbeClient
-from benchmarks.probe_plan import ProbePlan
+from benchmarks.probe_plan import ArticleCheck, ProbePlan, article_check
 from costmodel import probe_fit as pf
 from costmodel.step_fit import StepCostFit
+
+# A step that carries a piece of a prompt costs at least this share of a batch-1 decode step (it
+# runs the same weights over at least as many rows), so a prompt's lone prefill has room for at
+# most prefill / (this x that step) steps; more steps than ROOM_SLACK x that while the prompt was
+# prefilled means it did not ride in them.
+STEP_FLOOR = 0.8
+ROOM_SLACK = 1.5
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,7 @@ class ProbeResult:
     prefill_fit: pf.PrefillFit
     step_fit: StepCostFit
     chunking: Chunking
+    seed: int = 0  # the probe's prompts' seed; also seeds the stall forecast's draws
     wall_s: float = 0.0
 
     @property
@@ -53,13 +62,43 @@ class ProbeResult:
     def prefill_elsewhere(self) -> bool:
         return self.chunking.verdict in ("disaggregated", "no interference")
 
-    def predict_stall(self, batch: int, context: int, tokens: int) -> float:
-        """The stall the fit predicts for this server as inferred: the step carrying the whole
-        prompt or its costliest chunk, or (prefill in another pool) the decode step alone; a
-        prefill pool sharing the decode pool's cores is not modelled."""
-        if self.prefill_elsewhere:
-            return self.step_fit.decode_seconds([context] * batch)
-        return pf.predicted_stall(self.step_fit, batch, context, tokens, self.stall_chunk)
+    def jitter(self, batch: int) -> list[float]:
+        """The serving jitter measured at the decode batch nearest `batch` (the stall is a max
+        over the streams: more streams, a longer tail)."""
+        near = min({d.batch for d in self.decode}, key=lambda b: (abs(b - batch), -b))
+        return [r for d in self.decode if d.batch == near for r in d.step_residuals_s]
+
+    def window(self, batch: int, context: int, tokens: int) -> list[float]:
+        """The steps a document's stall can fall in (probe_fit.window_steps). Prefill in another
+        pool: the decode steps that run while it is prefilled there, as many and as slowed as the
+        tax measured (on cores the pools share, the prefill takes the decode pool's CPU)."""
+        if not self.prefill_elsewhere:
+            return pf.window_steps(self.step_fit, batch, context, tokens, self.stall_chunk)
+        step = self.step_fit.decode_seconds([context] * batch)
+        judged = [t for t in self.tax if t.tokens > 0 and t.stream_step_s > 0]
+        if not judged:
+            return [step]
+        slow = max(0.0, median(_slowdown(t) for t in judged))
+        per_token = median(t.steps_during / t.tokens for t in judged)
+        return [step * (1 + slow)] * max(1, round(tokens * per_token))
+
+    def forecast(self, batch: int, context: int, tokens: int) -> pf.StallForecast:
+        """The stall one `tokens` document should cause `batch` streams at `context`: median and
+        p90 over documents, the measured serving jitter included."""
+        return pf.stall_forecast(self.window(batch, context, tokens), self.jitter(batch), seed=self.seed)
+
+    def doc_ttft(self, batch: int, context: int, tokens: int) -> float:
+        """A document's TTFT beside the streams: the steps that carry it, and the request's overhead."""
+        w = self.window(batch, context, tokens)
+        return self.http_overhead_s + sum(w if self.prefill_elsewhere else w[1:])
+
+    def check(self) -> ArticleCheck:
+        """The `bench serve --workload article` run that measures what the probe predicts: spaced
+        so each document arrives while the streams decode alone, at the context of the prediction."""
+        pl = self.plan
+        b, ctx, t = pl.mix_streams, pl.mix_context, pl.mix_doc_tokens
+        step = self.step_fit.decode_seconds([ctx] * b)
+        return article_check(pl, step, self.doc_ttft(b, ctx, t))
 
     def tables(self) -> dict[str, Any]:
         """The article's tables for this server (costmodel/probe_fit.py)."""
@@ -83,25 +122,19 @@ class ProbeResult:
         ]
         doc = self.plan.max_context
         cap = [asdict(r) for r in pf.capacity(fp, doc, big_b)]
-        stalls = [
-            {
-                "batch": t.batch,
-                "prompt_tokens": t.tokens,
-                "measured_stall_ms": None if t.stall_s is None else t.stall_s * 1e3,
-                "predicted_stall_ms": self.predict_stall(t.batch, self.plan.short_prompt + 8, t.tokens) * 1e3,
-                "tokens_lost": t.tokens_lost,
-            }
-            for t in self.tax
-        ]
-        pl = self.plan
-        article_mix = {
-            "chat_streams": pl.mix_streams,
-            "doc_prompt_tokens": pl.mix_doc_tokens,
-            "context": pl.mix_context,
-            "chunk": self.stall_chunk,
-            "prefill_elsewhere": self.prefill_elsewhere,
-            "predicted_stall_ms": self.predict_stall(pl.mix_streams, pl.mix_context, pl.mix_doc_tokens) * 1e3,
-        }
+        stalls = []
+        for t in self.tax:
+            f = self.forecast(t.batch, self.plan.short_prompt + 8, t.tokens)
+            stalls.append(
+                {
+                    "batch": t.batch,
+                    "prompt_tokens": t.tokens,
+                    "measured_stall_ms": None if t.stall_s is None else t.stall_s * 1e3,
+                    "predicted_stall_ms": f.median_s * 1e3,
+                    "predicted_p90_ms": f.p90_s * 1e3,
+                    "tokens_lost": t.tokens_lost,
+                }
+            )
         be = pf.break_even_chunk(fp, df, ctx)
         return {
             "context": ctx,
@@ -112,7 +145,27 @@ class ProbeResult:
             "capacity_batch": big_b,
             "capacity": cap,
             "stalls": stalls,
-            "article_mix": article_mix,
+            "article_mix": self.article_mix(),
+        }
+
+    def article_mix(self) -> dict[str, Any]:
+        """The forecast for the article mix, at the context its `bench serve` command runs at."""
+        pl, chk = self.plan, self.check()
+        f = self.forecast(pl.mix_streams, chk.context, pl.mix_doc_tokens)
+        return {
+            "chat_streams": pl.mix_streams,
+            "doc_prompt_tokens": pl.mix_doc_tokens,
+            "context": chk.context,
+            "chunk": self.stall_chunk,
+            "prefill_elsewhere": self.prefill_elsewhere,
+            "predicted_stall_ms": f.median_s * 1e3,
+            "predicted_p90_ms": f.p90_s * 1e3,
+            "costliest_step_ms": f.step_s * 1e3,
+            "window_steps": f.steps,
+            "jitter_samples": f.jitter_samples,
+            "predicted_doc_ttft_ms": self.doc_ttft(pl.mix_streams, chk.context, pl.mix_doc_tokens) * 1e3,
+            "check": asdict(chk),
+            "check_command": chk.command(self.base_url, self.model, self.prompts == "ids"),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -122,8 +175,17 @@ class ProbeResult:
         return d
 
 
+def _slowdown(t: pm.TaxSample) -> float:
+    """How much slower the streams stepped while the prompt was in the server than before it."""
+    return t.excess_s / max(1.0, t.steps_during) / t.stream_step_s
+
+
 def infer_chunking(
-    tax: list[pm.TaxSample], prefill_fit: pf.PrefillFit, handoff_s: float = 0.0, step_s: float = 0.0
+    tax: list[pm.TaxSample],
+    prefill_fit: pf.PrefillFit,
+    handoff_s: float = 0.0,
+    step_s: float = 0.0,
+    floor_step_s: float = 0.0,
 ) -> Chunking:
     """From the tax at the longest prompt, against that prompt's fitted prefill time P:
 
@@ -135,9 +197,17 @@ def infer_chunking(
       the prefill ran beside decode without slowing it ("no interference": disaggregated, or
       prefill on capacity decode does not use).
 
-    A lone stream whose second token comes well after its first (`handoff_s`, over twice the
-    batch-1 step `step_s`) had its KV moved between pools: "disaggregated", whatever the streams'
-    slowdown (on shared cores the prefill pool still takes the decode pool's CPU).
+    Two signs say the pieces did not ride in the decode steps however much the streams slowed,
+    and the server is "disaggregated" with its pools on shared cores:
+    - a lone stream whose second token comes well after its first (`handoff_s`, over twice the
+      batch-1 step `step_s`) had its KV moved between pools;
+    - more steps ran while the prompt was prefilled than its lone prefill has room for: each step
+      carrying a piece costs at least STEP_FLOOR x the batch-1 decode step (`floor_step_s`), so P
+      holds at most P / that of them. This is what `pdserve serve --chunk-size 128` on SmolLM2
+      (its default mode is disagg: the chunks ran in the prefill pool, on the same 2 cores) showed:
+      82 decode steps during a 2048-token prompt whose lone prefill has room for about 20, read
+      as "chunks of about 25 tokens" before this check. The engine gives every step `chunk_size`
+      prompt tokens whatever the decode batch (engine/llm_engine.py, `_schedule_prefill`).
 
     From outside a chunk and a per-step token budget look alike; the size is an estimate."""
     if not tax:
@@ -147,7 +217,7 @@ def infer_chunking(
     if p <= 0 or t.stall_s is None:
         return Chunking("unknown", None, "no prefill time or no stream in flight to judge by")
     spike = ((t.median_gap_s if t.median_gap_s is not None else t.stall_s) - t.stream_step_s) / p
-    slowdown = t.excess_s / max(1.0, t.steps_during) / t.stream_step_s
+    slowdown = _slowdown(t)
     seen = (
         f"a {t.tokens}-token prompt (prefill alone {p * 1e3:.0f} ms): longest gap of {t.batch} streams "
         f"{t.stall_s * 1e3:.0f} ms, {t.steps_during:g} tokens each while it ran, {slowdown:.0%} slower than their pace"
@@ -163,6 +233,15 @@ def infer_chunking(
         )
     if slowdown < 0.1:
         return Chunking("no interference", None, f"{seen}: prefill runs beside decode (disaggregated?)")
+    room = p / (STEP_FLOOR * floor_step_s) if floor_step_s > 0 else math.inf
+    if t.steps_during > ROOM_SLACK * room + 1:
+        return Chunking(
+            "disaggregated",
+            None,
+            f"{seen}; its lone prefill has room for at most {room:.0f} steps of >= {STEP_FLOOR:g} x the "
+            f"{floor_step_s * 1e3:.1f} ms batch-1 step: it ran beside the streams' steps, not in them "
+            "(another pool, on cores shared with theirs)",
+        )
     # T / steps at every (b, T) probed, median: one point stretched by a burst elsewhere on the
     # machine (more steps than chunks) does not move it
     sizes = [x.tokens / x.steps_during for x in tax if x.steps_during >= 2] or [t.tokens / max(1.0, t.steps_during)]
@@ -172,46 +251,72 @@ def infer_chunking(
     )
 
 
-async def probe(c: ProbeClient, plan: ProbePlan, log: Callable[[str], None]) -> ProbeResult:
+def mixed_steps(tax: list[pm.TaxSample], chunking: Chunking, context: int) -> list[pf.MixedStep]:
+    """The steps that carried each tax prompt beside the streams, when they did (whole or
+    chunked): the streams' pace plus the time they lost spread over those steps."""
+    if chunking.verdict not in ("whole", "chunked"):
+        return []
+    c = round(chunking.chunk_tokens) if chunking.verdict == "chunked" and chunking.chunk_tokens else None
+    return [
+        pf.MixedStep(t.batch, context, t.tokens, t.stream_step_s + t.excess_s / len(pf.chunks(t.tokens, c)))
+        for t in tax
+        if t.stream_step_s > 0 and t.tokens > 0
+    ]
+
+
+async def probe(c: ProbeClient, plan: ProbePlan, log: Callable[[str], None], seed: int = 0) -> ProbeResult:
+    t0 = time.perf_counter()
+
+    def say(msg: str) -> None:  # progress, with the time so far: a slow server shows where it spends it
+        log(f"probe: [{time.perf_counter() - t0:4.0f} s] {msg}")
+
     await c.start()
-    log(f"probe: {c.model} at {c.base_url}, prompts as {'token ids' if c.mode == 'ids' else 'text'}")
+    say(f"{c.model} at {c.base_url}, prompts as {'token ids' if c.mode == 'ids' else 'text'}")
     ovh = await pm.overhead(c, plan.overhead_repeats)
-    log(f"probe: idle request overhead (1-token prompt, 1 token) {ovh.ttft_s * 1e3:.1f} ms")
+    say(f"idle request overhead (1-token prompt, 1 token) {ovh.ttft_s * 1e3:.1f} ms")
     decode = []
-    for ctx in plan.contexts:
-        for b in plan.batches:
-            s = await pm.decode(c, b, ctx, plan.decode_tokens, plan.decode_repeats)
-            decode.append(s)
-            log(f"probe: decode b={b} prompt {s.prompt_tokens}: step {s.point.step_s * 1e3:.2f} ms ({s.gaps} gaps)")
+    points = plan.decode_points()
+    for i, (b, ctx) in enumerate(points, 1):
+        s = await pm.decode(c, b, ctx, plan.decode_tokens, plan.decode_repeats)
+        decode.append(s)
+        step = f"{s.point.step_s * 1e3:.2f} ms ({s.gaps} gaps)"
+        say(f"decode {i}/{len(points)} b={b} prompt {s.prompt_tokens}: step {step}")
     one = next(d for d in decode if d.batch == 1)  # batch 1 at the short context
     http = max(0.0, ovh.ttft_s - one.point.step_s)
     # batch 1 at the long context: the most KV a lone stream's first-to-second-token gap can show
     handoff = [d for d in decode if d.batch == 1][-1]
     prefill = []
     for t in plan.prefill_tokens:
-        s = await pm.prefill(c, t, plan.prefill_repeats)
+        s = await pm.prefill(c, t, plan.prefill_repeats_at(t))
         prefill.append(s)
-        log(f"probe: prefill T={s.tokens}: TTFT {s.ttft_s * 1e3:.1f} ms")
+        say(f"prefill T={s.tokens}: TTFT {s.ttft_s * 1e3:.1f} ms")
     df = pf.fit_decode([d.point for d in decode])
-    points = [pf.PrefillPoint(p.tokens, p.ttft_s - http) for p in prefill]
-    fp = pf.fit_prefill(points)
-    steps = pf.fit_joint([d.point for d in decode], points)
+    ttfts = [pf.TTFTPoint(p.tokens, p.ttft_s) for p in prefill]
+    fp = pf.fit_prefill_anchored(ttfts, http)
     tax = []
-    for b, t in plan.tax_points:
+    for i, (b, t) in enumerate(plan.tax_points, 1):
         runs = [
             await pm.tax(c, b, t, plan.short_prompt, df.seconds(b, plan.short_prompt), http)
             for _ in range(plan.tax_repeats)
         ]
-        s = sorted(runs, key=lambda x: x.stall_s or 0.0)[len(runs) // 2]  # the median run by its stall
+        # the lower median run by its stall: of two, the one a burst elsewhere on the machine spared
+        s = sorted(runs, key=lambda x: x.stall_s or 0.0)[(len(runs) - 1) // 2]
         tax.append(s)
         stall = "-" if s.stall_s is None else f"{s.stall_s * 1e3:.1f} ms"
-        log(f"probe: tax b={b} T={s.tokens}: stall {stall}, {s.tokens_lost:.1f} tokens lost, {s.steps_during:g} steps")
-    prefix = await pm.prefix_cache(c, plan.prefix_tokens, http)
-    log(
-        f"probe: same {prefix.tokens}-token prompt twice: TTFT {prefix.first_ttft_s * 1e3:.1f} then "
+        say(f"tax {i}/{len(plan.tax_points)} b={b} T={s.tokens}: stall {stall}, {s.tokens_lost:.1f} tokens lost, "
+            f"{s.steps_during:g} steps")  # fmt: skip
+    chunking = infer_chunking(tax, fp, handoff.first_to_second_token_s, handoff.point.step_s, one.point.step_s)
+    say(
+        f"chunking: {chunking.verdict}"
+        + (f", about {chunking.chunk_tokens:.0f} tokens" if chunking.chunk_tokens else "")
+    )
+    c_tokens = round(chunking.chunk_tokens) if chunking.verdict == "chunked" and chunking.chunk_tokens else None
+    steps = pf.fit_joint([d.point for d in decode], ttfts, mixed_steps(tax, chunking, plan.short_prompt + 8), c_tokens)
+    prefix = await pm.prefix_cache(c, plan.prefix_tokens, http, plan.prefix_pairs)
+    say(
+        f"same {prefix.tokens}-token prompt twice: TTFT {prefix.first_ttft_s * 1e3:.1f} then "
         f"{prefix.second_ttft_s * 1e3:.1f} ms ({'prefix cache' if prefix.cached else 'no prefix cache seen'})"
     )
     return ProbeResult(
-        c.base_url, c.model or "", c.mode, plan, ovh, http, decode, prefill, tax, prefix, df, fp, steps,
-        infer_chunking(tax, fp, handoff.first_to_second_token_s, handoff.point.step_s),
-    )  # fmt: skip
+        c.base_url, c.model or "", c.mode, plan, ovh, http, decode, prefill, tax, prefix, df, fp, steps, chunking, seed
+    )

@@ -6,13 +6,22 @@ prefill count alike, as in costmodel/step_fit.py):
     decode step(b, c) = fixed + per_sequence * b + per_context_token * b * c   (c: context per stream)
     prefill(T)        = fixed + linear * T + quadratic * T^2                  (one prompt alone)
 
-and one joint fit of costmodel/step_fit.py's four-term step model over the same points, which is
-what a calibration file carries (the simulator and `bench compare` price steps with it).
+and one joint fit of costmodel/step_fit.py's four-term step model over the same points and the
+tax runs' mixed steps, which is what a calibration file carries (the simulator and `bench compare`
+price steps with it).
+
+Prefill is fitted *anchored*: on differences of TTFT from the shortest prompt's, against the
+difference in tokens. A request's overhead is not one constant: the router's polling and the
+client's reads overlap a long prefill but not a short one, so TTFT minus the idle request's
+overhead understated short prompts, the curve looked convex, and the fit put the per-token term at
+zero (a 128-token chunk priced as free). Differences cancel whatever every prompt pays alike; the
+fixed term is what the shortest prompt leaves over the overhead.
 
 From them, the article's arithmetic for that server: one T-token prompt in generated tokens at
 batch b (prefill(T) / (step(b) / b)), the break-even chunk (the chunk whose prefill takes one
 batch-1 decode step), decode steps lost per chunk, the capacity table, and the stall one prompt
-should cause (the step that carries it beside the decode batch).
+should cause: the steps that carry it beside the decode batch, each with the serving jitter the
+probe measured added, the longest of them (`stall_forecast`: a median and a p90, not one number).
 
 Pure arithmetic on numbers; numpy for the small solves.
 """
@@ -27,7 +36,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from costmodel.step_fit import StepCostFit, StepShape
-from costmodel.step_fit import fit as fit_steps
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,23 @@ class DecodePoint:
 class PrefillPoint:
     tokens: int
     prefill_s: float  # TTFT minus the HTTP/request overhead (see benchmarks/probe_measure.py)
+
+
+@dataclass(frozen=True)
+class TTFTPoint:
+    tokens: int
+    ttft_s: float  # one prompt alone, max_tokens=1: the request's overhead plus its prefill
+
+
+@dataclass(frozen=True)
+class MixedStep:
+    """A step the tax measured: `batch` streams at `context` decoding beside one piece of a
+    `tokens` prompt (the whole prompt, or each of its chunks in turn: `seconds` is their mean)."""
+
+    batch: int
+    context: int
+    tokens: int
+    seconds: float
 
 
 def nnls_rel(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
@@ -112,11 +137,72 @@ def fit_prefill(points: Sequence[PrefillPoint]) -> PrefillFit:
     return PrefillFit(float(c[0]), float(c[1]), float(c[2]), err, len(pts))
 
 
-def fit_joint(decode: Sequence[DecodePoint], prefill: Sequence[PrefillPoint]) -> StepCostFit:
-    """step_fit's four terms over every probed step: what the calibration file carries."""
-    samples = [(StepShape.of([round(p.context)] * p.batch), p.step_s) for p in decode]
-    samples += [(StepShape.of((), [(0, p.tokens)]), p.prefill_s) for p in prefill if p.prefill_s > 0]
-    return fit_steps(samples)
+def fit_prefill_anchored(points: Sequence[TTFTPoint], overhead_s: float) -> PrefillFit:
+    """prefill(T) from TTFT differences to the shortest prompt (module docstring): linear and
+    quadratic from TTFT(T) - TTFT(T0) against T - T0 and T^2 - T0^2; fixed from what TTFT(T0)
+    leaves over `overhead_s` (never below zero). The rms error is over the differences."""
+    if not points:
+        raise ValueError("no prefill was measured")
+    anchor = min(points, key=lambda p: p.tokens)
+    t0 = float(anchor.tokens)
+    rows = [(p.tokens - t0, p.tokens**2 - t0 * t0, p.ttft_s - anchor.ttft_s) for p in points if p.tokens > t0]
+    rows = [r for r in rows if r[2] > 0]  # a longer prompt answered sooner: noise, no evidence of a slope
+    lin = quad = err = 0.0
+    if rows:
+        c, err = nnls_rel(np.array([[a, b] for a, b, _ in rows]), np.array([y for *_, y in rows]))
+        lin, quad = float(c[0]), float(c[1])
+    fixed = max(0.0, anchor.ttft_s - overhead_s - lin * t0 - quad * t0 * t0)
+    return PrefillFit(fixed, lin, quad, err, len(points))
+
+
+def chunks(tokens: int, chunk: int | None) -> list[tuple[int, int]]:
+    """(start, n) of the pieces a prompt is prefilled in: one (whole) or one per chunk."""
+    size = tokens if chunk is None else max(1, min(chunk, tokens))
+    return [(s, min(size, tokens - s)) for s in range(0, tokens, size)]
+
+
+def _features(steps: Sequence[StepShape]) -> np.ndarray:
+    return np.sum([s.features() for s in steps], axis=0)
+
+
+def _prompt_features(tokens: int, chunk: int | None) -> np.ndarray:
+    """The steps that carry a prompt alone, summed."""
+    return _features([StepShape.of((), [p]) for p in chunks(tokens, chunk)])
+
+
+def _mixed_features(m: MixedStep, chunk: int | None) -> np.ndarray:
+    """The mean of the steps that carried the prompt beside the decode batch."""
+    steps = [StepShape.of([m.context] * m.batch, [p]) for p in chunks(m.tokens, chunk)]
+    return _features(steps) / len(steps)
+
+
+def fit_joint(
+    decode: Sequence[DecodePoint],
+    prefill: Sequence[TTFTPoint] = (),
+    mixed: Sequence[MixedStep] = (),
+    chunk: int | None = None,
+) -> StepCostFit:
+    """step_fit's four terms over every probed step, anchored where they are used: the decode
+    steps as measured; each prompt alone as its TTFT's difference from the shortest prompt's
+    (the steps that carried it, whole or in `chunk`s, less the shortest prompt's steps); and the
+    tax's mixed steps, the very steps a stall is made of. What the calibration file carries."""
+    xs = [np.array(StepShape.of([round(p.context)] * p.batch).features()) for p in decode if p.step_s > 0]
+    ys = [p.step_s for p in decode if p.step_s > 0]
+    if prefill:
+        anchor = min(prefill, key=lambda p: p.tokens)
+        base = _prompt_features(anchor.tokens, chunk)
+        for p in prefill:
+            if p.tokens > anchor.tokens and p.ttft_s > anchor.ttft_s:
+                xs.append(_prompt_features(p.tokens, chunk) - base)
+                ys.append(p.ttft_s - anchor.ttft_s)
+    for m in mixed:
+        if m.seconds > 0:
+            xs.append(_mixed_features(m, chunk))
+            ys.append(m.seconds)
+    if len(ys) < 2:
+        raise ValueError("need at least two timed steps to fit the step cost")
+    c, err = nnls_rel(np.array(xs), np.array(ys))
+    return StepCostFit(float(c[0]), float(c[1]), float(c[2]), float(c[3]), samples=len(ys), rms_rel_error=err)
 
 
 # ---- the article's arithmetic on the fitted server --------------------------------------------
@@ -142,13 +228,48 @@ def decode_steps_per_chunk(pf: PrefillFit, df: DecodeFit, chunk: int, context: f
 
 
 def predicted_stall(steps: StepCostFit, batch: int, context: int, tokens: int, chunk: int | None = None) -> float:
-    """The longest gap the `batch` streams should see while a `tokens` prompt is prefilled: the step
-    that carries the prompt (whole) or its costliest chunk (the last: most attention) beside the
-    decode batch."""
-    size = tokens if chunk is None else max(1, min(chunk, tokens))
-    chunks = [(start, min(size, tokens - start)) for start in range(0, tokens, size)]
-    parts = [max(chunks, key=lambda p: p[1] * (p[0] + p[1]))]
-    return steps.seconds(StepShape.of([context] * batch, parts))
+    """The costliest step that carries a `tokens` prompt beside the `batch` streams: the whole
+    prompt, or its costliest chunk (the last: most attention). No jitter: `stall_forecast` adds it."""
+    return max(window_steps(steps, batch, context, tokens, chunk))
+
+
+def window_steps(steps: StepCostFit, batch: int, context: int, tokens: int, chunk: int | None = None) -> list[float]:
+    """The steps a document's stall can fall in (the stall is the longest gap of a stream in flight
+    between the document's arrival and its first token): the decode step under way when it
+    arrives, then each step that carries the prompt, or a piece of it, beside the streams."""
+    ctxs = [context] * batch
+    return [steps.decode_seconds(ctxs)] + [steps.seconds(StepShape.of(ctxs, [p])) for p in chunks(tokens, chunk)]
+
+
+@dataclass(frozen=True)
+class StallForecast:
+    """The stall one document should cause, as a distribution over documents."""
+
+    median_s: float
+    p90_s: float
+    step_s: float  # the costliest step of the window, no jitter (the former one-number prediction)
+    steps: int  # steps in the window
+    jitter_samples: int  # the measured jitter it was drawn from (0: none, median = p90 = step)
+
+
+def stall_forecast(
+    window_s: Sequence[float], jitter_s: Sequence[float], draws: int = 2000, seed: int = 0
+) -> StallForecast:
+    """Each step of the window plus one draw of the measured jitter (what a step's longest gap over
+    the streams adds to the step), the longest of them; median and p90 over `draws` documents.
+    The max over a window's steps is why a chunked document (many steps) stalls longer than its
+    costliest step, and why one step's expected time understated what `bench serve` measured.
+    Seeded: the same probe prints the same forecast."""
+    if not window_s:
+        raise ValueError("a stall needs at least one step in its window")
+    w = np.asarray(window_s, dtype=float)
+    if len(jitter_s) == 0:
+        top = float(w.max())
+        return StallForecast(top, top, top, len(w), 0)
+    rng = np.random.default_rng(seed)
+    stalls = (w + rng.choice(np.asarray(jitter_s, dtype=float), size=(draws, len(w)))).max(axis=1)
+    p50, p90 = np.percentile(stalls, [50, 90])
+    return StallForecast(float(p50), float(p90), float(w.max()), len(w), len(jitter_s))
 
 
 @dataclass(frozen=True)

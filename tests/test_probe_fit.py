@@ -3,15 +3,19 @@ numbers made up to have known answers: no server."""
 
 from __future__ import annotations
 
+import argparse
 import math
+import shlex
 
 import pytest
 
-from benchmarks.probe_measure import TaxSample
-from benchmarks.probe_plan import ProbePlan
-from benchmarks.probe_run import infer_chunking
+from benchmarks import bench_serve
+from benchmarks.probe_measure import TaxSample, step_residuals
+from benchmarks.probe_plan import ProbePlan, article_check
+from benchmarks.probe_run import Chunking, infer_chunking, mixed_steps
 from costmodel import probe_fit as pf
-from costmodel.step_fit import StepCostFit
+from costmodel.step_fit import StepCostFit, StepShape
+from costmodel.step_fit import fit as fit_steps
 
 
 def test_fits_recover_the_terms_that_made_the_points():
@@ -85,6 +89,160 @@ def test_plan_quick_is_small_and_full_sweeps_to_the_limits():
     assert q.batches == [1, 2, 4] and f.batches == [1, 2, 4, 8]
     assert f.prefill_tokens == [128, 256, 512, 1024, 2048]
     assert q.tax_points == [(4, 512), (4, 1024)]
-    assert (2, 2048) in f.tax_points
+    assert f.tax_points == [(8, 1024), (8, 2048), (2, 2048)]
+    # the long context only at the end batches: the per-context-token term needs no more
+    assert f.decode_points() == [(1, 16), (2, 16), (4, 16), (8, 16), (1, 1024), (8, 1024)]
+    assert f.prefill_repeats_at(128) > f.prefill_repeats_at(256)  # the anchor of every difference
     with pytest.raises(ValueError):
         ProbePlan(64, 4).validate()
+
+
+# ---- the prefill fit anchored where it is used ------------------------------------------------
+# A chunked CPU server, made up: every step pays 6 ms, 50 us per token, 20 ns per attention pair,
+# 0.4 ms per decode sequence; prompts run in chunks of 128. A request pays 30 ms besides its
+# steps, but the idle 1-token request suggests 40 (the router's polling overlaps a long prefill,
+# not a short one): TTFT minus that constant understates short prompts.
+TRUE = StepCostFit(0.006, 50e-6, 20e-9, 0.4e-3)
+CHUNK, REQUEST_S, IDLE_OVERHEAD_S = 128, 0.030, 0.040
+TOKENS = [128, 256, 512, 1024, 2048]
+
+
+def _alone(tokens: int) -> float:
+    return sum(TRUE.seconds(StepShape.of((), [p])) for p in pf.chunks(tokens, CHUNK))
+
+
+def _ttfts() -> list[pf.TTFTPoint]:
+    return [pf.TTFTPoint(t, REQUEST_S + _alone(t)) for t in TOKENS]
+
+
+def _decode_points() -> list[pf.DecodePoint]:
+    return [pf.DecodePoint(b, c, TRUE.decode_seconds([c] * b)) for b in (1, 2, 4, 8) for c in (24, 1024)]
+
+
+def test_prefill_fitted_on_differences_keeps_its_per_token_term():
+    old = pf.fit_prefill([pf.PrefillPoint(p.tokens, p.ttft_s - IDLE_OVERHEAD_S) for p in _ttfts()])
+    new = pf.fit_prefill_anchored(_ttfts(), IDLE_OVERHEAD_S)
+    # the old points make the curve look convex: 128 tokens cost a quarter of what they do
+    assert old.seconds(128) < 0.3 * _alone(128)
+    for t in TOKENS:  # chunks of 128 add up to linear + quadratic: recovered exactly
+        assert new.seconds(t) == pytest.approx(_alone(t), rel=1e-6)
+    # per token: each chunk's step cost spread over its tokens, and the attention's linear part
+    assert new.linear_s == pytest.approx(TRUE.fixed_s / CHUNK + TRUE.per_token_s + CHUNK / 2 * TRUE.attention_s)
+
+
+def test_joint_step_fit_prices_a_chunk_where_the_old_one_priced_it_free():
+    decode = _decode_points()
+    old = fit_steps(
+        [(StepShape.of([round(p.context)] * p.batch), p.step_s) for p in decode]
+        + [(StepShape.of((), [(0, p.tokens)]), p.ttft_s - IDLE_OVERHEAD_S) for p in _ttfts()]
+    )
+    new = pf.fit_joint(decode, _ttfts(), [], CHUNK)
+    truth = TRUE.chunk_extra_seconds(0, CHUNK)  # a 128-token chunk beside a decode step: 6.7 ms
+    assert old.per_token_s == 0.0 and old.chunk_extra_seconds(0, CHUNK) < 0.2 * truth  # "priced as free"
+    assert new.coef == pytest.approx(TRUE.coef, rel=1e-6)
+    assert new.chunk_extra_seconds(0, CHUNK) == pytest.approx(truth, rel=1e-6)
+
+
+def test_joint_fit_takes_the_taxs_mixed_steps_as_they_were_measured():
+    mixed = [pf.MixedStep(8, 24, 1024, 0.0)]  # nothing measured: ignored
+    decode = _decode_points()
+    assert pf.fit_joint(decode, _ttfts(), mixed, CHUNK).samples == len(decode) + len(TOKENS) - 1
+    # a mixed step is the mean of the steps that carried the chunks beside the batch
+    steps = [TRUE.seconds(StepShape.of([24] * 8, [p])) for p in pf.chunks(1024, CHUNK)]
+    mixed = [pf.MixedStep(8, 24, 1024, sum(steps) / len(steps))]
+    got = pf.fit_joint(decode, _ttfts(), mixed, CHUNK)
+    assert got.samples == len(decode) + len(TOKENS) and got.coef == pytest.approx(TRUE.coef, rel=1e-6)
+    tax = TaxSample(8, 1024, 0.03, 0.0, 0.5, 0.01, 9, 0.08)  # 80 ms lost over 8 chunks: 10 ms each
+    (m,) = mixed_steps([tax], Chunking("chunked", 128.0, ""), 24)
+    assert m.seconds == pytest.approx(0.02)
+    assert mixed_steps([tax], Chunking("disaggregated", None, ""), 24) == []  # not in the decode steps
+
+
+def test_anchored_fit_with_no_slope_is_all_fixed():
+    # a server whose TTFT does not grow with the prompt (a fake): no per-token term, no error
+    got = pf.fit_prefill_anchored([pf.TTFTPoint(128, 0.05), pf.TTFTPoint(256, 0.049)], 0.04)
+    assert (got.linear_s, got.quadratic_s) == (0.0, 0.0) and got.fixed_s == pytest.approx(0.01)
+
+
+# ---- the chunk, inferred ----------------------------------------------------------------------
+# SmolLM2 on 2 cores, numbers of the shape the issue's run showed: a 79 ms batch-1 step, 170 ms
+# at batch 8, a 2048-token prompt prefilled alone in 16 chunks of 128 in about 1.5 s.
+SMOL_PREFILL = pf.PrefillFit(0.0, 1.5 / 2048, 0.0, 0.0, 1)
+
+
+def _smol_tax(tokens: int, steps: float, slowdown: float, batch: int = 8) -> TaxSample:
+    step = 0.17
+    excess = steps * step * slowdown
+    return TaxSample(batch, tokens, step * (1 + slowdown) + 0.05, 0.0, 1.0, step, steps, excess, step * (1 + slowdown))
+
+
+def test_colocated_chunks_of_128_are_inferred_within_a_quarter():
+    tax = [_smol_tax(1024, 9, 0.2), _smol_tax(2048, 17, 0.2), _smol_tax(2048, 17, 0.2, batch=2)]
+    got = infer_chunking(tax, SMOL_PREFILL, handoff_s=0.09, step_s=0.085, floor_step_s=0.079)
+    assert got.verdict == "chunked" and got.chunk_tokens is not None
+    assert abs(got.chunk_tokens / 128 - 1) < 0.25
+
+
+def test_prefill_in_another_pool_on_shared_cores_is_not_read_as_small_chunks():
+    """`pdserve serve --chunk-size 128` is disagg by default: the chunks ran in the prefill pool
+    while the decode pool's streams kept stepping, slowed by the shared cores: 82 steps during a
+    2048-token prompt (T / steps = 25: the "chunks of about 25 tokens" the issue saw)."""
+    tax = [_smol_tax(1024, 41, 0.6), _smol_tax(2048, 82, 0.6), _smol_tax(2048, 82, 0.6, batch=2)]
+    # the KV handoff is too short against an 85 ms step to show in the second token
+    got = infer_chunking(tax, SMOL_PREFILL, handoff_s=0.1, step_s=0.085, floor_step_s=0.079)
+    assert got.verdict == "disaggregated" and got.chunk_tokens is None, got.why
+    assert "room for at most" in got.why
+    # without the batch-1 step to judge by, the old reading
+    assert infer_chunking(tax, SMOL_PREFILL, handoff_s=0.1, step_s=0.085).chunk_tokens == pytest.approx(2048 / 82)
+
+
+# ---- the stall as a distribution --------------------------------------------------------------
+def test_stall_forecast_without_jitter_is_the_costliest_step():
+    f = pf.stall_forecast([0.1, 0.3, 0.2], [])
+    assert (f.median_s, f.p90_s, f.step_s, f.steps, f.jitter_samples) == (0.3, 0.3, 0.3, 3, 0)
+
+
+def test_stall_forecast_adds_the_jitter_and_grows_with_the_window():
+    jitter = [0.0] * 85 + [0.01] * 10 + [0.1] * 5  # mostly nothing, one step in 20 100 ms late
+    one = pf.stall_forecast([0.2], jitter)
+    many = pf.stall_forecast([0.2] * 32, jitter)
+    assert one.median_s == pytest.approx(0.2) and one.p90_s == pytest.approx(0.21)
+    # the longest of 32 steps: most documents meet a late one (1 - 0.95^32 = 81%)
+    assert many.median_s == pytest.approx(0.3) and many.p90_s == pytest.approx(0.3)
+    assert pf.stall_forecast([0.2] * 32, jitter) == many  # seeded: the same probe, the same forecast
+    with pytest.raises(ValueError):
+        pf.stall_forecast([], jitter)
+
+
+def test_window_is_the_step_under_way_then_each_chunk_beside_the_streams():
+    w = pf.window_steps(TRUE, 8, 192, 1024, 128)
+    assert len(w) == 1 + 8 and w[0] == pytest.approx(TRUE.decode_seconds([192] * 8))
+    assert w[-1] == max(w) == pytest.approx(pf.predicted_stall(TRUE, 8, 192, 1024, 128))
+    assert len(pf.window_steps(TRUE, 8, 192, 1024)) == 2  # whole: one step carries it
+
+
+def test_step_residuals_are_each_steps_longest_gap_over_the_streams_less_the_pace():
+    a = [0.0, 0.1, 0.2, 0.35]
+    b = [0.0, 0.12, 0.2, 0.3, 0.4]  # one token more: only the steps both saw count
+    assert step_residuals([a, b], 0.1) == pytest.approx([0.02, 0.0, 0.05])
+    assert step_residuals([], 0.1) == []
+
+
+# ---- the run that checks the forecast ---------------------------------------------------------
+@pytest.mark.parametrize(("step_s", "ttft_s"), [(0.17, 1.8), (0.01, 0.1)])  # SmolLM2 on CPU; the tiny model
+def test_article_check_spaces_eight_documents_inside_the_streams(step_s, ttft_s):
+    plan = ProbePlan()
+    chk = article_check(plan, step_s, ttft_s)
+    assert chk.doc_count >= 8 and chk.chat_streams == plan.mix_streams
+    assert chk.doc_interval_s >= 2 * ttft_s  # one document out before the next arrives
+    last = chk.doc_start_s + (chk.doc_count - 1) * chk.doc_interval_s
+    assert chk.chat_output_len * step_s > last + ttft_s  # the streams decode through the last one
+    assert chk.context == pytest.approx(plan.mix_context, abs=2) or chk.chat_prompt_len == 16
+    # the printed command is one `bench serve` accepts, and its workload is the one described
+    cmd = chk.command("http://127.0.0.1:8000/v1", "m", token_ids=True)
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    args = parser.parse_args(shlex.split(cmd)[3:])
+    assert (args.workload, args.doc_count, args.prompt_token_ids) == ("article", chk.doc_count, True)
+    assert (args.chat_prompt_len, args.chat_output_len) == (chk.chat_prompt_len, chk.chat_output_len)
+    assert (args.doc_start_s, args.doc_interval_s) == (chk.doc_start_s, chk.doc_interval_s)
