@@ -240,7 +240,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--slo-tpot-ms",
         type=float,
         default=None,
-        help="TPOT SLO for goodput (default: derived from the calibration, 1.25x the predicted decode "
+        help="TPOT SLO for goodput (default: derived from the calibration, 1.5x the predicted decode "
         "step of the workload's chat streams)",
     )
     o.add_argument(

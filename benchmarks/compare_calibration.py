@@ -47,6 +47,7 @@ class LoggedStep:
     role: str  # "colocated" | "prefill" | "decode"
     shape: StepShape
     seconds: float
+    end_unix_s: float = 0.0  # the worker's wall clock: steps of one host line up across pools
 
 
 class StepLogRecorder:
@@ -96,7 +97,9 @@ class StepLogRecorder:
         for w in workers:
             for s in w["steps"]:
                 shape = StepShape(int(s["prefill_tokens"]), float(s["attention_pairs"]), int(s["decode_seqs"]))
-                self._seen[(w["worker"], int(s["step"]))] = LoggedStep(w["worker"], w["role"], shape, s["seconds"])
+                self._seen[(w["worker"], int(s["step"]))] = LoggedStep(
+                    w["worker"], w["role"], shape, s["seconds"], float(s.get("end_unix_s", 0.0))
+                )
 
 
 @dataclass(frozen=True)
@@ -125,17 +128,50 @@ def trimmed_fit(samples: Sequence[tuple[StepShape, float]]) -> tuple[StepCostFit
 
 
 def fit_pools(steps: Sequence[LoggedStep]) -> dict[str, PoolFit]:
-    """A fit per pool role that ran at least MIN_STEPS steps."""
-    by_role: dict[str, list[tuple[StepShape, float]]] = {}
+    """A fit per pool role that ran at least MIN_STEPS steps. A decode pool is fitted on its steps
+    that ran while no prefill step did, where there are enough of them: the others are priced by
+    `beside_prefill_slowdown`."""
+    by_role: dict[str, list[LoggedStep]] = {}
     for s in steps:
         if s.seconds > 0:
-            by_role.setdefault(s.role, []).append((s.shape, s.seconds))
+            by_role.setdefault(s.role, []).append(s)
+    if "decode" in by_role and "prefill" in by_role:
+        alone = [s for s in by_role["decode"] if overlap(s, by_role["prefill"]) == 0.0]
+        if len(alone) >= MIN_STEPS:
+            by_role["decode"] = alone
     out = {}
-    for role, samples in by_role.items():
-        if len(samples) >= MIN_STEPS:
-            f, trimmed = trimmed_fit(samples)
-            out[role] = PoolFit(role, f, len(samples) - trimmed, trimmed)
+    for role, logged in by_role.items():
+        if len(logged) >= MIN_STEPS:
+            f, trimmed = trimmed_fit([(s.shape, s.seconds) for s in logged])
+            out[role] = PoolFit(role, f, len(logged) - trimmed, trimmed)
     return out
+
+
+def overlap(step: LoggedStep, others: Sequence[LoggedStep]) -> float:
+    """The share of `step` during which any of `others` ran (on the workers' wall clocks)."""
+    start, end = step.end_unix_s - step.seconds, step.end_unix_s
+    spans = sorted((max(start, o.end_unix_s - o.seconds), min(end, o.end_unix_s)) for o in others)
+    covered, reach = 0.0, start
+    for a, b in spans:
+        if b > max(a, reach):
+            covered += b - max(a, reach)
+            reach = b
+    return covered / step.seconds if step.seconds > 0 else 0.0
+
+
+def beside_prefill_slowdown(steps: Sequence[LoggedStep], decode: StepCostFit | None) -> float:
+    """How many times its own price a decode step costs while a prefill step runs beside it: 1 on
+    separate GPUs; on one host's CPU cores the two pools compete (measured 1.5-3x on 2 cores).
+    The median over decode steps at least half overlapped, each read as 1 + (ratio - 1) / share."""
+    prefill = [s for s in steps if s.role == "prefill"]
+    if decode is None or not prefill:
+        return 1.0
+    reads = []
+    for s in steps:
+        share = overlap(s, prefill) if s.role == "decode" else 0.0
+        if share >= 0.5:
+            reads.append(1.0 + (s.seconds / decode.seconds(s.shape) - 1.0) / share)
+    return max(1.0, statistics.median(reads)) if len(reads) >= 3 else 1.0
 
 
 @dataclass
@@ -147,6 +183,7 @@ class SelfCalibration:
     hop_requests: int
     link_gbytes_per_s: float | None  # disagg: the KV pulls of the warm-up (model's KV bytes / time)
     recorder_error: str | None = None
+    decode_slowdown_beside_prefill: float = 1.0  # disagg on shared cores (beside_prefill_slowdown)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -174,7 +211,9 @@ class SelfCalibration:
         pools = ", ".join(f"{k} {p.steps} steps ({p.trimmed} trimmed)" for k, p in self.pools.items())
         hop = f"{self.hop_ms:.1f} ms" if self.hop_ms is not None else "not measured"
         link = f", KV pulls at {self.link_gbytes_per_s:.2f} GB/s" if self.link_gbytes_per_s else ""
-        return f"{pools}; serving hop {hop}{link}"
+        k = self.decode_slowdown_beside_prefill
+        beside = f", decode steps {k:.2f}x beside a prefill" if k > 1.0 else ""
+        return f"{pools}; serving hop {hop}{link}{beside}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -184,6 +223,7 @@ class SelfCalibration:
             "hop_ms": self.hop_ms,
             "hop_requests": self.hop_requests,
             "link_gbytes_per_s": self.link_gbytes_per_s,
+            "decode_slowdown_beside_prefill": self.decode_slowdown_beside_prefill,
             "recorder_error": self.recorder_error,
             "notes": self.notes,
         }
@@ -227,7 +267,10 @@ def build(
 ) -> SelfCalibration:
     """The self-calibration of one server from what its warm-up and hop requests measured."""
     hop, n = hop_ms(hop_records)
-    cal = SelfCalibration(fit_pools(steps), hop, n, link_rate(warmup_records, kv_bytes_per_token), recorder_error)
+    pools = fit_pools(steps)
+    decode = pools.get("decode")
+    slowdown = beside_prefill_slowdown(steps, decode.fit if decode else None)
+    cal = SelfCalibration(pools, hop, n, link_rate(warmup_records, kv_bytes_per_token), recorder_error, slowdown)
     if not cal.pools:
         cal.notes.append(f"no pool ran {MIN_STEPS} steps in the warm-up ({len(steps)} steps seen)")
     return cal
@@ -245,4 +288,5 @@ def prediction_setup(model: str, mode: str, cal: SelfCalibration | None) -> tupl
     src = f"self-calibrated: fitted to {cal.steps} steps this server ran in its warm-up " + ", ".join(
         f"{k} {p.steps}" for k, p in cal.pools.items()
     )
-    return cp.setup_from_steps(model, decode, cal.prefill_fit, cal.link_gbytes_per_s, src, cal.steps), None
+    setup = cp.setup_from_steps(model, decode, cal.prefill_fit, cal.link_gbytes_per_s, src, cal.steps)
+    return replace(setup, decode_slowdown=cal.decode_slowdown_beside_prefill), None

@@ -35,7 +35,7 @@ from costmodel.workloads import RequestSpec, WorkloadConfig
 # The figures a candidate is scored on (compare_predict.COMPARED keys): the ones the report leads with.
 SCORED = ("stall_max_ms", "ttft_chat_p50_ms", "ttft_doc_p50_ms", "itl_p50_ms")
 # Default SLOs, as multiples of what the chosen calibration predicts (see derive_slos).
-TPOT_SLO_FACTOR = 1.25
+TPOT_SLO_FACTOR = 1.5
 TTFT_SLO_FACTOR = 2.0
 
 
@@ -48,7 +48,39 @@ def served_prompt_lengths(specs: list[RequestSpec], records: list[Any] | None) -
 
 
 def sim_config_of(spec: ModeSpec, max_num_seqs: int, setup: PredictionSetup) -> Any:
-    return cp.sim_config(spec.mode, spec.chunk_size, spec.prefill, spec.decode, max_num_seqs, setup.link)
+    return cp.sim_config(
+        spec.mode, spec.chunk_size, spec.prefill, spec.decode, max_num_seqs, setup.link, setup.admit_s,
+        setup.decode_slowdown,
+    )  # fmt: skip
+
+
+def warmup_specs(run: ModeRun, specs: list[RequestSpec]) -> list[RequestSpec]:
+    """The mode's warm-up as the server saw it (its schedule and shapes are the timed run's)."""
+    assert run.warmup is not None
+    warm_ids = {r.request_id for r in run.warmup.records}
+    return served_prompt_lengths([s for s in specs if s.request_id in warm_ids], run.warmup.records)
+
+
+def with_admission(
+    setup: PredictionSetup, run: ModeRun, specs: list[RequestSpec], max_num_seqs: int
+) -> PredictionSetup:
+    """Disagg: `setup` with the decode admission delay the simulator lacks, fitted on the warm-up:
+    the median measured decode wait (prefill end to decode join, less the pull) minus the median
+    the simulator gives the same requests without it (its wait for a step boundary). On 2 CPU
+    cores this was 100-400 ms a request (router and Ray hops, the decode worker's inbox, the
+    prefill process competing for the cores): a chat's first-to-second-token gap."""
+    if not isinstance(run.spec, ModeSpec) or run.spec.mode != "disagg" or run.warmup is None:
+        return setup
+    measured = [r.decode_wait_ms for r in run.warmup.records if r.ok and r.decode_wait_ms is not None]
+    if not measured:
+        return setup
+    sc = sim_config_of(run.spec, max_num_seqs, replace(setup, admit_s=0.0))
+    sim = cp.simulate_requests(sc, setup.steps, warmup_specs(run, specs))
+    waits = [
+        r.admitted - r.token_times[0] - (r.transfer_s or 0.0) for r in sim if r.admitted is not None and r.token_times
+    ]
+    sim_ms = statistics.median(waits) * 1e3 if waits else 0.0
+    return replace(setup, admit_s=max(0.0, statistics.median(measured) - sim_ms) / 1e3)
 
 
 def hop_s(run: ModeRun) -> float:
@@ -59,8 +91,7 @@ def score(setup: PredictionSetup, run: ModeRun, specs: list[RequestSpec], max_nu
     """Mean |relative error| of `setup`'s prediction of the mode's warm-up over SCORED."""
     if run.warmup is None:
         return None
-    warm_ids = {r.request_id for r in run.warmup.records}
-    warm_specs = served_prompt_lengths([s for s in specs if s.request_id in warm_ids], run.warmup.records)
+    warm_specs = warmup_specs(run, specs)
     p = cp.predict("warm-up", sim_config_of(run.spec, max_num_seqs, setup), setup, warm_specs, None, None, hop_s(run))
     figs = cp.compare_figures(run.warmup.metrics, p.metrics)
     errs = [abs(figs[k]["error"]) for k in SCORED if figs[k]["error"] is not None]
@@ -88,7 +119,8 @@ def choose(
     basis: dict[str, Any] = {"self_error": own_error, "file_error": file_error}
     if file_given and file_setup is not None:
         return Choice(file_setup, basis | {"used": "file", "why": "--calibration given", **_about(file_setup)})
-    candidates = {k: s for k, s in (("self", own), ("file", file_setup)) if s is not None}
+    found = (("self", own), ("file", file_setup))
+    candidates = {k: with_admission(s, run, specs, max_num_seqs) for k, s in found if s is not None}
     if not candidates:
         return Choice(None, basis | {"used": None, "why": "no calibration could be fitted or found"})
     scores = {k: score(s, run, specs, max_num_seqs) for k, s in candidates.items()}
@@ -106,7 +138,13 @@ def choose(
 
 
 def _about(setup: PredictionSetup) -> dict[str, Any]:
-    return {"source": setup.source, "fitted_steps": setup.fitted_steps, "warning": setup.warning}
+    return {
+        "source": setup.source,
+        "fitted_steps": setup.fitted_steps,
+        "warning": setup.warning,
+        "decode_admission_ms": setup.admit_s * 1e3,
+        "decode_slowdown_beside_prefill": setup.decode_slowdown,
+    }
 
 
 def describe_basis(basis: dict[str, Any] | None) -> str:
@@ -114,7 +152,10 @@ def describe_basis(basis: dict[str, Any] | None) -> str:
     if not basis or not basis.get("used"):
         return "no prediction: " + ((basis or {}).get("self_error") or (basis or {}).get("file_error") or "-")
     steps = f", {basis['fitted_steps']} steps" if basis.get("fitted_steps") else ""
-    return f"{basis['used']}{steps}: {basis['why']}"
+    admit = f", decode admission {basis['decode_admission_ms']:.0f} ms" if basis.get("decode_admission_ms") else ""
+    if (basis.get("decode_slowdown_beside_prefill") or 1.0) > 1.0:
+        admit += f", decode {basis['decode_slowdown_beside_prefill']:.2f}x beside a prefill"
+    return f"{basis['used']}{steps}{admit}: {basis['why']}"
 
 
 def derive_slos(setup: PredictionSetup, wl: WorkloadConfig, hop_ms: float) -> tuple[float, float, str]:

@@ -303,6 +303,7 @@ async def send_one(
                 rec.worker_queue_ms, rec.worker_prefill_ms = tl.get("queue_ms"), tl.get("prefill_ms")
                 rec.router_ttft_ms = tl.get("first_token_ms")
                 rec.transfer = tl.get("transfer")  # pdserve disagg: the KV pull
+                rec.decode_wait_ms = tl.get("decode_wait_ms")
                 if tl.get("token_ms") and tl.get("arrival") is not None:  # step ends, on this clock
                     to_here = tl["arrival"] - (time.time() - now())  # the server's wall clock -> now()
                     rec.step_end_times_s = [to_here + ms / 1e3 for ms in tl["token_ms"]]

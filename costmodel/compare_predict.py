@@ -36,6 +36,8 @@ class PredictionSetup:
     kind: str = "file"
     fitted_steps: int | None = None  # steps the fit was made from
     warning: str | None = None  # a calibration file measured on another CPU or commit
+    admit_s: float = 0.0  # disagg: decode admission beyond pull and step boundary (SimConfig.admit_s)
+    decode_slowdown: float = 1.0  # disagg: a decode step beside a prefill step (SimConfig.decode_slowdown)
 
     def describe(self) -> dict[str, Any]:
         hw = self.steps.hw
@@ -44,6 +46,8 @@ class PredictionSetup:
             "kind": self.kind,
             "fitted_steps": self.fitted_steps,
             "warning": self.warning,
+            "decode_admission_ms": self.admit_s * 1e3,
+            "decode_slowdown_beside_prefill": self.decode_slowdown,
             "prefill_pool_step_fit": self.steps.prefill_fit.to_dict() if self.steps.prefill_fit else None,
             "hardware": hw.name,
             "mem_bw_gbps": hw.mem_bw / cm.GB,
@@ -153,11 +157,26 @@ def reference_points(
 
 
 def sim_config(
-    mode: str, chunk_size: int | None, prefill: int, decode: int, max_num_seqs: int, link: cm.Link
+    mode: str,
+    chunk_size: int | None,
+    prefill: int,
+    decode: int,
+    max_num_seqs: int,
+    link: cm.Link,
+    admit_s: float = 0.0,
+    decode_slowdown: float = 1.0,
 ) -> SimConfig:
     """The simulator's view of one pdserve mode ("colocated" whole or chunked, or "disagg")."""
     if mode == "disagg":
-        return SimConfig("disagg", prefill_workers=prefill, decode_workers=decode, max_batch=max_num_seqs, link=link)
+        return SimConfig(
+            "disagg",
+            prefill_workers=prefill,
+            decode_workers=decode,
+            max_batch=max_num_seqs,
+            link=link,
+            admit_s=admit_s,
+            decode_slowdown=decode_slowdown,
+        )
     if chunk_size:
         return SimConfig("chunked", workers=decode, chunk=chunk_size, max_batch=max_num_seqs, link=link)
     return SimConfig("colocated", workers=decode, max_batch=max_num_seqs, link=link)

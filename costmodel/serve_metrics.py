@@ -68,6 +68,8 @@ class RequestRecord:
     worker_prefill_ms: float | None = None
     router_ttft_ms: float | None = None  # arrival at the router to its first token event (timeline)
     transfer: dict | None = None  # pdserve disagg: this request's KV pull (bytes, ms, rate; timeline)
+    # pdserve disagg: prefill end to decode admission, less the pull (timeline); ms
+    decode_wait_ms: float | None = None
     # pdserve: each token's decode-step end at its worker (timeline), on this record's clock
     # (server wall clock mapped at the end of the stream: valid when client and server share a host)
     step_end_times_s: list[float] = field(default_factory=list)

@@ -120,6 +120,12 @@ class SimConfig:
     max_batch: int = 256
     link: cm.Link = cm.LINKS["nvlink"]
     max_prefill_tokens: int = 8192  # whole prompts batched into one step, as the engine's default
+    # disagg: what a request waits beyond the pull and the next step boundary before a decode
+    # worker takes it in (router and Ray hops, the worker's inbox); measured, not modelled
+    admit_s: float = 0.0
+    # disagg with both pools on one host's CPU cores: a decode step costs this many times its
+    # price for the share of it during which a prefill step runs (1 on separate GPUs; measured)
+    decode_slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -225,7 +231,7 @@ class Sim:
         r.transfer_s = self.steps.transfer(r.prompt, self.cfg.link)
         dw.link_free = start + r.transfer_s
         dw.inflight += 1
-        self.at(dw.link_free, dw.receive, r)
+        self.at(dw.link_free + self.cfg.admit_s, dw.receive, r)
 
     def run(self, horizon: float | None = None) -> Sim:
         """Run until every request is done, or until simulated time `horizon` (endless streams)."""
@@ -415,7 +421,15 @@ class DecodeWorker(Worker):
             r = self.queue.popleft()
             r.admitted = self.sim.now
             self.running.append(r)
-        return self._decode_step() if self.running else None
+        if not self.running:
+            return None
+        dur, ptok, dtok, fin = self._decode_step()
+        k = self.sim.cfg.decode_slowdown
+        if k != 1.0:  # the share of the step a prefill worker is busy for, at k times the price
+            busy_until = max((w.log[-1].end for w in self.sim.prefill if w.busy and w.log), default=self.sim.now)
+            share = min(1.0, max(0.0, busy_until - self.sim.now) / dur) if dur > 0 else 0.0
+            dur *= 1.0 + (k - 1.0) * share
+        return dur, ptok, dtok, fin
 
 
 def simulate(cfg: SimConfig, steps: StepModel, wl: Workload, horizon: float | None = None) -> Sim:

@@ -141,10 +141,9 @@ def test_the_calibration_that_predicts_the_warm_up_better_predicts_the_run():
     right = setup_from_steps("tiny", TRUE, None, None, "file", None)
     assert choose("tiny", run, right, None, False, specs, 64).basis["used"] == "file"
     # --calibration FILE wins without a contest
-    assert choose("tiny", run, stale, None, True, specs, 64).basis == {
-        "self_error": None, "file_error": None, "used": "file", "why": "--calibration given",
-        "source": "file", "fitted_steps": None, "warning": None,
-    }  # fmt: skip
+    forced = choose("tiny", run, stale, None, True, specs, 64).basis
+    assert (forced["used"], forced["why"], forced["source"]) == ("file", "--calibration given", "file")
+    assert "warmup_scores" not in forced
 
 
 def test_a_mode_without_enough_steps_says_why_it_has_no_self_calibration():
@@ -158,14 +157,52 @@ def test_a_mode_without_enough_steps_says_why_it_has_no_self_calibration():
 
 
 def test_slos_derived_from_the_calibration_scale_with_its_step_prices():
-    from benchmarks.compare_prediction import derive_slos
+    from benchmarks.compare_prediction import TPOT_SLO_FACTOR, TTFT_SLO_FACTOR, derive_slos
     from costmodel.workloads import WorkloadConfig
 
     wl = WorkloadConfig(chat_streams=4, chat_prompt_len=64, chat_output_len=48, doc_prompt_len=512)
     fast = setup_from_steps("tiny", TRUE, None, None, "t", 1)
     slow = setup_from_steps("tiny", StepCostFit(0.09, 0.0012, 6e-9, 0.012), None, None, "t", 1)
     ttft, tpot, how = derive_slos(fast, wl, 10.0)
-    assert tpot == pytest.approx(1.25 * TRUE.decode_seconds([88] * 4) * 1e3)
-    assert ttft == pytest.approx(2 * TRUE.prefill_seconds(512) * 1e3 + 10.0)
+    assert tpot == pytest.approx(TPOT_SLO_FACTOR * TRUE.decode_seconds([88] * 4) * 1e3)
+    assert ttft == pytest.approx(TTFT_SLO_FACTOR * TRUE.prefill_seconds(512) * 1e3 + 10.0)
     assert "4-stream decode step" in how
     assert derive_slos(slow, wl, 10.0)[1] > 2 * tpot
+
+
+def test_decode_steps_beside_a_prefill_are_priced_apart():
+    from benchmarks.compare_calibration import beside_prefill_slowdown, overlap
+
+    decode_shape = StepShape.of([200] * 4)
+    price = TRUE.seconds(decode_shape)
+    steps, t = [], 100.0
+    for i in range(40):  # decode steps back to back; every 4th runs beside a prefill step at 2x
+        beside = i % 4 == 0
+        secs = price * (2.0 if beside else 1.0)
+        t += secs
+        steps.append(LoggedStep("decode-0", "decode", decode_shape, secs, t))
+        if beside:
+            steps.append(LoggedStep("prefill-0", "prefill", StepShape.of((), [(0, 512)]), secs, t))
+    assert overlap(steps[0], [steps[1]]) == pytest.approx(1.0)
+    pools = fit_pools(steps)
+    assert pools["decode"].fit.seconds(decode_shape) == pytest.approx(price, rel=0.02)  # fitted on steps alone
+    assert beside_prefill_slowdown(steps, pools["decode"].fit) == pytest.approx(2.0, rel=0.02)
+    alone = [s for s in steps if s.role == "decode"]
+    assert beside_prefill_slowdown(alone, pools["decode"].fit) == 1.0  # separate devices: no prefill steps
+
+
+def test_the_simulator_slows_decode_steps_beside_a_prefill_and_admits_late():
+    setup = setup_from_steps("tiny", TRUE, StepCostFit(0.0, 0.002, 0.0, 0.0), 5.0, "t", 1)
+    chats = [RequestSpec(f"chat-{i}", "x", 64, 40, 0.0, "chat") for i in range(2)]
+    doc = RequestSpec("doc-0", "x", 500, 2, 0.3, "document")
+
+    def max_gap(**kw) -> float:
+        p = predict("d", sim_config("disagg", None, 1, 1, 64, setup.link, **kw), setup, [*chats, doc], None, None)
+        return max(b - a for r in p.records[:2] for a, b in zip(r.chunk_times_s[1:], r.chunk_times_s[2:]))
+
+    base = max_gap()
+    assert 1.7 * base < max_gap(decode_slowdown=2.0) <= 2 * base  # steps during the prefill, at 2x
+    first = predict("d", sim_config("disagg", None, 1, 1, 64, setup.link, admit_s=0.2), setup, chats, None, None)
+    plain = predict("d", sim_config("disagg", None, 1, 1, 64, setup.link), setup, chats, None, None)
+    gap = lambda p: p.records[0].chunk_times_s[1] - p.records[0].chunk_times_s[0]  # noqa: E731
+    assert gap(first) == pytest.approx(gap(plain) + 0.2, abs=0.01)
