@@ -37,6 +37,26 @@ def _prefill(fp: dict[str, Any], tokens: int) -> float:
     return fp["fixed_s"] + fp["linear_s"] * tokens + fp["quadratic_s"] * tokens**2
 
 
+def _anchor(d: dict[str, Any]) -> dict[str, Any]:
+    """The prefill sample the fit's TTFT differences were taken from."""
+    t = d["prefill_fit"].get("anchor_tokens") or d["prefill"][0]["tokens"]
+    return next(p for p in d["prefill"] if p["tokens"] == t)
+
+
+def _prefill_basis(d: dict[str, Any]) -> str:
+    fp, a = d["prefill_fit"], _anchor(d)
+    floor = f"the idle request's {_ms(d['overhead']['ttft_s'])} ms"
+    if fp["points"] > 1:
+        return (
+            f"prefill fitted on TTFT differences from the {a['tokens']}-token prompt's ({fp['points']} prompts clear "
+            f"of the latency floor, {floor}; the request's overhead cancels)"
+        )
+    return (
+        f"prefill: the {a['tokens']}-token prompt's TTFT less the overhead, linear in T (the only prompt clear of "
+        f"the latency floor, {floor})"
+    )
+
+
 def _article_mix(mix: dict[str, Any], md: bool) -> list[str]:
     """The forecast for the article mix, and the command that measures it."""
     how = (
@@ -74,8 +94,7 @@ def render(d: dict[str, Any], md: bool = False) -> str:
         f"idle request overhead {_ms(d['overhead']['ttft_s'])} ms (HTTP and scheduling: "
         f"{_ms(d['http_overhead_s'])} ms); probe took {d['wall_s']:.0f} s",
         "",
-        f"{h}Fit (non-negative least squares on relative error; prefill on TTFT differences from the "
-        f"{d['prefill'][0]['tokens'] if d['prefill'] else '-'}-token prompt's)",
+        f"{h}Fit (non-negative least squares on relative error)",
         "",
         *_table(
             ["", "fixed (ms)", "per sequence (ms)", "per context token (us)", "quadratic (ns/token^2)", "rms error"],
@@ -99,6 +118,8 @@ def render(d: dict[str, Any], md: bool = False) -> str:
             ],
             md,
         ),
+        "",
+        _prefill_basis(d),
         "",
         f"calibration step fit: {sf['fixed_ms']:.3f} ms/step + {sf['per_token_us']:.2f} us/token + "
         f"{sf['attention_ns_per_pair']:.4f} ns/attention pair + {sf['per_sequence_us']:.1f} us/decode sequence "
@@ -125,7 +146,7 @@ def render(d: dict[str, Any], md: bool = False) -> str:
             [
                 "prompt tokens",
                 "TTFT (ms)",
-                "TTFT - shortest's (ms)",
+                f"TTFT - {_anchor(d)['tokens']}-token's (ms)",
                 "fitted (ms)",
                 "prefill fitted (ms)",
                 "server's own (ms)",
@@ -134,8 +155,14 @@ def render(d: dict[str, Any], md: bool = False) -> str:
                 [
                     str(p["tokens"]),
                     _ms(p["ttft_s"]),
-                    _ms(p["ttft_s"] - d["prefill"][0]["ttft_s"]),
-                    _ms(_prefill(fp, p["tokens"]) - _prefill(fp, d["prefill"][0]["tokens"])),
+                    *(
+                        [
+                            _ms(p["ttft_s"] - _anchor(d)["ttft_s"]),
+                            _ms(_prefill(fp, p["tokens"]) - _prefill(fp, _anchor(d)["tokens"])),
+                        ]
+                        if p["tokens"] >= _anchor(d)["tokens"]
+                        else ["under the floor", "-"]
+                    ),
                     _ms(_prefill(fp, p["tokens"])),
                     "-" if p["server_prefill_ms"] is None else f"{p['server_prefill_ms']:.1f}",
                 ]
@@ -243,8 +270,9 @@ def plot(d: dict[str, Any], path: Path) -> None:
     a.legend(fontsize=7)
     ts = [p["tokens"] for p in d["prefill"]]
     # the measured points placed on the fit at the shortest prompt: their differences are what was fitted
-    base = _prefill(fp, ts[0]) - d["prefill"][0]["ttft_s"]
-    b.plot(ts, [(p["ttft_s"] + base) * 1e3 for p in d["prefill"]], "o", label="TTFT, anchored at the shortest")
+    a = _anchor(d)
+    base = _prefill(fp, a["tokens"]) - a["ttft_s"]
+    b.plot(ts, [(p["ttft_s"] + base) * 1e3 for p in d["prefill"]], "o", label=f"TTFT, anchored at {a['tokens']}")
     b.plot(ts, [_prefill(fp, x) * 1e3 for x in ts], "--", label="fit")
     srv = [(p["tokens"], p["server_prefill_ms"]) for p in d["prefill"] if p["server_prefill_ms"] is not None]
     if srv:

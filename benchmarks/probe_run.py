@@ -292,7 +292,7 @@ async def probe(c: ProbeClient, plan: ProbePlan, log: Callable[[str], None], see
         say(f"prefill T={s.tokens}: TTFT {s.ttft_s * 1e3:.1f} ms")
     df = pf.fit_decode([d.point for d in decode])
     ttfts = [pf.TTFTPoint(p.tokens, p.ttft_s) for p in prefill]
-    fp = pf.fit_prefill_anchored(ttfts, http)
+    fp = pf.fit_prefill_anchored(ttfts, http, ovh.ttft_s)
     tax = []
     for i, (b, t) in enumerate(plan.tax_points, 1):
         runs = [
@@ -311,7 +311,8 @@ async def probe(c: ProbeClient, plan: ProbePlan, log: Callable[[str], None], see
         + (f", about {chunking.chunk_tokens:.0f} tokens" if chunking.chunk_tokens else "")
     )
     c_tokens = round(chunking.chunk_tokens) if chunking.verdict == "chunked" and chunking.chunk_tokens else None
-    steps = pf.fit_joint([d.point for d in decode], ttfts, mixed_steps(tax, chunking, plan.short_prompt + 8), c_tokens)
+    mixed = mixed_steps(tax, chunking, plan.short_prompt + 8)
+    steps = pf.fit_joint([d.point for d in decode], ttfts, mixed, c_tokens, http, ovh.ttft_s)
     prefix = await pm.prefix_cache(c, plan.prefix_tokens, http, plan.prefix_pairs)
     say(
         f"same {prefix.tokens}-token prompt twice: TTFT {prefix.first_ttft_s * 1e3:.1f} then "

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,14 +68,16 @@ class MixedStep:
     seconds: float
 
 
-def nnls_rel(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
-    """Non-negative least squares of y ~ x @ coef on relative error; (coef, rms relative error).
+def nnls_rel(x: np.ndarray, y: np.ndarray, rel: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+    """Non-negative least squares of y ~ x @ coef on error relative to `rel` (default y itself);
+    (coef, rms relative error).
 
     Every subset of columns is solved unconstrained and the best all-non-negative one wins: exact
     NNLS for three columns (seven solves), and no scipy needed."""
-    if len(y) < 1 or np.any(y <= 0):
+    rel = y if rel is None else rel
+    if len(y) < 1 or np.any(y <= 0) or np.any(rel <= 0):
         raise ValueError("need positive timings to fit")
-    w = 1.0 / y
+    w = 1.0 / rel
     xw, yw = x * w[:, None], y * w
     scale = np.maximum(np.abs(xw).max(axis=0), 1e-300)  # columns span orders of magnitude
     best: tuple[float, np.ndarray] | None = None
@@ -87,7 +89,7 @@ def nnls_rel(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
                 continue
             coef = np.zeros(k)
             coef[list(cols)] = sol / scale[list(cols)]
-            err = float(np.sqrt(np.mean(((x @ coef - y) / y) ** 2)))
+            err = float(np.sqrt(np.mean(((x @ coef - y) / rel) ** 2)))
             if best is None or err < best[0]:
                 best = (err, coef)
     assert best is not None  # a single column with positive y always has a non-negative solution
@@ -113,6 +115,9 @@ class PrefillFit:
     quadratic_s: float  # per prompt token squared (attention)
     rms_rel_error: float
     points: int
+    # the prompt the TTFT differences were taken from (fit_prefill_anchored): the shortest clear of
+    # the latency floor; 0: fitted on TTFT less the overhead (fit_prefill)
+    anchor_tokens: int = 0
 
     def seconds(self, tokens: float) -> float:
         return self.fixed_s + self.linear_s * tokens + self.quadratic_s * tokens * tokens
@@ -137,22 +142,58 @@ def fit_prefill(points: Sequence[PrefillPoint]) -> PrefillFit:
     return PrefillFit(float(c[0]), float(c[1]), float(c[2]), err, len(pts))
 
 
-def fit_prefill_anchored(points: Sequence[TTFTPoint], overhead_s: float) -> PrefillFit:
-    """prefill(T) from TTFT differences to the shortest prompt (module docstring): linear and
-    quadratic from TTFT(T) - TTFT(T0) against T - T0 and T^2 - T0^2; fixed from what TTFT(T0)
-    leaves over `overhead_s` (never below zero). The rms error is over the differences."""
+FLOOR_MARGIN = 1.1  # a TTFT this far above the idle request's has risen clear of the latency floor
+
+
+def clear_of_floor(points: Sequence[TTFTPoint], floor_s: float) -> list[TTFTPoint]:
+    """The prompts whose TTFT rose clear of the server's latency floor (the idle 1-token request's
+    TTFT), shortest first. Below it a TTFT is the floor whatever the prefill: pdserve's tiny model
+    answered 128- to 512-token prompts in 47-51 ms where its own timeline put their prefill at
+    8-31 ms (the router hands a first token over no sooner), so their differences are noise."""
+    return sorted((p for p in points if p.ttft_s > FLOOR_MARGIN * floor_s), key=lambda p: p.tokens)
+
+
+Row = tuple[np.ndarray, float, float]  # (features, seconds, what its error is relative to)
+
+
+def _prompt_rows(
+    points: Sequence[TTFTPoint], overhead_s: float, floor_s: float, features: Callable[[int], np.ndarray]
+) -> list[Row]:
+    """The prompts alone as fit rows: each one clear of the floor as its TTFT's difference from the
+    shortest such prompt's, relative to its own TTFT (a difference is as noisy as the TTFTs it is
+    taken between, however small it is); a lone prompt clear of it (with none, the longest) as its
+    TTFT less `overhead_s`."""
+    usable = clear_of_floor(points, floor_s) or sorted(points, key=lambda p: p.tokens)[-1:]
+    if len(usable) == 1:
+        (p,) = usable
+        y = p.ttft_s - overhead_s
+        return [(features(p.tokens), y, y)] if y > 0 else []
+    a = usable[0]
+    return [
+        (features(p.tokens) - features(a.tokens), p.ttft_s - a.ttft_s, p.ttft_s)
+        for p in usable[1:]
+        if p.ttft_s > a.ttft_s  # a longer prompt answered sooner: noise, no evidence of a slope
+    ]
+
+
+def fit_prefill_anchored(points: Sequence[TTFTPoint], overhead_s: float, floor_s: float = 0.0) -> PrefillFit:
+    """prefill(T) from TTFT differences to the shortest prompt clear of the latency floor (module
+    docstring): linear and quadratic from TTFT(T) - TTFT(T0) against T - T0 and T^2 - T0^2; fixed
+    from what TTFT(T0) leaves over `overhead_s` (never below zero). One prompt clear of the floor:
+    its prefill (TTFT less the overhead) taken as linear in T. The rms error is over the rows."""
     if not points:
         raise ValueError("no prefill was measured")
-    anchor = min(points, key=lambda p: p.tokens)
-    t0 = float(anchor.tokens)
-    rows = [(p.tokens - t0, p.tokens**2 - t0 * t0, p.ttft_s - anchor.ttft_s) for p in points if p.tokens > t0]
-    rows = [r for r in rows if r[2] > 0]  # a longer prompt answered sooner: noise, no evidence of a slope
+    rows = _prompt_rows(points, overhead_s, floor_s, lambda t: np.array([float(t), float(t) ** 2]))
     lin = quad = err = 0.0
     if rows:
-        c, err = nnls_rel(np.array([[a, b] for a, b, _ in rows]), np.array([y for *_, y in rows]))
+        c, err = nnls_rel(
+            np.array([r[0] for r in rows]), np.array([r[1] for r in rows]), np.array([r[2] for r in rows])
+        )
         lin, quad = float(c[0]), float(c[1])
-    fixed = max(0.0, anchor.ttft_s - overhead_s - lin * t0 - quad * t0 * t0)
-    return PrefillFit(fixed, lin, quad, err, len(points))
+    used = clear_of_floor(points, floor_s) or sorted(points, key=lambda p: p.tokens)[-1:]
+    a = used[0]
+    fixed = max(0.0, a.ttft_s - overhead_s - lin * a.tokens - quad * a.tokens**2)
+    return PrefillFit(fixed, lin, quad, err, len(used), a.tokens)
 
 
 def chunks(tokens: int, chunk: int | None) -> list[tuple[int, int]]:
@@ -181,28 +222,27 @@ def fit_joint(
     prefill: Sequence[TTFTPoint] = (),
     mixed: Sequence[MixedStep] = (),
     chunk: int | None = None,
+    overhead_s: float = 0.0,
+    floor_s: float = 0.0,
 ) -> StepCostFit:
     """step_fit's four terms over every probed step, anchored where they are used: the decode
-    steps as measured; each prompt alone as its TTFT's difference from the shortest prompt's
-    (the steps that carried it, whole or in `chunk`s, less the shortest prompt's steps); and the
-    tax's mixed steps, the very steps a stall is made of. What the calibration file carries."""
-    xs = [np.array(StepShape.of([round(p.context)] * p.batch).features()) for p in decode if p.step_s > 0]
-    ys = [p.step_s for p in decode if p.step_s > 0]
+    steps as measured; each prompt alone as its TTFT's difference from the shortest prompt's clear
+    of the latency floor (the steps that carried it, whole or in `chunk`s, less that prompt's
+    steps; `_prompt_rows`); and the tax's mixed steps, the very steps a stall is made of. What
+    the calibration file carries."""
+    rows: list[Row] = [
+        (np.array(StepShape.of([round(p.context)] * p.batch).features()), p.step_s, p.step_s)
+        for p in decode
+        if p.step_s > 0
+    ]
     if prefill:
-        anchor = min(prefill, key=lambda p: p.tokens)
-        base = _prompt_features(anchor.tokens, chunk)
-        for p in prefill:
-            if p.tokens > anchor.tokens and p.ttft_s > anchor.ttft_s:
-                xs.append(_prompt_features(p.tokens, chunk) - base)
-                ys.append(p.ttft_s - anchor.ttft_s)
-    for m in mixed:
-        if m.seconds > 0:
-            xs.append(_mixed_features(m, chunk))
-            ys.append(m.seconds)
-    if len(ys) < 2:
+        rows += _prompt_rows(prefill, overhead_s, floor_s, lambda t: _prompt_features(t, chunk))
+    rows += [(_mixed_features(m, chunk), m.seconds, m.seconds) for m in mixed if m.seconds > 0]
+    if len(rows) < 2:
         raise ValueError("need at least two timed steps to fit the step cost")
-    c, err = nnls_rel(np.array(xs), np.array(ys))
-    return StepCostFit(float(c[0]), float(c[1]), float(c[2]), float(c[3]), samples=len(ys), rms_rel_error=err)
+    x, y, rel = np.array([r[0] for r in rows]), np.array([r[1] for r in rows]), np.array([r[2] for r in rows])
+    c, err = nnls_rel(x, y, rel)
+    return StepCostFit(float(c[0]), float(c[1]), float(c[2]), float(c[3]), samples=len(rows), rms_rel_error=err)
 
 
 # ---- the article's arithmetic on the fitted server --------------------------------------------

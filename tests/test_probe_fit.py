@@ -158,6 +158,26 @@ def test_joint_fit_takes_the_taxs_mixed_steps_as_they_were_measured():
     assert mixed_steps([tax], Chunking("disaggregated", None, ""), 24) == []  # not in the decode steps
 
 
+def test_prompts_under_the_latency_floor_are_left_out():
+    # a router that hands no first token over before 60 ms: 128 and 256 tokens answer at the floor
+    floor = 0.06
+    ttfts = [pf.TTFTPoint(p.tokens, max(floor, p.ttft_s)) for p in _ttfts()]
+    assert [p.tokens for p in pf.clear_of_floor(ttfts, floor)] == [512, 1024, 2048]
+    got = pf.fit_prefill_anchored(ttfts, IDLE_OVERHEAD_S, floor)
+    assert got.anchor_tokens == 512 and got.points == 3
+    for t in TOKENS:
+        assert got.seconds(t) == pytest.approx(_alone(t), rel=1e-6)
+    assert pf.fit_joint(_decode_points(), ttfts, [], CHUNK, IDLE_OVERHEAD_S, floor).coef == pytest.approx(
+        TRUE.coef, rel=1e-6
+    )
+    # the tiny model on a fast CPU (its probe at commit 8988f81): only 1024 tokens clear the floor,
+    # so its TTFT less the overhead is the prefill, taken as linear in T
+    tiny = [pf.TTFTPoint(t, s) for t, s in ((128, 0.0469), (256, 0.0471), (512, 0.0510), (1024, 0.0896))]
+    got = pf.fit_prefill_anchored(tiny, 0.0464, 0.0471)
+    assert (got.anchor_tokens, got.points, got.fixed_s, got.quadratic_s) == (1024, 1, 0.0, 0.0)
+    assert got.seconds(1024) == pytest.approx(0.0896 - 0.0464)
+
+
 def test_anchored_fit_with_no_slope_is_all_fixed():
     # a server whose TTFT does not grow with the prompt (a fake): no per-token term, no error
     got = pf.fit_prefill_anchored([pf.TTFTPoint(128, 0.05), pf.TTFTPoint(256, 0.049)], 0.04)
