@@ -13,6 +13,7 @@ import dataclasses
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from contracts.worker import (
@@ -235,9 +236,18 @@ class DecodeWorker(EngineLoop):
         except Exception as e:  # noqa: BLE001 - reported to the router as this request's error
             log.warning("KV pull for %s failed: %s", req.request_id, e)
             message = f"KV transfer failed: {e}"  # `e` is unbound once the except block ends
-            self.call(lambda: self._fail_admission(req.request_id, blocks, message), None)
+            self._post_or_drop(lambda: self._fail_admission(req.request_id, blocks, message))
             return
-        self.call(lambda: self._admit(req, result, blocks, hashes, stats), None)
+        # posted, not called: the next pull starts now, not after this admission's step boundary
+        self._post_or_drop(lambda: self._admit(req, result, blocks, hashes, stats))
+
+    def _post_or_drop(self, fn: Callable[[], None]) -> None:
+        """Hand `fn` to the loop thread; once the loop has ended, `on_exit` has already failed
+        every request in transfer, so there is nothing left to do."""
+        try:
+            self.post(fn)
+        except self.error_type:
+            pass
 
     def _fail_admission(self, request_id: str, blocks: list[int], message: str) -> None:
         self._in_transfer.pop(request_id, None)

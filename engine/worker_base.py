@@ -160,6 +160,26 @@ class EngineLoop:
                 f"worker {self.name} did not answer within {timeout:g} s (its engine loop is stuck or overloaded)"
             ) from None
 
+    def post(self, fn: Callable[[], Any]) -> None:
+        """Run `fn` on the loop thread at its next inbox drain without waiting for it: for a
+        thread whose next job must not wait a whole engine step (a `call` from the KV transfer
+        thread held each pull until the step after the previous one's admission, so requests
+        prefilled together joined the decode batch one per step). `fn` reports its own errors;
+        one that escapes is logged."""
+        self.check_running()
+        fut: Future = Future()
+        fut.add_done_callback(self._log_escaped)
+        self._inbox.put((fn, fut))
+        if self._exited:
+            self._fail_inbox()
+
+    def _log_escaped(self, fut: Future) -> None:
+        """A posted job's escaped error: nobody waits on its future, so it is logged here (not
+        the loop's end: `on_exit` has failed that work already)."""
+        e = fut.exception()
+        if e is not None and not self._exited:
+            log.warning("worker %s: posted job failed on the loop thread: %r", self.name, e)
+
     def _ended_error(self) -> Exception:
         if self.fatal is not None:
             return self.error_type(
