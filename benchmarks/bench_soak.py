@@ -4,7 +4,7 @@
 The server runs as its own process (embedded Ray, token auth, private network namespace where
 Linux allows). Clients stream greedy requests from a workload (benchmarks/soak_workload.py):
 `real` (default) draws prompt lengths over the model's range, chat and documents mixed, prefix
-sharing on, and checks repeated prompts against their first answer; `fixed` is the original dozen
+sharing on, and checks repeated prompts against their first answer; `fixed` is a dozen
 prompts, recorded before the first fault. Every request ends as
 
   ok      all its tokens, equal to the reference ones (or the first answer to a new prompt)

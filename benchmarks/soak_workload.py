@@ -1,5 +1,5 @@
-"""The soak's request streams: `fixed` (a dozen prompts, the original soak) and `real` (shaped
-like real traffic, the one that would have caught issue 22).
+"""The soak's request streams: `fixed` (a dozen prompts, repeated) and `real` (shaped like real
+traffic: every prompt length a new shape, so that a cache kept per shape shows up as growth).
 
 `real` draws prompt lengths over the model's whole range, as traffic does, so the workers meet
 ever new shapes (prefill token counts, batch sizes): anything cached per shape shows up as RSS

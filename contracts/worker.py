@@ -124,7 +124,8 @@ class WorkerConfig:
     enable_prefix_caching: bool = True  # reuse cached full blocks of equal prefixes (--no-prefix-cache)
     enforce_eager: bool = False  # CUDA: no decode graphs (vLLM's flag name)
     # CPU oneDNN GEMMs run at a fixed set of row counts, this many per power of two (0 = any row
-    # count): bounds the per-shape primitive caches (engine/linear.py RowBuckets, issue 22)
+    # count): oneDNN keeps a primitive per shape, so any-row-count GEMMs grow a worker's memory
+    # with every new prompt length (engine/linear.py RowBuckets)
     gemm_row_buckets: int = 4
 
 

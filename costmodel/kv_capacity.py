@@ -6,7 +6,8 @@ b * KV * ctx bytes (KV = 2 * L * KVH * HD bytes per token in FP8), and the 32 de
 its capacity table each hold ctx = 4,096 tokens. By that accounting a pool of P tokens holds
 P / context sequences. What differs between the two admission policies is the context charged:
 
-- reserved up front (pdserve before issue 12): the budget, prompt + max_tokens, from the first step;
+- reserved up front (the policy on-demand blocks are measured against): the budget, prompt +
+  max_tokens, from the first step;
 - on demand: what a running sequence really holds, prompt + the tokens generated so far. Averaged
   over running time, a sequence of n output tokens holds prompt + (n + 1) / 2 on average and runs
   n steps, so longer outputs weigh more (`mean_held_context`).

@@ -241,7 +241,7 @@ class LLMEngine:
         False, taking nothing, if the pool cannot give them now."""
         start = seq.num_cached if seq.block_table else len(hit) * self.blocks.block_size
         end = start + n
-        if self.reserve_budget and not self.prefill_only:  # the old policy, kept to measure against
+        if self.reserve_budget and not self.prefill_only:  # up-front reservation: bench kvcache's baseline
             end = max(end, len(seq.prompt_ids) + seq.params.max_tokens)
         need = self.blocks.blocks_for(end) - (len(seq.block_table) or len(hit))
         if not self.blocks.can_allocate(need + self.blocks.evictable(hit)):

@@ -39,7 +39,7 @@ from cli import CliError
 from costmodel.provenance import OUT_DIR_HELP
 
 SECTIONS = ("ceilings", "decode", "prefill", "green", "hf", "transfer")
-TARGETS = {  # issue 7
+TARGETS = {  # the fractions of the device's limits the CUDA path is meant to reach; the report marks each
     "decode_b64_8b_floor_fraction": 0.70,
     "prefill_4k_fp8_fraction": 0.50,
     "decode_b32_vs_hf": 5.0,
