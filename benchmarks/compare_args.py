@@ -211,6 +211,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         w.add_argument(
             flag, type=int, default=None, help=f"default {DEFAULT_WORKLOAD[key]} ({QUICK_WORKLOAD[key]} with --quick)"
         )
+    w.add_argument(
+        "--chat-stagger-s",
+        type=float,
+        default=None,
+        help="chat i starts at i x this (default 0: all at once; chats sent in the same millisecond race "
+        "for the first prefill step, so which of them share it varies run to run)",
+    )
     w.add_argument("--doc-rate", type=float, default=None, help="documents/s, Poisson (default: fixed spacing)")
     w.add_argument("--doc-start-s", type=float, default=None, help=f"default {DEFAULT_WORKLOAD['doc_start_s']}")
     w.add_argument("--doc-interval-s", type=float, default=None, help=f"default {DEFAULT_WORKLOAD['doc_interval_s']}")
@@ -274,7 +281,8 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
         "doc_count",
         "doc_start_s",
         "doc_interval_s",
+        "chat_stagger_s",
     ):
-        if getattr(args, key) is not None:
+        if getattr(args, key, None) is not None:
             base[key] = getattr(args, key)
     return WorkloadConfig(workload="article", seed=args.seed, doc_rate=args.doc_rate, **base)

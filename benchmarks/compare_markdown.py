@@ -210,7 +210,9 @@ def write_report(result: dict[str, Any], out_dir: Path, name: str, result_path: 
         f"Command: `{prov.get('command', '?')}`" + (f"; result: `{result_path.name}`" if result_path else ""),
         "",
         f"Workload (article mix, seed {wl['seed']}): {wl['chat_streams']} chat streams ({wl['chat_prompt_len']}-token "
-        f"prompts, {wl['chat_output_len']} output tokens, all sent at t=0) and {wl['doc_count']} documents of "
+        f"prompts, {wl['chat_output_len']} output tokens, "
+        + (f"chat i sent at i x {wl['chat_stagger_s']:g} s" if wl.get("chat_stagger_s") else "all sent at t=0")
+        + f") and {wl['doc_count']} documents of "
         f"{wl['doc_prompt_len']} tokens ({wl['doc_output_len']} output tokens) "
         + (
             f"at Poisson rate {wl['doc_rate']}/s from {wl['doc_start_s']} s"

@@ -87,14 +87,21 @@ def hop_s(run: ModeRun) -> float:
     return ((run.serving_overhead or {}).get("hop_ms") or 0.0) / 1e3
 
 
-def score(setup: PredictionSetup, run: ModeRun, specs: list[RequestSpec], max_num_seqs: int) -> float | None:
-    """Mean |relative error| of `setup`'s prediction of the mode's warm-up over SCORED."""
+def warmup_errors(
+    setup: PredictionSetup, run: ModeRun, specs: list[RequestSpec], max_num_seqs: int
+) -> dict[str, float | None]:
+    """`setup`'s relative error on each SCORED figure of the mode's warm-up."""
     if run.warmup is None:
-        return None
+        return {}
     warm_specs = warmup_specs(run, specs)
     p = cp.predict("warm-up", sim_config_of(run.spec, max_num_seqs, setup), setup, warm_specs, None, None, hop_s(run))
     figs = cp.compare_figures(run.warmup.metrics, p.metrics)
-    errs = [abs(figs[k]["error"]) for k in SCORED if figs[k]["error"] is not None]
+    return {k: figs[k]["error"] for k in SCORED}
+
+
+def score(errors: dict[str, float | None]) -> float | None:
+    """Mean |relative error| over the figures both sides have."""
+    errs = [abs(e) for e in errors.values() if e is not None]
     return statistics.fmean(errs) if errs else None
 
 
@@ -123,8 +130,9 @@ def choose(
     candidates = {k: with_admission(s, run, specs, max_num_seqs) for k, s in found if s is not None}
     if not candidates:
         return Choice(None, basis | {"used": None, "why": "no calibration could be fitted or found"})
-    scores = {k: score(s, run, specs, max_num_seqs) for k, s in candidates.items()}
-    basis["warmup_scores"] = scores
+    errors = {k: warmup_errors(s, run, specs, max_num_seqs) for k, s in candidates.items()}
+    scores = {k: score(e) for k, e in errors.items()}
+    basis["warmup_scores"], basis["warmup_errors"] = scores, errors
     ranked = sorted(candidates, key=lambda k: (scores[k] is None, scores[k] or 0.0, k != "self"))
     used = ranked[0]
     why = (
