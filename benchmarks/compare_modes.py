@@ -73,18 +73,19 @@ def run_mode(
         startup = time.perf_counter() - t0
         client = replace(bench.client, base_url=srv.base_url, model=cfg.model_name)
         log(f"  up in {startup:.1f} s at {srv.base_url}; warm-up (the schedule again, other text, twice)")
-        # The first pass meets every shape cold (oneDNN layouts, allocator growth: a first prefill
-        # measured 2x its warm price), so only the second, with other text again (no prefix-cache
-        # hit), is fitted: the server's own steps are its calibration.
-        asyncio.run(run_benchmark(replace(bench, client=client), warmup_specs(bench, specs, 2)))
-        warm = warmup_specs(bench, specs)
+        # A fresh server's first step of each shape runs cold (oneDNN layouts, allocator growth):
+        # a lone 35-token prefill took 1.27 s, a first batch-1 decode step 1.78 s (0.14 and 0.07 s
+        # warm). So the first pass, and single requests (the batch-1 shapes a pass may never
+        # reach), meet the shapes; the second pass, with other text again (no prefix-cache hit),
+        # is recorded and fitted (the server's own steps are its calibration), and the single
+        # requests again time the serving hop.
+        first, warm = warmup_specs(bench, specs, 2), warmup_specs(bench, specs)
+        asyncio.run(run_benchmark(replace(bench, client=client), first))
+        asyncio.run(run_benchmark(replace(bench, client=client), hop_specs(first)))  # its text: cached already
         with StepLogRecorder(srv.url, cfg.api_key) as steps:
             warmup = asyncio.run(run_benchmark(replace(bench, client=client), warm))
-            log("  serving overhead (a few warm requests, one at a time, twice: the second round is timed)")
-            # twice: the first single-stream steps of a fresh server run cold (a batch-1 decode
-            # step measured 2 s once, 0.07 s after), and a cold step is no serving overhead
-            for _ in range(2):
-                hops = asyncio.run(run_benchmark(replace(bench, client=client), hop_specs(warm)))
+            log("  serving overhead (a few warm requests, one at a time)")
+            hops = asyncio.run(run_benchmark(replace(bench, client=client), hop_specs(warm)))
         kv_bytes = cm.kv_bytes_per_token(cm.ModelSpec.resolve(cfg.model), cfg.kv_dtype)
         calibration = build_self_calibration(steps.steps, warmup.records, hops.records, kv_bytes, steps.error)
         log(f"  self-calibration: {calibration.summary()}")
