@@ -270,9 +270,9 @@ def plot(d: dict[str, Any], path: Path) -> None:
     a.legend(fontsize=7)
     ts = [p["tokens"] for p in d["prefill"]]
     # the measured points placed on the fit at the shortest prompt: their differences are what was fitted
-    a = _anchor(d)
-    base = _prefill(fp, a["tokens"]) - a["ttft_s"]
-    b.plot(ts, [(p["ttft_s"] + base) * 1e3 for p in d["prefill"]], "o", label=f"TTFT, anchored at {a['tokens']}")
+    anchor = _anchor(d)
+    base = _prefill(fp, anchor["tokens"]) - anchor["ttft_s"]
+    b.plot(ts, [(p["ttft_s"] + base) * 1e3 for p in d["prefill"]], "o", label=f"TTFT, anchored at {anchor['tokens']}")
     b.plot(ts, [_prefill(fp, x) * 1e3 for x in ts], "--", label="fit")
     srv = [(p["tokens"], p["server_prefill_ms"]) for p in d["prefill"] if p["server_prefill_ms"] is not None]
     if srv:
