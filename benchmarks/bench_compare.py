@@ -94,6 +94,12 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+def _out_dir(args: argparse.Namespace) -> Path:
+    from costmodel.provenance import RESULTS_DIR  # noqa: PLC0415
+
+    return Path(args.out_dir) if args.out_dir else RESULTS_DIR
+
+
 def _run_endpoint(ep: EndpointSpec, i: int, n: int, bench: BenchConfig, specs: list[RequestSpec]) -> ModeRun:
     log(f"[endpoint {i}/{n}] {ep.label}: {ep.url} (a server pdserve did not start)")
     try:
@@ -165,7 +171,8 @@ def _run_modes(
                 kw.update(calibration=str(cal))
                 kw.update({k: v for k, v in (("slo_ttft_ms", ttft), ("slo_itl_ms", tpot)) if v is not None})
             try:
-                runs.append(run_mode(m, kw, bench, specs, args.startup_timeout_s, probe=bool(args.link_gbps)))
+                probe_dir = _out_dir(args) if args.probe_calibration else None
+                runs.append(run_mode(m, kw, bench, specs, args.startup_timeout_s, bool(args.link_gbps), probe_dir))
             except Exception as e:  # noqa: BLE001 - one failed mode is reported; the others still run
                 log(f"  FAILED: {type(e).__name__}: {e}")
                 runs.append(ModeRun(m, {}, 0.0, {}, [], None, f"{type(e).__name__}: {e}"))

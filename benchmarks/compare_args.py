@@ -257,6 +257,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "from its own server's warm-up steps, or from <out-dir>/chunks-<model>-<device>.calibration.json "
         "of `pdserve bench chunks` where that predicted the warm-up better)",
     )
+    o.add_argument(
+        "--probe-calibration",
+        action="store_true",
+        help="also calibrate each mode with `pdserve bench probe --quick` of its server (about a minute "
+        "more per mode): a third candidate beside the server's own warm-up steps and the calibration file",
+    )
     o.add_argument("--duration-limit-s", type=float, default=300.0, help="per timed run")
     o.add_argument("--out", default=None, help="result name (default compare-<model>-<device>)")
     o.add_argument("--out-dir", default=None, help=OUT_DIR_HELP)

@@ -23,6 +23,7 @@ import os
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from benchmarks import demo_samples
@@ -62,7 +63,10 @@ def run_mode(
     specs: list[RequestSpec],
     timeout_s: float,
     probe: bool = False,
+    probe_dir: Path | None = None,
 ) -> ModeRun:
+    """`probe_dir`: also calibrate the server with a `bench probe --quick` (its files go there),
+    a third candidate for the prediction beside the step log and the calibration file."""
     from router.config import ServeConfig  # noqa: PLC0415
     from router.serve_cli import ServerThread  # noqa: PLC0415
 
@@ -99,6 +103,7 @@ def run_mode(
         if cfg.model not in PRESETS:  # a real model: a few answers a person can read
             log("  real outputs (a few chat questions)")
             samples = demo_samples.ask(srv.base_url, cfg.model_name)
+        probe_cal = quick_probe(srv.base_url, cfg.model_name, probe_dir, spec.label) if probe_dir else None
         probes = None
         if probe:
             from benchmarks.link_probe import probe_documents  # noqa: PLC0415 - --link-gbps only
@@ -121,7 +126,30 @@ def run_mode(
         gc=quiet.summary(),
         self_calibration=calibration,
         warmup=warmup,
+        probe_calibration=probe_cal,
     )
+
+
+def quick_probe(base_url: str, model: str, out_dir: Path, label: str) -> str | None:
+    """`pdserve bench probe --quick` of a running server (after its timed run: the probe's
+    prompts then shape nothing that is timed); the calibration file's path, or None if it failed."""
+    import argparse  # noqa: PLC0415
+    import contextlib  # noqa: PLC0415
+
+    from benchmarks import bench_probe  # noqa: PLC0415 - only with --probe-calibration
+
+    log("  quick probe of the same server (a third calibration candidate)")
+    parser = argparse.ArgumentParser()
+    bench_probe.add_arguments(parser)
+    name = f"probe-{label}"
+    argv = ["--base-url", base_url, "--model", model, "--quick", "--out", name, "--out-dir", str(out_dir)]
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # the probe's table is progress here, not output
+            bench_probe.main(parser.parse_args([*argv, "--no-plot"]))
+    except Exception as e:  # noqa: BLE001 - the mode is still predicted from its other candidates
+        log(f"  quick probe failed: {type(e).__name__}: {e}")
+        return None
+    return str(out_dir / f"{name}.calibration.json")
 
 
 def warmup_specs(bench: BenchConfig, specs: list[RequestSpec], seed_offset: int = 1) -> list[RequestSpec]:

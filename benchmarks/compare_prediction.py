@@ -126,7 +126,7 @@ def choose(
     basis: dict[str, Any] = {"self_error": own_error, "file_error": file_error}
     if file_given and file_setup is not None:
         return Choice(file_setup, basis | {"used": "file", "why": "--calibration given", **_about(file_setup)})
-    found = (("self", own), ("file", file_setup))
+    found = (("self", own), ("file", file_setup), ("probe", _probe_setup(model, run, basis)))
     candidates = {k: with_admission(s, run, specs, max_num_seqs) for k, s in found if s is not None}
     if not candidates:
         return Choice(None, basis | {"used": None, "why": "no calibration could be fitted or found"})
@@ -135,14 +135,30 @@ def choose(
     basis["warmup_scores"], basis["warmup_errors"] = scores, errors
     ranked = sorted(candidates, key=lambda k: (scores[k] is None, scores[k] or 0.0, k != "self"))
     used = ranked[0]
+    shown = ", ".join(f"{k} {scores[k]:.0%}" for k in ranked if scores[k] is not None)
     why = (
         "the only candidate"
         if len(candidates) == 1
-        else f"predicted the warm-up better (mean |error| {scores[used]:.0%} vs {scores[ranked[1]]:.0%})"
+        else f"predicted the warm-up best (mean |error|: {shown})"
         if scores[used] is not None and scores[ranked[1]] is not None
         else "the warm-up scored only this one"
     )
     return Choice(candidates[used], basis | {"used": used, "why": why, **_about(candidates[used])})
+
+
+def _probe_setup(model: str, run: ModeRun, basis: dict[str, Any]) -> PredictionSetup | None:
+    """The quick probe's calibration of this server (--probe-calibration), priced in the mode
+    pdserve knows it ran (the probe's own inference is not needed here)."""
+    if not run.probe_calibration:
+        return None
+    from pathlib import Path  # noqa: PLC0415
+
+    try:
+        setup = cp.setup_from_calibration(model, Path(run.probe_calibration))
+    except (ValueError, KeyError, OSError) as e:
+        basis["probe_error"] = f"{run.probe_calibration}: {e}"
+        return None
+    return replace(setup, kind="probe", source=f"bench probe --quick of this server ({run.probe_calibration})")
 
 
 def _about(setup: PredictionSetup) -> dict[str, Any]:

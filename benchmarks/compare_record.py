@@ -36,6 +36,7 @@ class ModeRun:
     self_calibration: Any = None  # SelfCalibration: the server's own warm-up steps, fitted (compare_calibration)
     warmup: Any = None  # BenchResult of the warm-up (the calibration's choice is scored on it)
     prediction_basis: dict[str, Any] | None = None  # which calibration predicted this mode, and why
+    probe_calibration: str | None = None  # --probe-calibration: the quick probe's calibration file
 
 
 def pack(times: list[float]) -> str:
