@@ -25,6 +25,10 @@ from costmodel.step_fit import StepCostFit
 # prefilled means it did not ride in them.
 STEP_FLOOR = 0.8
 ROOM_SLACK = 1.5
+# pieces that ride in the streams' steps cost the streams the prompt's compute: the time they lost
+# while it ran is most of its lone prefill (0.9-0.95 measured on a chunked SmolLM2 server); under
+# this share, the compute ran elsewhere (0.18 for SmolLM2 disaggregated on the same 2 cores)
+CARRY_MIN = 0.5
 
 
 @dataclass(frozen=True)
@@ -197,10 +201,13 @@ def infer_chunking(
       the prefill ran beside decode without slowing it ("no interference": disaggregated, or
       prefill on capacity decode does not use).
 
-    Two signs say the pieces did not ride in the decode steps however much the streams slowed,
+    Three signs say the pieces did not ride in the decode steps however much the streams slowed,
     and the server is "disaggregated" with its pools on shared cores:
     - a lone stream whose second token comes well after its first (`handoff_s`, over twice the
       batch-1 step `step_s`) had its KV moved between pools;
+    - the streams lost far less time while the prompt ran than its lone prefill takes (under
+      CARRY_MIN of it): pieces riding in their steps would have cost them the prompt's compute;
+      SmolLM2 1P1D on 2 cores lost 1.1 s during a 2048-token prompt whose prefill takes 6.2 s;
     - more steps ran while the prompt was prefilled than its lone prefill has room for: each step
       carrying a piece costs at least STEP_FLOOR x the batch-1 decode step (`floor_step_s`), so P
       holds at most P / that of them. This is what `pdserve serve --chunk-size 128` on SmolLM2
@@ -233,6 +240,14 @@ def infer_chunking(
         )
     if slowdown < 0.1:
         return Chunking("no interference", None, f"{seen}: prefill runs beside decode (disaggregated?)")
+    carried = t.excess_s / p
+    if carried < CARRY_MIN:
+        return Chunking(
+            "disaggregated",
+            None,
+            f"{seen}; the streams lost {t.excess_s * 1e3:.0f} ms while it ran, {carried:.0%} of its lone prefill: "
+            "its compute did not ride in their steps (another pool, on cores shared with theirs)",
+        )
     room = p / (STEP_FLOOR * floor_step_s) if floor_step_s > 0 else math.inf
     if t.steps_during > ROOM_SLACK * room + 1:
         return Chunking(
