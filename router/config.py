@@ -14,6 +14,7 @@ from typing import Any
 from contracts.worker import WorkerConfig
 from engine.config import KV_DTYPE_BYTES, PRESETS, is_checkpoint_dir
 from engine.model_registry import DEFAULT_MODEL, MODELS
+from router.config_flags import cli_flag
 
 MODES = ("disagg", "colocated", "auto")
 POLICIES = ("round_robin", "least_loaded", "prefix")
@@ -27,54 +28,185 @@ class ConfigError(ValueError):
 
 @dataclass
 class ServeConfig:
-    mode: str = "disagg"  # "disagg": separate prefill/decode pools | "colocated": decode workers prefill too
-    model: str = DEFAULT_MODEL  # registry model (pulled on first use), preset, checkpoint directory or .gguf file
-    dtype: str = "fp8"  # weights
-    kv_dtype: str = "fp8"
-    device: str = "cpu"
-    prefill: int = 1  # prefill workers (disagg only)
-    decode: int = 1  # decode (or colocated) workers
-    chunk_size: int | None = None  # prefill chunk in tokens; None = whole prompts
-    policy: str = "round_robin"
-    host: str = "127.0.0.1"
-    port: int = 8000  # 0 = any free port
-    ray_address: str | None = None  # None = embedded local Ray
-    api_key: str | None = None  # protects every endpoint but /health
-    max_queue: int = 256  # requests admitted and not finished; beyond it: 429
-    gpus_per_worker: float = 0.0
-    num_blocks: int = 1024  # KV blocks per worker
-    block_size: int = 16
-    prefix_cache: bool = True  # automatic prefix caching in every pool (--no-prefix-cache)
-    max_num_seqs: int = 64
-    enforce_eager: bool = False  # CUDA: decode steps run eagerly instead of replaying captured graphs
-    # CPU: oneDNN GEMMs run at this many row counts per power of two (0 = any): bounds the
-    # per-shape kernel caches that grew workers' RSS with every new prompt length (issue 22)
-    gemm_row_buckets: int = 4
-    # the health loop warns when a worker's RSS has grown this much past its level after
-    # `rss_warmup_steps` engine steps (and again at each further multiple); 0 = no watch
-    rss_growth_warn_mb: float = 512.0
-    rss_warmup_steps: int = 200
-    transport: str = "nixl"
-    lease_s: float = 30.0  # prefill KV is freed if decode has not pulled it by then
-    transfer_timeout_s: float = 30.0  # one KV pull; also capped by the lease time left
-    # Checksum every pulled KV block on both sides; off by default: on the CPU VM it costs 63-161%
-    # (median 78%) of the transfer time (docs/security.md), far above the 2% bar for on.
-    verify_kv: bool = False
-    shutdown_timeout_s: float = 30.0  # SIGTERM/SIGINT: how long open requests may take to finish
-    max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
-    served_model_name: str | None = None  # the name clients send as "model"; None = the model's name
-    # Ray custom resources per worker: one mapping for every worker of the pool, or a list with
-    # one mapping per worker (e.g. [{"node2": 1}, {"node3": 1}] spreads two decode workers).
-    prefill_resources: dict[str, float] | list[dict[str, float]] = field(default_factory=dict)
-    decode_resources: dict[str, float] | list[dict[str, float]] = field(default_factory=dict)
-    link_gbps: float | None = None  # nominal rate of the link between the pools, for the timeline
-    # --mode auto: the SLO pair the per-request dispatch decides under, and the cost-model
-    # calibration it predicts with (None: the one `pdserve bench chunks` left for this model)
-    slo_ttft_ms: float = 1000.0
-    slo_itl_ms: float = 50.0
-    calibration: str | None = None
-    # OTLP/HTTP collector for request traces (router/tracing.py); None: the OTEL_EXPORTER_OTLP_* variables, if set
-    otlp_endpoint: str | None = None
+    """Each field is a YAML key and a `pdserve serve` flag (router/config_flags.py): its metadata is
+    the flag's group and help, so the help is written once, beside the default it describes."""
+
+    mode: str = field(
+        default="disagg",
+        metadata=cli_flag(
+            "pools",
+            "disagg: separate prefill and decode pools; colocated: decode workers also prefill; auto: both "
+            "pools, and per request the router prefills locally (chunked, on the decode worker) or remotely, "
+            "whichever the calibrated cost model predicts is cheaper under the SLO pair",
+            choices=MODES,
+        ),
+    )
+    model: str = field(
+        default=DEFAULT_MODEL,
+        metadata=cli_flag(
+            "pools",
+            f"a registry model ({', '.join(MODELS)}; pulled on first use), a preset ({', '.join(PRESETS)}; "
+            "random weights), a Hugging Face Llama checkpoint directory or a .gguf file",
+        ),
+    )
+    dtype: str = field(default="fp8", metadata=cli_flag("pools", "weight dtype", choices=WEIGHT_DTYPES))
+    kv_dtype: str = field(default="fp8", metadata=cli_flag("pools", "KV cache dtype", choices=("fp8", "bf16", "fp32")))
+    device: str = field(default="cpu", metadata=cli_flag("pools", "cpu, cuda or cuda:N"))
+    prefill: int = field(default=1, metadata=cli_flag("pools", "prefill workers, disagg mode", metavar="N"))
+    decode: int = field(
+        default=1, metadata=cli_flag("pools", "decode workers (colocated workers in colocated mode)", metavar="M")
+    )
+    chunk_size: int | None = field(
+        default=None,
+        metadata=cli_flag(
+            "pools",
+            "prefill in chunks of this many tokens mixed into decode steps (default: whole prompts)",
+            metavar="TOKENS",
+        ),
+    )
+    policy: str = field(default="round_robin", metadata=cli_flag("pools", "dispatch policy", choices=POLICIES))
+    host: str = field(default="127.0.0.1", metadata=cli_flag("router", "address to listen on"))
+    port: int = field(default=8000, metadata=cli_flag("router", "port, 0 = any free port"))
+    ray_address: str | None = field(
+        default=None,
+        metadata=cli_flag(
+            "pools",
+            "an existing Ray cluster (e.g. auto or ray://host:10001); default: start a local one; "
+            "'none' runs the workers in this process without Ray",
+        ),
+    )
+    api_key: str | None = field(
+        default=None, metadata=cli_flag("router", "require 'Authorization: Bearer KEY' on every endpoint but /health")
+    )
+    # "In flight": admitted and not finished, streaming or still queued for a worker.
+    max_queue: int = field(default=256, metadata=cli_flag("router", "requests in flight before new ones get 429"))
+    gpus_per_worker: float = field(
+        default=0.0, metadata=cli_flag("pools", "GPUs per Ray actor; 0 on CPU, 0.5 shares a GPU between two")
+    )
+    num_blocks: int = field(default=1024, metadata=cli_flag("pools", "KV blocks per worker"))
+    block_size: int = field(default=16, metadata=cli_flag("pools", "tokens per KV block"))
+    prefix_cache: bool = field(
+        default=True,
+        metadata=cli_flag(
+            "pools",
+            "do not keep and reuse full KV blocks of equal prefixes (automatic prefix caching is on by default)",
+        ),
+    )
+    max_num_seqs: int = field(default=64, metadata=cli_flag("pools", "sequences per decode batch"))
+    enforce_eager: bool = field(
+        default=False,
+        metadata=cli_flag(
+            "pools", "on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs (default: graphs)"
+        ),
+    )
+    # Bounds oneDNN's per-shape kernel caches, which otherwise grow a worker's RSS with every new
+    # prompt length.
+    gemm_row_buckets: int = field(
+        default=4,
+        metadata=cli_flag(
+            "pools",
+            "CPU: run each oneDNN GEMM at one of N row counts per power of two (tiles of 256 rows above), "
+            "padding with zero rows; outputs are bit-identical and the per-shape kernel caches stay bounded "
+            "(~27 shapes per weight). 0 = any row count: RSS then grows with every new prompt length",
+            metavar="N",
+        ),
+    )
+    rss_growth_warn_mb: float = field(
+        default=512.0,
+        metadata=cli_flag(
+            "pools",
+            "log a warning when a worker's resident memory grows this much past its level after warm-up "
+            "(and at each further multiple); 0 = off",
+            metavar="MB",
+        ),
+    )
+    rss_warmup_steps: int = field(
+        default=200,
+        metadata=cli_flag("pools", "engine steps a worker runs before its RSS baseline is taken", metavar="N"),
+    )
+    transport: str = field(default="nixl", metadata=cli_flag("pools", "KV transport between pools", choices=TRANSPORTS))
+    lease_s: float = field(
+        default=30.0, metadata=cli_flag("pools", "seconds prefill keeps KV that decode has not pulled")
+    )
+    # A pull is also capped by the lease time left: the prefill side frees the blocks then.
+    transfer_timeout_s: float = field(
+        default=30.0, metadata=cli_flag("pools", "seconds one KV pull may take before the request fails")
+    )
+    # Off by default: on the CPU VM it costs 63-161% (median 78%) of the transfer time
+    # (docs/security.md), far above the 2% bar for on.
+    verify_kv: bool = field(
+        default=False,
+        metadata=cli_flag(
+            "pools",
+            "checksum every KV block on both sides of a pull; a mismatch fails that request with a clear "
+            "error instead of decoding corrupt KV (default off: on CPU it costs about as much as the transfer "
+            "itself)",
+            negatable=True,
+        ),
+    )
+    shutdown_timeout_s: float = field(
+        default=30.0,
+        metadata=cli_flag(
+            "router",
+            "on SIGTERM or SIGINT: refuse new requests (503), give open ones this long to finish, end the rest "
+            "with an error event, stop the pools and exit 0",
+        ),
+    )
+    max_tokens_limit: int = field(default=4096, metadata=cli_flag("router", "largest max_tokens a request may ask for"))
+    served_model_name: str | None = field(
+        default=None, metadata=cli_flag("router", "the model name clients send (default: the model's)")
+    )
+    # One mapping for every worker of the pool, or a list with one mapping per worker (e.g.
+    # [{"node2": 1}, {"node3": 1}] spreads two decode workers).
+    prefill_resources: dict[str, float] | list[dict[str, float]] = field(
+        default_factory=dict,
+        metadata=cli_flag(
+            "pools",
+            "Ray custom resources of each prefill worker, e.g. '{\"node1\": 1}' (every worker) or "
+            '\'[{"node1": 1}, {"node2": 1}]\' (one per worker); pins the pool to labelled nodes',
+            metavar="JSON",
+        ),
+    )
+    decode_resources: dict[str, float] | list[dict[str, float]] = field(
+        default_factory=dict,
+        metadata=cli_flag("pools", "the same for each decode (or colocated) worker", metavar="JSON"),
+    )
+    link_gbps: float | None = field(
+        default=None,
+        metadata=cli_flag(
+            "pools",
+            "nominal rate of the link between the pools in Gbit/s; each request's timeline then "
+            "shows the measured KV pull rate beside it (e.g. the rate of `pdserve cluster up`)",
+            metavar="G",
+        ),
+    )
+    slo_ttft_ms: float = field(default=1000.0, metadata=cli_flag("auto", "time-to-first-token SLO auto decides under"))
+    slo_itl_ms: float = field(
+        default=50.0,
+        metadata=cli_flag(
+            "auto",
+            "inter-token SLO of the streams in flight; a local prefill may not stretch a step past it",
+        ),
+    )
+    calibration: str | None = field(
+        default=None,
+        metadata=cli_flag(
+            "auto",
+            "cost-model calibration with a step_fit (`pdserve bench chunks` writes one); default: "
+            "benchmarks/results/chunks-<model>-<device>.calibration.json",
+            metavar="FILE",
+        ),
+    )
+    otlp_endpoint: str | None = field(
+        default=None,
+        metadata=cli_flag(
+            "observability",
+            "export one OpenTelemetry trace per request over OTLP/HTTP to this collector, e.g. "
+            "http://127.0.0.1:4318 (/v1/traces is added to a URL without a path); the standard "
+            "OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_EXPORTER_OTLP_TRACES_ENDPOINT variables do the same (default: off)",
+            metavar="URL",
+        ),
+    )
 
     # ------------------------------------------------------------------ construction
     @classmethod
