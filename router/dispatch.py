@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,7 @@ from contracts.worker import WorkerStats
 from costmodel import cost_model as cm
 from costmodel.step_fit import OnlineStepFit, StepCostFit, StepShape
 from router.shared_cores import SharedCores
+from router.timeline import Timeline
 
 log = logging.getLogger("pdserve.router.dispatch")
 
@@ -482,44 +483,46 @@ class AutoDispatcher:
 
     # ---- outcomes ----------------------------------------------------------------------------
     def record_outcome(
-        self, tl: dict[str, Any], first_token_at: float | None = None, streams: Sequence[int] = ()
+        self, timeline: Timeline | Mapping[str, Any], first_token_at: float | None = None, streams: Sequence[int] = ()
     ) -> None:
         """Stamp predicted vs realized into the timeline's dispatch entry and the histograms; the
         worker's queue model moves to the realized step boundary `first_token_at` (unix s)."""
-        d = tl.get("dispatch")
-        if not d or "outcome" in d or "first_token_ms" not in tl:
+        tl = timeline if isinstance(timeline, Timeline) else Timeline.from_dict(timeline)
+        d = tl.dispatch
+        if not d or "outcome" in d or tl.first_token_ms is None:
             return
         t0, steps0 = time.perf_counter(), self._steps_run()
-        rid = tl.get("request_id", "")
+        rid = tl.request_id
         placed = self._open.pop(rid, None)
         choice = d["decision"]
-        if first_token_at is None and "arrival" in tl:  # the worker's step end: prefill end, or token 0
-            first_token_at = tl["arrival"] + tl.get("prefill_end_ms", tl["first_token_ms"]) / 1e3
+        # the worker's step end: prefill end, or token 0
+        end_ms = tl.prefill_end_ms if tl.prefill_end_ms is not None else tl.first_token_ms
+        if first_token_at is None:
+            first_token_at = tl.arrival + end_ms / 1e3
         if placed is not None and first_token_at is not None:
             role = "decode" if choice == "local" else "prefill"
             scale = self._local_scale(self._prefill_busy_until()) if choice == "local" else self._remote_scale(True)
             self.queues[placed[1]].realized(rid, first_token_at, self.fits[role].current, list(streams), scale)
         pred = d[choice]
-        out: dict[str, Any] = {"ttft_ms": tl["first_token_ms"]}
-        out["ttft_error"] = _rel(pred["ttft_ms"], tl["first_token_ms"])
+        out: dict[str, Any] = {"ttft_ms": tl.first_token_ms}
+        out["ttft_error"] = _rel(pred["ttft_ms"], tl.first_token_ms)
         if out["ttft_error"] is not None:
             self.errors["ttft"].observe(out["ttft_error"])
             w = OVERHEAD_WEIGHT
             self.ttft_abs_error[choice] = (1 - w) * self.ttft_abs_error[choice] + w * abs(out["ttft_error"])
-        if "queue_ms" in tl and "prefill_ms" in tl and (placed is None or placed[2]):
+        if tl.queue_ms is not None and tl.prefill_ms is not None and (placed is None or placed[2]):
             # what the worker's own queue and steps do not explain: the hops, learned for the next
             # prediction of this placement (queueing is the replay's, never these terms'). The
             # worker's first token (remote: its prefill end) is stamped on the worker's clock
             # (the same host's), so its receipt of the prompt is that minus its own time. Learned
             # only from prompts sent to an idle queue: a worker takes a new prompt in between its
             # steps, so one sent mid-step is received at the step's end, a wait the replay has.
-            worker_ms = tl["queue_ms"] + tl["prefill_ms"]
-            end_ms = tl.get("prefill_end_ms", tl["first_token_ms"])
+            worker_ms = tl.queue_ms + tl.prefill_ms
             w = OVERHEAD_WEIGHT
-            for hops, x in ((self.hop_in_s, end_ms - worker_ms), (self.hop_out_s, tl["first_token_ms"] - end_ms)):
+            for hops, x in ((self.hop_in_s, end_ms - worker_ms), (self.hop_out_s, tl.first_token_ms - end_ms)):
                 hops[choice] = (1 - w) * hops[choice] + w * max(0.0, x / 1e3)
             out["worker_ms"] = round(worker_ms, 3)
-        gap = tl.get("local_max_gap_ms")
+        gap = tl.local_max_gap_ms
         if choice == "local" and gap is not None and d["streams_in_flight"]:
             out["stall_ms"] = gap
             out["stall_error"] = _rel(pred["itl_ms"], gap)

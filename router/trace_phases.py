@@ -14,8 +14,11 @@ Colocated (and auto's local prompts): validate, dispatch, queue, prefill, decode
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from router.timeline import Timeline
 
 AttrValue = str | int | float | bool
 
@@ -41,11 +44,11 @@ class RequestTrace:
     stream: Phase | None
     events: list[tuple[str, int, dict[str, AttrValue]]]  # (name, unix ns, attributes)
     error: str | None  # set when the request failed or was aborted
+    root: dict[str, AttrValue] = field(default_factory=dict)  # the request's own span: its tokens, mode, ending
 
 
-def _ms_to_ns(tl: dict[str, Any], key: str) -> int | None:
-    v = tl.get(key)
-    return None if v is None else int(round((tl["arrival"] + v / 1e3) * 1e9))
+def _ms_to_ns(tl: Timeline, ms: float | None) -> int | None:
+    return None if ms is None else int(round((tl.arrival + ms / 1e3) * 1e9))
 
 
 def _flat(prefix: str, d: dict[str, Any]) -> dict[str, AttrValue]:
@@ -58,42 +61,52 @@ def _flat(prefix: str, d: dict[str, Any]) -> dict[str, AttrValue]:
     return out
 
 
+def _or(v: Any, default: Any) -> Any:
+    """A stamp, or what a span shows when it was not taken."""
+    return default if v is None else v
+
+
 def build(
-    tl: dict[str, Any], http_arrival_ns: int, end_ns: int, status: str, error: str | None, chunk_size: int | None
+    timeline: Timeline | Mapping[str, Any],
+    http_arrival_ns: int,
+    end_ns: int,
+    status: str,
+    error: str | None,
+    chunk_size: int | None,
 ) -> RequestTrace:
-    """The trace of a request whose timeline is `tl` (router/orchestrator.py's stamps: unix
-    `arrival`, the rest in ms after it), received at `http_arrival_ns` and closed at `end_ns`."""
-    prompt, cached = int(tl.get("prompt_tokens", 0)), int(tl.get("prefill_cached_tokens", tl.get("cached_tokens", 0)))
-    out_tokens = int(tl.get("output_tokens", 0))
-    tr = tl.get("transfer") or {}
-    admitted = _ms_to_ns(tl, "decode_admitted_ms")
-    first = _ms_to_ns(tl, "first_token_ms")
-    disagg = tl.get("prefill_worker") is not None
+    """The trace of a request whose timeline is `timeline` (router/timeline.py; its JSON works too),
+    received at `http_arrival_ns` and closed at `end_ns`."""
+    tl = timeline if isinstance(timeline, Timeline) else Timeline.from_dict(timeline)
+    prompt, cached, out_tokens = tl.prompt_tokens, _or(tl.prefill_cached_tokens, 0), tl.output_tokens
+    tr = tl.transfer
+    admitted = _ms_to_ns(tl, tl.decode_admitted_ms)
+    first = _ms_to_ns(tl, tl.first_token_ms)
+    disagg = tl.prefill_worker is not None
     if disagg:
-        prefill_start, prefill_end = _ms_to_ns(tl, "prefill_start_ms"), _ms_to_ns(tl, "prefill_end_ms")
+        prefill_start, prefill_end = _ms_to_ns(tl, tl.prefill_start_ms), _ms_to_ns(tl, tl.prefill_end_ms)
     else:  # the decode worker prefilled: its first token ends the prefill
         prefill_end = first
-        prefill_start = None if first is None or "prefill_ms" not in tl else first - int(tl["prefill_ms"] * 1e6)
-    transfer_start = None if admitted is None or "ms" not in tr else admitted - int(tr["ms"] * 1e6)
+        prefill_start = None if first is None or tl.prefill_ms is None else first - int(tl.prefill_ms * 1e6)
+    transfer_start = None if admitted is None or tr is None else admitted - int(tr.ms * 1e6)
     dispatch: dict[str, AttrValue] = {
-        "pdserve.policy": str(tl.get("policy", "")),
-        "pdserve.reason": str(tl.get("dispatch_reason", "")),
-        "pdserve.decode_worker": str(tl.get("decode_worker", "")),
-        "pdserve.prefill_worker": str(tl.get("prefill_worker") or ""),
+        "pdserve.policy": _or(tl.policy, ""),
+        "pdserve.reason": _or(tl.dispatch_reason, ""),
+        "pdserve.decode_worker": _or(tl.decode_worker, ""),
+        "pdserve.prefill_worker": tl.prefill_worker or "",
     }
-    if "dispatch" in tl:  # auto: the decision, its reason and both predictions
-        dispatch.update(_flat("pdserve.auto.", tl["dispatch"]))
-    for k, v in (tl.get("routed_prefix_blocks") or {}).items():
+    if tl.dispatch is not None:  # auto: the decision, its reason and both predictions
+        dispatch.update(_flat("pdserve.auto.", tl.dispatch))
+    for k, v in (tl.routed_prefix_blocks or {}).items():
         dispatch[f"pdserve.routed_prefix_blocks.{k}"] = int(v)
     n_chunks = max(1, -(-(prompt - cached) // chunk_size)) if chunk_size else 1
-    worker_prefill = str(tl.get("prefill_worker") or tl.get("decode_worker", ""))
+    worker_prefill = tl.prefill_worker or _or(tl.decode_worker, "")
     steps: list[tuple[str, int | None, dict[str, AttrValue]]] = [
-        ("validate", int(tl["arrival"] * 1e9), {"pdserve.prompt_tokens": prompt}),
-        ("dispatch", _ms_to_ns(tl, "dispatched_ms"), dispatch),
+        ("validate", int(tl.arrival * 1e9), {"pdserve.prompt_tokens": prompt}),
+        ("dispatch", _ms_to_ns(tl, tl.dispatched_ms), dispatch),
         (
             "queue",
             prefill_start,
-            {"pdserve.worker": worker_prefill, "pdserve.worker_queue_ms": tl.get("queue_ms", 0.0)},
+            {"pdserve.worker": worker_prefill, "pdserve.worker_queue_ms": _or(tl.queue_ms, 0.0)},
         ),
         (
             "prefill",
@@ -104,50 +117,51 @@ def build(
                 "pdserve.cached_tokens": cached,
                 "pdserve.computed_tokens": prompt - cached,
                 "pdserve.chunks": n_chunks,
-                "pdserve.prefill_ms": tl.get("prefill_ms", 0.0),
-                "pdserve.kv_blocks": int(tl.get("kv_blocks", 0)),
+                "pdserve.prefill_ms": _or(tl.prefill_ms, 0.0),
+                "pdserve.kv_blocks": _or(tl.kv_blocks, 0),
             },
         ),
     ]
     if disagg:
-        steps.append(("decode_admission", transfer_start or admitted, {"pdserve.worker": str(tl.get("decode_worker"))}))
-        if transfer_start is not None:
-            link = {f"pdserve.kv.link_ms.{k}": float(v) for k, v in (tr.get("link_ms") or {}).items()}
+        steps.append(("decode_admission", transfer_start or admitted, {"pdserve.worker": str(tl.decode_worker)}))
+        if tr is not None and transfer_start is not None:
+            link = {f"pdserve.kv.link_ms.{k}": float(v) for k, v in tr.link_ms.items()}
+            nominal = {  # with a nominal --link-gbps only
+                "link_gbits_per_s": tr.link_gbits_per_s,
+                "link_nominal_ms": tr.link_nominal_ms,
+                "rate_vs_link": tr.rate_vs_link,
+            }
             steps.append(
                 (
                     "kv_transfer",
                     admitted,
                     {
-                        "pdserve.kv.backend": str(tr.get("backend", "")),
-                        "pdserve.kv.bytes": int(tr.get("bytes", 0)),
-                        "pdserve.kv.descriptors": int(tr.get("descriptors", 0)),
-                        "pdserve.kv.gbytes_per_s": float(tr.get("gbytes_per_s", 0.0)),
-                        "pdserve.kv.blocks_pulled": int(tl.get("kv_blocks_pulled", 0)),
-                        "pdserve.kv.decode_cached_tokens": int(tl.get("decode_cached_tokens", 0)),
-                        "pdserve.kv.src": str(tl.get("prefill_worker")),
-                        "pdserve.kv.dst": str(tl.get("decode_worker")),
+                        "pdserve.kv.backend": tr.backend,
+                        "pdserve.kv.bytes": tr.bytes,
+                        "pdserve.kv.descriptors": tr.descriptors,
+                        "pdserve.kv.gbytes_per_s": tr.gbytes_per_s,
+                        "pdserve.kv.blocks_pulled": _or(tl.kv_blocks_pulled, 0),
+                        "pdserve.kv.decode_cached_tokens": _or(tl.decode_cached_tokens, 0),
+                        "pdserve.kv.src": str(tl.prefill_worker),
+                        "pdserve.kv.dst": str(tl.decode_worker),
                         **link,
-                        **{
-                            f"pdserve.kv.{k}": v
-                            for k, v in tr.items()
-                            if k.startswith(("link_gbits", "link_nominal", "rate_vs")) and isinstance(v, int | float)
-                        },
+                        **{f"pdserve.kv.{k}": v for k, v in nominal.items() if v is not None},
                     },
                 )
             )
     steps.append(
         (
             "decode",
-            _ms_to_ns(tl, "last_token_ms"),
+            _ms_to_ns(tl, tl.last_token_ms),
             {
-                "pdserve.worker": str(tl.get("decode_worker", "")),
+                "pdserve.worker": _or(tl.decode_worker, ""),
                 "pdserve.output_tokens": out_tokens,
                 "pdserve.decode_steps": max(0, out_tokens - 1),  # one token per step after the first
-                "pdserve.preemptions": int(tl.get("preemptions", 0)),
+                "pdserve.preemptions": tl.preemptions,
             },
         )
     )
-    steps.append(("finish", end_ns, {"pdserve.finish_reason": str(tl.get("finish_reason", status))}))
+    steps.append(("finish", end_ns, {"pdserve.finish_reason": _or(tl.finish_reason, status)}))
 
     phases: list[Phase] = []
     t = http_arrival_ns
@@ -165,8 +179,15 @@ def build(
         first = min(max(first, http_arrival_ns), end_ns)
         events.append(("first_token", first, {"pdserve.ttft_ms": (first - http_arrival_ns) / 1e6}))
         stream = Phase("stream", first, end_ns, {"pdserve.output_tokens": out_tokens, "pdserve.status": status})
-    if tl.get("preemptions"):
-        events.append(("preempted", end_ns, {"pdserve.preemptions": int(tl["preemptions"])}))
+    if tl.preemptions:
+        events.append(("preempted", end_ns, {"pdserve.preemptions": tl.preemptions}))
     if status != "ok" and error is None:
         error = "the client went away" if status == "aborted" else f"the request ended with {status}"
-    return RequestTrace(phases, stream, events, error if status != "ok" else None)
+    root: dict[str, AttrValue] = {
+        "gen_ai.usage.input_tokens": prompt,
+        "gen_ai.usage.output_tokens": out_tokens,
+        "pdserve.request_id": tl.request_id,
+        "pdserve.mode": tl.mode,
+        "pdserve.finish_reason": _or(tl.finish_reason, ""),
+    }
+    return RequestTrace(phases, stream, events, error if status != "ok" else None, root)

@@ -32,10 +32,12 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from router import trace_phases
+from router.timeline import Timeline
 
 log = logging.getLogger("pdserve.tracing")
 MAX_QUEUE_SPANS = 8192  # ~10 spans a request: the last ~800 requests wait here while a collector is slow
 _ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+TimelineIn = Timeline | Mapping[str, Any]  # a request's timeline, typed or as the API's JSON
 
 
 def enabled(endpoint: str | None, env: Mapping[str, str] = os.environ) -> bool:
@@ -139,7 +141,7 @@ class Tracing:
     def finish(
         self,
         root: Span,
-        tl: dict[str, Any] | None,
+        tl: TimelineIn | None,
         http_arrival_ns: int,
         end_ns: int,
         status: str,
@@ -159,7 +161,7 @@ class Tracing:
         finally:
             root.end(end_time=end_ns)
 
-    def _children(self, root: Span, tl: dict[str, Any], t0: int, t1: int, status: str, error: str | None) -> None:
+    def _children(self, root: Span, tl: TimelineIn, t0: int, t1: int, status: str, error: str | None) -> None:
         rt = trace_phases.build(tl, t0, t1, status, error, self.chunk_size)
         ctx = trace.set_span_in_context(root)
         for p in [*rt.phases, *([rt.stream] if rt.stream else [])]:
@@ -169,15 +171,7 @@ class Tracing:
             span.end(end_time=p.end_ns)
         for name, t, attrs in rt.events:
             root.add_event(name, attrs, timestamp=t)
-        root.set_attributes(
-            {
-                "gen_ai.usage.input_tokens": int(tl.get("prompt_tokens", 0)),
-                "gen_ai.usage.output_tokens": int(tl.get("output_tokens", 0)),
-                "pdserve.request_id": str(tl.get("request_id", "")),
-                "pdserve.mode": str(tl.get("mode", "")),
-                "pdserve.finish_reason": str(tl.get("finish_reason", "")),
-            }
-        )
+        root.set_attributes(rt.root)
         if rt.error is not None:
             kind = "aborted" if status == "aborted" else "error"
             root.add_event(kind, {"message": rt.error, "pdserve.died": "died" in rt.error}, timestamp=t1)
