@@ -33,11 +33,13 @@ demo: install
 	$(BIN)/pdserve bench compare --model smollm2-135m-instruct --chunk-sizes 128 $(DEMO_WORKLOAD)
 
 # ruff (lint + format check), the import contracts in pyproject.toml (layers, no cycles, no torch in
-# the router process), and mypy over the packages listed under [tool.mypy]
+# the router process), no module reaching into another's private names (tools/private_names.py),
+# and mypy over the packages listed under [tool.mypy]
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(BIN)/python tools/private_names.py
 	$(BIN)/mypy
 
 format: install

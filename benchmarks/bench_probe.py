@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_serve import _finite
+from benchmarks.bench_serve import finite_json
 from benchmarks.probe_client import ProbeClient, ProbeError
 from benchmarks.probe_plan import ProbePlan
 from benchmarks.probe_report import plot, render
@@ -155,7 +155,7 @@ def main(args: argparse.Namespace) -> int:
     except (ProbeError, ValueError) as e:
         raise CliError(str(e)) from None
     result.wall_s = time.perf_counter() - start
-    payload = _finite(result.to_dict())
+    payload = finite_json(result.to_dict())
     name = _name(args, result.model)
     out_dir = Path(args.results_dir) if args.results_dir else RESULTS_DIR
     config = {**{k: v for k, v in vars(args).items() if not k.startswith("_")}, "seed": seed}

@@ -92,7 +92,7 @@ def _mallinfo(libc: ctypes.CDLL | None) -> dict[str, float]:
 def run_variant(args: argparse.Namespace, name: str) -> dict:
     import torch  # noqa: PLC0415 - the child only
 
-    from engine import linear  # noqa: PLC0415
+    from engine import linear, torch_compat  # noqa: PLC0415
     from engine.config import CacheConfig, is_checkpoint_dir, resolve_model_config  # noqa: PLC0415
     from engine.llm_engine import LLMEngine  # noqa: PLC0415
     from engine.model_runner import ModelRunner  # noqa: PLC0415
@@ -114,7 +114,7 @@ def run_variant(args: argparse.Namespace, name: str) -> dict:
     blocks = -(-(args.max_len + 1) // 16) + 1
     runner = ModelRunner(cfg, CacheConfig(block_size=16, num_blocks=blocks), "fp8", "cpu", ckpt, row_buckets=buckets)
     if opts.get("no_onednn"):
-        linear._MKLDNN = False  # every GEMM: plain torch matmul (MKL), nothing packed or cached per shape
+        torch_compat.ONEDNN_LINEAR = False  # every GEMM: plain torch matmul (MKL), nothing packed or cached per shape
     engine = LLMEngine(runner, prefill_only=True, enable_prefix_caching=False)
     rng = random.Random(args.seed)
     mid = (args.min_len + args.max_len) // 2

@@ -67,17 +67,17 @@ class BenchResult:
             out["stream_shape"] = shapes
         if include_records:
             out["records"] = [asdict(r) for r in self.records]
-        return _finite(out)
+        return finite_json(out)
 
 
-def _finite(x: Any) -> Any:
+def finite_json(x: Any) -> Any:
     """JSON has no Infinity/NaN: write them as strings ("inf") so any parser can read the file."""
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)
     if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
+        return {k: finite_json(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
+        return [finite_json(v) for v in x]
     return x
 
 

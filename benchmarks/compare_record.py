@@ -55,7 +55,7 @@ def result_payload(
 ) -> dict[str, Any]:
     """The result JSON without provenance: the workload, each mode's records and metrics, the
     prediction beside them, and the equality verdict."""
-    from benchmarks.bench_serve import _finite  # noqa: PLC0415
+    from benchmarks.bench_serve import finite_json  # noqa: PLC0415
     from costmodel import compare_predict as cp  # noqa: PLC0415
 
     slo = slo or {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}
@@ -122,7 +122,7 @@ def result_payload(
                     wl.chat_output_len,
                 )  # fmt: skip
         modes.append(entry)
-    return _finite(
+    return finite_json(
         {
             "model": args.model,
             "device": device,

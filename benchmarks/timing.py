@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from costmodel.provenance import OUT_DIR_HELP
+from engine.torch_compat import scaled_mm
 
 
 def sync(device: torch.device) -> None:
@@ -92,7 +93,7 @@ def _gemm_fn(n: int, dtype: str, device: torch.device) -> Callable[[], Any]:
         a = torch.randn(n, n, device=device).to(fp8)
         b = torch.randn(n, n, device=device).to(fp8).t()  # _scaled_mm wants column-major B
         one = torch.ones((), device=device)
-        return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        return lambda: scaled_mm(a, b, one, one, torch.bfloat16)
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     a, b = torch.randn(n, n, device=device, dtype=dt), torch.randn(n, n, device=device, dtype=dt)
     return lambda: a @ b

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Callable
 
 from cli.output import stdout_reserved_for_json
 
@@ -58,8 +59,10 @@ class CliError(Exception):
     """A user error: printed as one line, exit status 2."""
 
 
-def _add(sub: argparse._SubParsersAction, name: str, module: str, help_: str, argv: list[str]) -> None:
-    p = sub.add_parser(name, help=help_, description=help_)
+def _add(
+    add_parser: Callable[..., argparse.ArgumentParser], name: str, module: str, help_: str, argv: list[str]
+) -> None:
+    p = add_parser(name, help=help_, description=help_)
     # Import a module only for the subcommand being run (or for its --help).
     if name in argv:
         mod = importlib.import_module(module)
@@ -74,13 +77,13 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
-        _add(sub, name, module, help_, argv[:1])
+        _add(sub.add_parser, name, module, help_, argv[:1])
     bench = sub.add_parser(
         "bench", help="benchmarks (transfer, serve, probe, compare, chunks, article, step, gpu, soak)"
     )
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     for name, (module, help_) in BENCH_COMMANDS.items():
-        _add(bench_sub, name, module, help_, argv[1:2] if argv[:1] == ["bench"] else [])
+        _add(bench_sub.add_parser, name, module, help_, argv[1:2] if argv[:1] == ["bench"] else [])
     return parser
 
 
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
-    if not hasattr(args, "_main"):
+    if not hasattr(args, "_main"):  # private-ok: the default _add sets on this parser, not another module's
         parser.print_help()
         return 2
     try:

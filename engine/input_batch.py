@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampler import SamplingRows, _step_seed
+from engine.sampler import SamplingRows, step_seed
 from engine.sequence import Sequence
 
 
@@ -149,7 +149,7 @@ class InputBatch:
         seeded = []
         if self._random:
             seeded = [
-                (r, _step_seed(s.params.seed, s.num_sampled))
+                (r, step_seed(s.params.seed, s.num_sampled))
                 for r, s in enumerate(self.seqs)
                 if s.params.seed is not None and s.params.temperature > 0
             ]

@@ -3,7 +3,8 @@ or DenseLinear (bf16/fp32 weights). Both take activations [T, in] and return [T,
 
 On CUDA, Fp8Linear quantizes activations per token on the fly and calls `torch._scaled_mm`
 (the FP8 tensor-core GEMM). On CPU it multiplies by the dequantized weight in fp32 (bf16/fp8
-matmuls crawl on CPU).
+matmuls crawl on CPU). torch's private ops (that one, oneDNN's below) are reached only through
+engine/torch_compat.py, which guards each and falls back where a torch lacks it.
 
 CPU fp32 GEMMs go through `PackedWeight`, which keeps the weight in the layout each GEMM wants,
 made once from the stored weight (FP8 dequantized, bf16 widened) and never per step:
@@ -29,13 +30,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import torch_compat
 from engine.kv_cache import FP8, FP8_MAX, quantize_fp8
+from engine.torch_compat import Epilogue as Post
 
 
 def quantize_weight_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,20 +45,7 @@ def quantize_weight_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_fp8(w)
 
 
-Post = Literal["none", "silu", "mul", "add"]
-
-
-def apply_post(y: torch.Tensor, post: Post, other: torch.Tensor | None) -> torch.Tensor:
-    """The unfused epilogue: what the oneDNN path computes inside the GEMM."""
-    if post == "silu":
-        return F.silu(y)
-    if post == "mul":
-        assert other is not None
-        return y * other
-    if post == "add":
-        assert other is not None
-        return y + other
-    return y
+apply_post = torch_compat.epilogue  # the unfused epilogue: what the oneDNN path computes inside the GEMM
 
 
 @dataclass(frozen=True)
@@ -146,10 +135,10 @@ class PackedWeight:
         other: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [..., in] @ w.t() -> [..., out], then `post` (with `other` [..., out] for mul/add)."""
-        key = (stored.data_ptr(), -1 if stored.is_inference() else stored._version)
+        key = (stored.data_ptr(), torch_compat.tensor_version(stored))
         if self._key != key:
             self._layouts, self._key = {}, key
-        if not (_MKLDNN and x.device.type == "cpu" and x.dtype == torch.float32):
+        if not (torch_compat.ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == torch.float32):
             return apply_post(x @ self._layout("plain", make).t(), post, other)
         if x.numel() == x.shape[-1]:  # one row: the GEMV down the transposed copy's rows
             return apply_post(x @ self._layout("t", make), post, other)
@@ -178,7 +167,7 @@ class PackedWeight:
         if name not in self._layouts:
             w = make()
             if name == "packed":
-                w = torch.ops.mkldnn._reorder_linear_weight(w.float(), None)
+                w = torch_compat.pack_linear_weight(w)
             elif name == "t":
                 w = w.float().t().contiguous()
             self._layouts[name] = w
@@ -187,17 +176,10 @@ class PackedWeight:
     @staticmethod
     def _call(x2: torch.Tensor, other2: torch.Tensor | None, packed: torch.Tensor, post: Post) -> torch.Tensor:
         """One oneDNN GEMM of x2 [m, in] (m >= 2) with the packed weight and its fused epilogue."""
-        if other2 is not None:
-            return torch.ops.mkldnn._linear_pointwise.binary(x2, other2, packed, None, post)
-        # oneDNN's "swish" (alpha 1) is silu
-        return torch.ops.mkldnn._linear_pointwise(x2, packed, None, _ONEDNN_UNARY[post], [], "")
+        return torch_compat.linear_fused(x2, packed, post, other2)
 
     def reset(self) -> None:
         self._layouts, self._key = {}, None
-
-
-_MKLDNN = torch.backends.mkldnn.is_available()
-_ONEDNN_UNARY = {"none": "none", "silu": "swish"}
 
 
 class _Linear(nn.Module):
@@ -279,9 +261,7 @@ class Fp8Linear(_Linear):
         # dynamic per-token activation scale: [T, 1]
         x_scale = (x2.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
         xq = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        out = torch._scaled_mm(
-            xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale[None, :], out_dtype=x.dtype
-        )
+        out = torch_compat.scaled_mm(xq, self.weight.t(), x_scale, self.weight_scale[None, :], x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 

@@ -20,7 +20,9 @@ import torch
 from engine.sequence import SamplingParams
 
 
-def _step_seed(seed: int, step: int) -> int:
+def step_seed(seed: int, step: int) -> int:
+    """A seeded row's generator seed at its `step`-th sampled token: the request's seed and the step
+    alone, so the row draws the same whichever batch it runs in (the persistent batch uses it too)."""
     return (seed * 1_000_003 + step) % (1 << 63)
 
 
@@ -44,7 +46,7 @@ class SamplingRows:
         temps = [p.temperature for p in params]
         greedy = not any(temps)
         seeded = [
-            (i, _step_seed(p.seed, steps[i])) for i, p in enumerate(params) if p.temperature > 0 and p.seed is not None
+            (i, step_seed(p.seed, steps[i])) for i, p in enumerate(params) if p.temperature > 0 and p.seed is not None
         ]
         filtered = any(p.temperature > 0 and (p.top_p < 1.0 or p.top_k > 0) for p in params)
         return cls(

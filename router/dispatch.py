@@ -169,7 +169,9 @@ class _ReplayCost:
 
 
 @dataclass
-class _Job:
+class Job:
+    """A prompt in a prefill worker's queue, as the replay sees it."""
+
     rid: str
     arrival: float  # when the router sent it (unix seconds)
     start: int  # next prompt position to prefill (its cached prefix skipped)
@@ -182,7 +184,7 @@ class _Replay:
     started: float  # when the target's first chunk began
     stall_s: float  # what its chunks added to the steps they ran in
     itl_s: float  # the longest of those steps
-    jobs: list[_Job]  # the queue's state right after the target finished
+    jobs: list[Job]  # the queue's state right after the target finished
     steps: int = 0  # loop iterations it took (an idle stretch is one): its cost, O(jobs x chunks)
 
 
@@ -214,12 +216,12 @@ class WorkerQueue:
 
     def __init__(self, chunk: int | None):
         self.chunk = chunk
-        self.jobs: list[_Job] = []
+        self.jobs: list[Job] = []
         self.anchor = 0.0
         self.steps_run = 0  # replay iterations so far (the dispatcher reports its cost)
 
     def replay(
-        self, f: StepCostFit, streams: list[int], target: _Job, now: float, scale: Slowdown = NO_SLOWDOWN
+        self, f: StepCostFit, streams: list[int], target: Job, now: float, scale: Slowdown = NO_SLOWDOWN
     ) -> _Replay:
         """Run the worker's scheduler over its queue plus `target` (if not already in it); a step
         starting at t costs `scale.at(t)` times what f says (the other pool busy beside it).
@@ -227,9 +229,9 @@ class WorkerQueue:
         Its cost is O(jobs x chunks): every iteration prefills a chunk, or crosses a whole idle
         stretch (no prompt waiting: decode-only steps until the next arrival) in one jump, so a
         queue anchored long ago costs no more than a fresh one."""
-        jobs = [_Job(j.rid, j.arrival, j.start, j.end) for j in self.jobs]
+        jobs = [Job(j.rid, j.arrival, j.start, j.end) for j in self.jobs]
         if not any(j.rid == target.rid for j in jobs):
-            jobs.append(_Job(target.rid, target.arrival, target.start, target.end))
+            jobs.append(Job(target.rid, target.arrival, target.start, target.end))
         ctxs = list(streams)
         base = f.decode_seconds(ctxs) if ctxs else 0.0
         # from the last boundary seen when prompts are ahead; idle: now, or (decoding) on average
@@ -239,7 +241,7 @@ class WorkerQueue:
         started, stall, itl = math.inf, 0.0, 0.0
         for steps in range(1, MAX_REPLAY_STEPS + 1):
             waiting = [j for j in jobs if j.arrival <= t and j.start < j.end]
-            work: list[tuple[_Job, int]] = []
+            work: list[tuple[Job, int]] = []
             budget = budget0
             for j in waiting:
                 if budget <= 0:
@@ -279,7 +281,7 @@ class WorkerQueue:
         self.steps_run += MAX_REPLAY_STEPS
         return _Replay(math.inf, started, stall, itl, jobs, MAX_REPLAY_STEPS)
 
-    def add(self, job: _Job) -> None:
+    def add(self, job: Job) -> None:
         if not self.jobs:
             self.anchor = job.arrival
         self.jobs.append(job)
@@ -294,7 +296,7 @@ class WorkerQueue:
             return None
         r = self.replay(f, streams, self.jobs[k], t, scale)
         left = {j.rid: j for j in r.jobs}
-        self.jobs = [left.get(j.rid, _Job(j.rid, j.arrival, j.end - 1, j.end)) for j in self.jobs[k + 1 :]]
+        self.jobs = [left.get(j.rid, Job(j.rid, j.arrival, j.end - 1, j.end)) for j in self.jobs[k + 1 :]]
         self.anchor = t
         return r
 
@@ -385,7 +387,7 @@ class AutoDispatcher:
         q = self._queue(worker, self.chunk)
         scale = self._local_scale(self._prefill_busy_until(prefill_worker))
         at = now + self.hop_in_s["local"]
-        r = q.replay(f, ctxs, _Job(rid or "?", at, min(cached, prompt - 1), prompt), now, scale)
+        r = q.replay(f, ctxs, Job(rid or "?", at, min(cached, prompt - 1), prompt), now, scale)
         ttft = r.finish - now + self.hop_out_s["local"]
         base = f.decode_seconds(ctxs) * scale.at(now) if ctxs else 0.0
         worst = max((_mean_itl(s, base, r.stall_s, r.itl_s) for s in streams), default=0.0)
@@ -411,7 +413,7 @@ class AutoDispatcher:
         local = self.queues.get(local_worker)
         scale = self._remote_scale(bool(streams) or bool(local and local.jobs))
         at = now + self.hop_in_s["remote"]
-        r = q.replay(fp, [], _Job(rid or "?", at, min(cached, prompt - 1), prompt), now, scale)
+        r = q.replay(fp, [], Job(rid or "?", at, min(cached, prompt - 1), prompt), now, scale)
         ttft = r.finish - now + self.hop_out_s["remote"]
         transfer = prompt * self.kv_bytes_per_token / self.link_bps
         ctxs = [s.context for s in streams]
@@ -461,7 +463,7 @@ class AutoDispatcher:
             cached = cached_local if choice == "local" else cached_remote
             q = self._queue(worker, self.chunk if choice == "local" else None)
             idle = not q.jobs
-            q.add(_Job(request_id, t + self.hop_in_s[choice], min(cached, prompt - 1), prompt))
+            q.add(Job(request_id, t + self.hop_in_s[choice], min(cached, prompt - 1), prompt))
             self._open[request_id] = (choice, worker, idle)
         sides = {"local": cached_local, "remote": cached_remote}
         self._cost("decide", t0, steps0)

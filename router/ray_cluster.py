@@ -70,6 +70,7 @@ def _refresh_ray_config() -> None:
     does when it turns token auth on for a local cluster)."""
     if "ray._raylet" not in sys.modules:
         return
+    # private-ok: Ray has no public way to re-read the auth token; this is what ray.init itself calls
     from ray._raylet import (  # type: ignore[attr-defined]  # noqa: PLC0415 - Ray is loaded already
         AuthenticationTokenLoader,
         Config,

@@ -53,12 +53,14 @@ def traces_url(endpoint: str) -> str:
 
 
 class _CountingExporter(SpanExporter):
-    """Counts what the wrapped exporter delivered and what it failed to (after its own retries)."""
+    """Counts what the wrapped exporter was handed, what it delivered and what it failed to (after
+    its own retries)."""
 
     def __init__(self, inner: SpanExporter):
-        self.inner, self.exported, self.failed = inner, 0, 0
+        self.inner, self.handed, self.exported, self.failed = inner, 0, 0, 0
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.handed += len(spans)  # out of the queue from here on, delivered or not
         try:
             r = self.inner.export(spans)
         except Exception as e:  # noqa: BLE001 - a broken collector must not kill the export thread
@@ -78,22 +80,29 @@ class _CountingExporter(SpanExporter):
 
 
 class _CountingProcessor(SpanProcessor):
-    """In front of the BatchSpanProcessor: counts spans that arrive while its queue is full (it
-    drops one for each, with a log line but no count of its own we could export)."""
+    """In front of the BatchSpanProcessor, a bound of its own on the spans waiting for export: a
+    sampled span that finds `max_queue` of them waiting (handed to the batch processor, not yet to
+    the exporter) is dropped here and counted. The SDK drops from a full queue too, but counts
+    nothing we could export, and its queue is not public API; with this bound at or below the
+    SDK's queue size, the SDK's queue never fills, so every dropped span is one counted here."""
 
-    def __init__(self, inner: BatchSpanProcessor):
-        self.inner, self.overflow = inner, 0
-        # The SDK's bounded deque (a private attribute: without it, overflow is simply not counted).
-        self._queue = getattr(getattr(inner, "_batch_processor", None), "_queue", None)
+    def __init__(self, inner: BatchSpanProcessor, exporter: _CountingExporter, max_queue: int):
+        self.inner, self.exporter, self.max_queue = inner, exporter, max_queue
+        self.forwarded = self.overflow = 0  # only the event loop's thread ends spans: no lock needed
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
         self.inner.on_start(span, parent_context)
 
     def on_end(self, span: ReadableSpan) -> None:
-        q = self._queue
-        sampled = span.context is not None and span.context.trace_flags.sampled  # the others are not queued
-        if sampled and q is not None and q.maxlen is not None and len(q) >= q.maxlen:
-            self.overflow += 1  # only the event loop's thread ends spans: no lock needed
+        if not (span.context is not None and span.context.trace_flags.sampled):
+            self.inner.on_end(span)  # not queued: the batch processor ignores it
+            return
+        # `handed` lags the export thread's take from the queue by a moment: the waiting count is
+        # never underestimated, so the SDK's queue never overflows
+        if self.forwarded - self.exporter.handed >= self.max_queue:
+            self.overflow += 1
+            return
+        self.forwarded += 1
         self.inner.on_end(span)
 
     def shutdown(self) -> None:
@@ -120,7 +129,9 @@ class Tracing:
                 max_queue_size=max_queue,
                 schedule_delay_millis=500,
                 max_export_batch_size=min(512, max_queue),
-            )
+            ),
+            self._exporter,
+            max_queue,
         )
         self.provider = TracerProvider(resource=Resource.create({"service.name": "pdserve"}))
         self.provider.add_span_processor(self._processor)

@@ -6,7 +6,7 @@ import pytest
 from contracts.worker import WorkerStats
 from costmodel.cost_model import Calibration, ModelSpec
 from costmodel.step_fit import OnlineStepFit, StepCostFit, StepShape
-from router.dispatch import AutoDispatcher, Slowdown, Stream, WorkerQueue, _Job
+from router.dispatch import AutoDispatcher, Job, Slowdown, Stream, WorkerQueue
 from router.shared_cores import SharedCores
 
 FIT = StepCostFit(0.004, 50e-6, 0.1e-6, 1e-3)  # 4 ms a step, 50 us a token, 1 ms a decode sequence
@@ -14,13 +14,13 @@ FIT = StepCostFit(0.004, 50e-6, 0.1e-6, 1e-3)  # 4 ms a step, 50 us a token, 1 m
 
 def test_local_replay_packs_waiting_prompts_into_the_chunk_budget():
     q = WorkerQueue(chunk=128)
-    q.add(_Job("a", 0.0, 0, 64))
-    q.add(_Job("b", 0.0, 0, 64))
+    q.add(Job("a", 0.0, 0, 64))
+    q.add(Job("b", 0.0, 0, 64))
     # both wait at the first step: one step of 128 tokens ends both, as the engine schedules them
-    r = q.replay(FIT, [], _Job("b", 0.0, 0, 64), 0.0)
+    r = q.replay(FIT, [], Job("b", 0.0, 0, 64), 0.0)
     assert r.finish == pytest.approx(FIT.seconds(StepShape.of((), [(0, 64), (0, 64)])))
     # a third arriving during that step waits for its end and decodes beside the two finished ones
-    r3 = q.replay(FIT, [], _Job("c", 0.001, 0, 64), 0.001)
+    r3 = q.replay(FIT, [], Job("c", 0.001, 0, 64), 0.001)
     first = FIT.seconds(StepShape.of((), [(0, 64), (0, 64)]))
     assert r3.started == pytest.approx(first)
     assert r3.finish == pytest.approx(first + FIT.seconds(StepShape.of([65, 65], [(0, 64)])))
@@ -28,10 +28,10 @@ def test_local_replay_packs_waiting_prompts_into_the_chunk_budget():
 
 def test_remote_replay_waits_for_the_step_in_progress_and_batches_the_waiting():
     q = WorkerQueue(chunk=None)
-    q.add(_Job("a", 0.0, 0, 2048))
+    q.add(Job("a", 0.0, 0, 2048))
     one = FIT.prefill_seconds(2048)
-    q.add(_Job("b", 0.1, 0, 2048))
-    r = q.replay(FIT, [], _Job("c", 0.2, 0, 2048), 0.2)
+    q.add(Job("b", 0.1, 0, 2048))
+    r = q.replay(FIT, [], Job("c", 0.2, 0, 2048), 0.2)
     # b and c both arrived during a's step: they run together in the next one
     assert r.started == pytest.approx(one)
     assert r.finish == pytest.approx(one + FIT.seconds(StepShape.of((), [(0, 2048), (0, 2048)])))
@@ -45,10 +45,10 @@ def test_a_queue_anchored_long_ago_replays_in_a_few_steps_and_the_same_schedule(
     # starts at the anchor and crosses the hour of decode-only steps in one jump, not ~300k steps
     # (it used to hit MAX_REPLAY_STEPS and predict a first token never)
     q = WorkerQueue(chunk=128)
-    q.add(_Job("old", 0.0, 0, 64))
+    q.add(Job("old", 0.0, 0, 64))
     streams = [300] * 8
     slow = Slowdown(2.0, until=1800.0)  # the prefill worker busy for the first half hour
-    r = q.replay(FIT, streams, _Job("new", 3600.0, 0, 64), 3600.0, slow)
+    r = q.replay(FIT, streams, Job("new", 3600.0, 0, 64), 3600.0, slow)
     assert r.steps <= 5
     # the same schedule as stepping one decode step at a time (the engine's): "old" prefills first,
     # then decode steps (2x slower until 1800 s) until "new" arrives, which waits for the step in

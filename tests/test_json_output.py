@@ -20,6 +20,9 @@ import pytest
 from cli import BENCH_COMMANDS, COMMANDS, build_parser
 from tests.fakes import FakeCompletionsServer, FakeScript
 
+# `pdserve` child processes
+pytestmark = [pytest.mark.server]
+
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_COMPARE = ROOT / "benchmarks/results/compare-tiny-cpu.json"
 ENGINE = ["--model", "tiny", "--device", "cpu", "--no-progress", "--threads", "1"]
@@ -167,9 +170,10 @@ COVERED_ELSEWHERE: dict[tuple[str, ...], str] = {
 def _json_commands(parser: argparse.ArgumentParser, words: tuple[str, ...] = ()) -> set[tuple[str, ...]]:
     found = {words} if any("--json" in a.option_strings for a in parser._actions) else set()
     for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
+        if isinstance(action.choices, dict):  # a subparsers action: {command: its parser}
             for name, sub in action.choices.items():
-                found |= _json_commands(sub, (*words, name))
+                if isinstance(sub, argparse.ArgumentParser):
+                    found |= _json_commands(sub, (*words, name))
     return found
 
 

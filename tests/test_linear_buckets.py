@@ -10,10 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import linear
+from engine import torch_compat
 from engine.linear import PackedWeight, RowBuckets, row_buckets, set_row_buckets
 
-pytestmark = pytest.mark.skipif(not linear._MKLDNN, reason="oneDNN (mkldnn) not available in this torch build")
+pytestmark = pytest.mark.skipif(
+    not torch_compat.ONEDNN_LINEAR, reason="oneDNN's fused linear ops not available in this torch build"
+)
 
 
 @pytest.fixture

@@ -44,6 +44,7 @@ _AGENT_LOCK = threading.Lock()  # guards the temporary agent-config hook below
 
 def _nixl():
     try:
+        # private-ok: NIXL's Python API lives in nixl._api (its own examples import it from there)
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t  # noqa: PLC0415 - a clear error if absent
     except ImportError as e:  # pragma: no cover - nixl is a dependency
         raise TransportError(f"NIXL is not importable ({e}); install the nixl package") from e

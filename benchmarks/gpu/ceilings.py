@@ -8,6 +8,7 @@ import time
 import torch
 
 from benchmarks.gpu.timing import cuda_time
+from engine.torch_compat import scaled_mm
 
 
 def gemm_shapes(cfg) -> dict[str, tuple[int, int]]:
@@ -35,7 +36,7 @@ def bench_ceilings(cfgs, cap_s: float) -> dict:
                     break
                 x = torch.randn(M, K, device="cuda").to(FP8)
                 sx = torch.rand(M, 1, device="cuda") + 0.5
-                fn = lambda: torch._scaled_mm(x, w.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16)  # noqa: E731
+                fn = lambda: scaled_mm(x, w.t(), sx, sw, torch.bfloat16)  # noqa: E731
                 s = cuda_time(fn, reps=5, inner=max(1, 4096 // M))
                 rows.append(
                     {
