@@ -1,7 +1,7 @@
 """The article's cost model fitted to what `pdserve bench probe` measured from outside a server.
 
 Two fits, each by non-negative least squares on *relative* error (a 5 ms step and a 500 ms
-prefill count alike, as in costmodel/step_fit.py):
+prefill count alike; the solver is costmodel/nnls.py, step_fit's too):
 
     decode step(b, c) = fixed + per_sequence * b + per_context_token * b * c   (c: context per stream)
     prefill(T)        = fixed + linear * T + quadratic * T^2                  (one prompt alone)
@@ -23,18 +23,18 @@ batch-1 decode step), decode steps lost per chunk, the capacity table, and the s
 should cause: the steps that carry it beside the decode batch, each with the serving jitter the
 probe measured added, the longest of them (`stall_forecast`: a median and a p90, not one number).
 
-Pure arithmetic on numbers; numpy for the small solves.
+Pure arithmetic on numbers; numpy for the feature rows and the stall forecast's draws.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from costmodel.nnls import nnls_rel
 from costmodel.step_fit import StepCostFit, StepShape
 
 
@@ -68,34 +68,6 @@ class MixedStep:
     seconds: float
 
 
-def nnls_rel(x: np.ndarray, y: np.ndarray, rel: np.ndarray | None = None) -> tuple[np.ndarray, float]:
-    """Non-negative least squares of y ~ x @ coef on error relative to `rel` (default y itself);
-    (coef, rms relative error).
-
-    Every subset of columns is solved unconstrained and the best all-non-negative one wins: exact
-    NNLS for three columns (seven solves), and no scipy needed."""
-    rel = y if rel is None else rel
-    if len(y) < 1 or np.any(y <= 0) or np.any(rel <= 0):
-        raise ValueError("need positive timings to fit")
-    w = 1.0 / rel
-    xw, yw = x * w[:, None], y * w
-    scale = np.maximum(np.abs(xw).max(axis=0), 1e-300)  # columns span orders of magnitude
-    best: tuple[float, np.ndarray] | None = None
-    k = x.shape[1]
-    for n in range(1, k + 1):
-        for cols in itertools.combinations(range(k), n):
-            sol, *_ = np.linalg.lstsq(xw[:, cols] / scale[list(cols)], yw, rcond=None)
-            if np.any(sol < 0):
-                continue
-            coef = np.zeros(k)
-            coef[list(cols)] = sol / scale[list(cols)]
-            err = float(np.sqrt(np.mean(((x @ coef - y) / rel) ** 2)))
-            if best is None or err < best[0]:
-                best = (err, coef)
-    assert best is not None  # a single column with positive y always has a non-negative solution
-    return best[1], best[0]
-
-
 @dataclass(frozen=True)
 class DecodeFit:
     fixed_s: float
@@ -126,9 +98,7 @@ class PrefillFit:
 def fit_decode(points: Sequence[DecodePoint]) -> DecodeFit:
     if not points:
         raise ValueError("no decode step was measured")
-    x = np.array([[1.0, p.batch, p.batch * p.context] for p in points])
-    y = np.array([p.step_s for p in points])
-    c, err = nnls_rel(x, y)
+    c, err = nnls_rel([[1.0, p.batch, p.batch * p.context] for p in points], [p.step_s for p in points])
     return DecodeFit(float(c[0]), float(c[1]), float(c[2]), err, len(points))
 
 
@@ -136,9 +106,7 @@ def fit_prefill(points: Sequence[PrefillPoint]) -> PrefillFit:
     pts = [p for p in points if p.prefill_s > 0]
     if not pts:
         raise ValueError("no prefill was measured above the request overhead")
-    x = np.array([[1.0, p.tokens, float(p.tokens) ** 2] for p in pts])
-    y = np.array([p.prefill_s for p in pts])
-    c, err = nnls_rel(x, y)
+    c, err = nnls_rel([[1.0, p.tokens, float(p.tokens) ** 2] for p in pts], [p.prefill_s for p in pts])
     return PrefillFit(float(c[0]), float(c[1]), float(c[2]), err, len(pts))
 
 
@@ -186,9 +154,7 @@ def fit_prefill_anchored(points: Sequence[TTFTPoint], overhead_s: float, floor_s
     rows = _prompt_rows(points, overhead_s, floor_s, lambda t: np.array([float(t), float(t) ** 2]))
     lin = quad = err = 0.0
     if rows:
-        c, err = nnls_rel(
-            np.array([r[0] for r in rows]), np.array([r[1] for r in rows]), np.array([r[2] for r in rows])
-        )
+        c, err = nnls_rel([r[0].tolist() for r in rows], [r[1] for r in rows], [r[2] for r in rows])
         lin, quad = float(c[0]), float(c[1])
     used = clear_of_floor(points, floor_s) or sorted(points, key=lambda p: p.tokens)[-1:]
     a = used[0]
@@ -240,8 +206,7 @@ def fit_joint(
     rows += [(_mixed_features(m, chunk), m.seconds, m.seconds) for m in mixed if m.seconds > 0]
     if len(rows) < 2:
         raise ValueError("need at least two timed steps to fit the step cost")
-    x, y, rel = np.array([r[0] for r in rows]), np.array([r[1] for r in rows]), np.array([r[2] for r in rows])
-    c, err = nnls_rel(x, y, rel)
+    c, err = nnls_rel([r[0].tolist() for r in rows], [r[1] for r in rows], [r[2] for r in rows])
     return StepCostFit(float(c[0]), float(c[1]), float(c[2]), float(c[3]), samples=len(rows), rms_rel_error=err)
 
 

@@ -26,11 +26,12 @@ Pure Python: the router uses it and imports no numpy-heavy or torch code.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from costmodel.nnls import nnls_rel, solve_spd
 
 TERMS = ("fixed_ms", "per_token_us", "attention_ns_per_pair", "per_sequence_us")
 # seconds per unit of each feature, to display units (ms, us, ns, us)
@@ -117,73 +118,17 @@ class StepCostFit:
 
 
 # ---- fitting ----------------------------------------------------------------------------------
-def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None if singular."""
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for col in range(n):
-        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[piv][col]) < 1e-300:
-            return None
-        m[col], m[piv] = m[piv], m[col]
-        for r in range(n):
-            if r != col:
-                f = m[r][col] / m[col][col]
-                for k in range(col, n + 1):
-                    m[r][k] -= f * m[col][k]
-    return [m[i][n] / m[i][i] for i in range(n)]
-
-
-def _normal(rows: Sequence[tuple[Sequence[float], float, float]], scale: Sequence[float]):
-    """Weighted normal equations over (features, seconds, weight), features divided by `scale`
-    (the terms span 12 orders of magnitude; scaling keeps the solve well conditioned)."""
-    k = len(scale)
-    a = [[0.0] * k for _ in range(k)]
-    b = [0.0] * k
-    for x, y, w in rows:
-        xs = [xi / s for xi, s in zip(x, scale)]
-        for i in range(k):
-            b[i] += w * xs[i] * y
-            for j in range(k):
-                a[i][j] += w * xs[i] * xs[j]
-    return a, b
-
-
-def _scales(xs: Sequence[Sequence[float]]) -> list[float]:
-    return [max((abs(x[j]) for x in xs), default=1.0) or 1.0 for j in range(4)]
-
-
 def fit(samples: Sequence[tuple[StepShape, float]]) -> StepCostFit:
-    """Non-negative least squares of the four terms on relative error, over (shape, seconds).
-
-    Every subset of terms is solved unconstrained and the best all-non-negative one wins (four
-    terms: sixteen tiny solves), which is exact NNLS for this size."""
-    rows = [(s.features(), y, 1.0 / (y * y)) for s, y in samples if y > 0]
+    """Non-negative least squares of the four terms on relative error, over (shape, seconds)
+    (costmodel/nnls.py: exact NNLS for four terms)."""
+    rows = [(s.features(), y) for s, y in samples if y > 0]
     if len(rows) < 2:
         raise ValueError("need at least two timed steps to fit the step cost")
-    scale = _scales([r[0] for r in rows])
-    a, b = _normal(rows, scale)
-    best: tuple[float, list[float]] | None = None
-    for k in range(1, 5):
-        for sub in itertools.combinations(range(4), k):
-            sol = _solve([[a[i][j] for j in sub] for i in sub], [b[i] for i in sub])
-            if sol is None or any(v < 0 for v in sol):
-                continue
-            coef = [0.0] * 4
-            for i, v in zip(sub, sol):
-                coef[i] = v / scale[i]
-            err = _rms_rel(coef, rows)
-            if best is None or err < best[0]:
-                best = (err, coef)
-    if best is None:
-        raise ValueError("the timed steps admit no non-negative step-cost fit")
-    err, coef = best
+    try:
+        coef, err = nnls_rel([x for x, _ in rows], [y for _, y in rows])
+    except ValueError as e:
+        raise ValueError("the timed steps admit no non-negative step-cost fit") from e
     return StepCostFit(coef[0], coef[1], coef[2], coef[3], samples=len(rows), rms_rel_error=err)
-
-
-def _rms_rel(coef: Sequence[float], rows: Sequence[tuple[Sequence[float], float, float]]) -> float:
-    tot = sum(((sum(c * x for c, x in zip(coef, xr)) - y) / y) ** 2 for xr, y, _ in rows)
-    return math.sqrt(tot / len(rows))
 
 
 class OnlineStepFit:
@@ -231,7 +176,7 @@ class OnlineStepFit:
             a[i][i] += lam
             b[i] += lam * p
         scale = [math.sqrt(a[i][i]) or 1.0 for i in range(4)]  # Jacobi preconditioning
-        sol = _solve(
+        sol = solve_spd(
             [[a[i][j] / (scale[i] * scale[j]) for j in range(4)] for i in range(4)], [b[i] / scale[i] for i in range(4)]
         )
         if sol is None:
