@@ -167,29 +167,10 @@ def pytest_sessionfinish(session, exitstatus):
         ray.shutdown()
 
 
-# Markers (documented in pyproject.toml). Whole modules are marked by what they start, so
-# `make test-fast` (-m fast) is every test that needs no Ray, no server and no subprocess pdserve.
-_SLOW_MODULES = {
-    # real Ray cluster, servers or pdserve child processes
-    "test_auto_mode": ("ray", "server"),
-    "test_bench_compare": ("ray", "server"),
-    "test_bench_probe": ("ray", "server"),
-    "test_observability": ("ray", "server"),  # `pdserve serve` child processes beside an OTLP receiver
-    "test_cluster": ("ray", "server", "root"),
-    "test_faults": ("ray", "server"),
-    "test_graceful_shutdown": ("ray", "server"),
-    "test_kv_serving": ("ray", "server"),
-    "test_pools": ("ray", "server"),
-    "test_ray_security": ("ray", "server"),
-    "test_real_model_serving": ("ray", "server", "real_model"),
-    "test_serving": ("ray", "server"),
-    "test_json_output": ("server",),
-    "test_generate_cli": ("server",),
-    "test_model_pull": ("server", "real_model"),
-    # the real 135M model against transformers: tens of seconds each on 2 cores
-    "test_real_model": ("real_model",),
-    "test_chat_template": ("real_model",),
-}
+# Markers (documented in pyproject.toml). A module declares what its tests start at its top, e.g.
+# `pytestmark = [pytest.mark.ray, pytest.mark.server]`; a test may add `@pytest.mark.slow`. Every
+# test with none of these marks is `fast` (`make test-fast`: no Ray, no server, no subprocess).
+NEEDS = ("ray", "server", "real_model", "root")  # what a module can declare it starts
 
 
 # The heaviest modules first (seconds measured in one serial run, 2 cores): pytest-xdist hands out
@@ -211,12 +192,12 @@ _HEAVY_FIRST = [
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1]
-        marks = _SLOW_MODULES.get(module, ())
-        if not marks and "ray_cluster" in item.fixturenames:  # a serving test in a module of unit tests
-            marks = ("ray", "server")
-        for name in marks:
-            item.add_marker(name)
-        if marks:  # one xdist worker runs the module: its module-scoped server is started once
+        needs = {m.name for m in item.getparent(pytest.Module).iter_markers()}.intersection(NEEDS)
+        if not needs and "ray_cluster" in item.fixturenames:  # a serving test in a module of unit tests
+            needs = {"ray", "server"}
+            for name in sorted(needs):
+                item.add_marker(name)
+        if needs:  # one xdist worker runs the module: its module-scoped server is started once
             item.add_marker(pytest.mark.xdist_group(module))
         elif not item.get_closest_marker("slow"):
             item.add_marker("fast")

@@ -21,6 +21,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from tests.helpers import wait_until
+
 
 @dataclass
 class FakeScript:
@@ -127,11 +129,13 @@ class FakeCompletionsServer:
 
     def __enter__(self) -> FakeCompletionsServer:
         self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("fake completions server did not start")
-            time.sleep(0.01)
+
+        def started() -> bool:
+            if not self._thread.is_alive():
+                raise RuntimeError("fake completions server did not start: its thread ended")
+            return self._server.started
+
+        wait_until(started, 10, "the fake completions server to start", interval=0.01)
         return self
 
     def __exit__(self, *exc: object) -> None:

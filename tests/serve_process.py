@@ -8,8 +8,9 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,14 +28,18 @@ class ServeProcess:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        deadline, self.url = time.monotonic() + startup_timeout_s, ""
-        while not self.url:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"pdserve serve did not start:\n{self.log()[-3000:]}")
+
+        def url() -> str:
+            if self.proc.poll() is not None:
+                raise RuntimeError("exited")
             m = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", self.log())
-            self.url = m.group(1) if m else ""
-            time.sleep(0.3)
+            return m.group(1) if m else ""
+
+        try:
+            self.url = wait_until(url, startup_timeout_s, "pdserve serve to print its URL", interval=0.3)
+        except (AssertionError, RuntimeError):
+            self.stop()
+            raise RuntimeError(f"pdserve serve did not start:\n{self.log()[-3000:]}") from None
 
     def log(self) -> str:
         return self.log_path.read_text()

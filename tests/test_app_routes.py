@@ -16,6 +16,7 @@ from engine.tokenizer import ByteTokenizer
 from router.app import create_app
 from router.config import ServeConfig
 from tests.fakes import FakeOrchestrator
+from tests.helpers import async_wait_until
 
 # path -> (method, endpoint name, behind the API key)
 ROUTES = {
@@ -74,8 +75,7 @@ def test_shutdown_ends_open_streams_with_an_error_event():
     async def scenario():
         body = {"prompt": "ab", "max_tokens": 500, "stream": True}
         stream = asyncio.create_task(_call(app, "POST", "/v1/completions", json=body))
-        while not orch.active:
-            await asyncio.sleep(0.005)
+        await async_wait_until(lambda: orch.active, 5, "the stream running")
         ended = st.end_open_runs("the server is shutting down (test)")
         return ended, await stream
 

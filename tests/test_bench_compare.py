@@ -24,6 +24,9 @@ from costmodel import compare_predict as cp
 from costmodel.serve_metrics import compute_metrics
 from costmodel.workloads import WorkloadConfig, build_workload
 
+# Ray actors behind a server
+pytestmark = [pytest.mark.ray, pytest.mark.server]
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CALIBRATION = Path(__file__).resolve().parent.parent / "benchmarks/results/chunks-tiny-cpu.calibration.json"
 

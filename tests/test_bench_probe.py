@@ -23,6 +23,9 @@ from router.config import ServeConfig  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
 from tests.fakes import FakeCompletionsServer, FakeScript  # noqa: E402
 
+# Ray actors behind a server
+pytestmark = [pytest.mark.ray, pytest.mark.server]
+
 
 @pytest.fixture(scope="module")
 def server(ray_cluster):

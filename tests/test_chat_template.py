@@ -13,6 +13,9 @@ from engine.config import resolve_model_config
 from engine.tokenizer import Detokenizer, load_tokenizer
 from router import openai_protocol as oa
 
+# the real 135M model, often beside transformers: tens of seconds on 2 cores
+pytestmark = [pytest.mark.real_model]
+
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [

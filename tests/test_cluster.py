@@ -25,6 +25,10 @@ import pytest
 
 from cluster.layout import ClusterLayout
 from cluster.netns import leftovers, veth_tx_bytes
+from tests.helpers import samples, wait_until
+
+# a Ray cluster in network namespaces, behind a server
+pytestmark = [pytest.mark.ray, pytest.mark.server, pytest.mark.root]
 
 PDSERVE = str(Path(sys.executable).with_name("pdserve"))
 NAME = f"t{os.getpid() % 1000}"  # unique per test run: never touches another cluster
@@ -107,17 +111,19 @@ class Server:
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
-        deadline = time.monotonic() + 150
-        while time.monotonic() < deadline:
+
+        def healthy() -> bool:
             assert self.proc.poll() is None, Path(self.log.name).read_text()[-3000:]
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
+                return httpx.get(self.url + "/health", timeout=2).status_code == 200
             except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise AssertionError("server did not start within 150 s: " + Path(self.log.name).read_text()[-3000:])
+                return False
+
+        try:
+            wait_until(healthy, 150, "the server to start", interval=0.5)
+        except AssertionError as e:
+            self.stop()
+            raise AssertionError(f"{e}: " + Path(self.log.name).read_text()[-3000:]) from None
 
     def complete(self, prompt: str, max_tokens: int, **kw) -> dict:
         r = httpx.post(
@@ -137,12 +143,7 @@ class Server:
 
     def blocks_used(self) -> dict[str, float]:
         text = httpx.get(self.url + "/metrics", timeout=30).text
-        out = {}
-        for line in text.splitlines():
-            if line.startswith("pdserve_kv_blocks_used{"):
-                labels, value = line.rsplit(" ", 1)
-                out[labels.split('worker="')[1].split('"')[0]] = float(value)
-        return out
+        return {labels["worker"]: v for labels, v in samples(text, "pdserve_kv_blocks_used")}
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -322,11 +323,13 @@ def test_node_loss_fails_its_requests_and_serving_resumes(cluster):
 
         r = pdserve("cluster", "up", "--name", NAME, "--node", "2", timeout=150)
         assert r.returncode == 0, r.stderr
-        deadline, workers = time.monotonic() + 150, set()
-        while time.monotonic() < deadline and not any(w.startswith("decode-0-r") for w in workers):
+        workers: set[str] = set()
+
+        def replacement_serves() -> bool:
             workers.add(srv.complete("after the node came back", 4)["decode_worker"])
-            time.sleep(0.5)
-        assert any(w.startswith("decode-0-r") for w in workers), workers  # a replacement on node 2 serves
+            return any(w.startswith("decode-0-r") for w in workers)
+
+        wait_until(replacement_serves, 150, "a replacement decode worker on node 2 to serve", interval=0.5)
         assert sum(srv.blocks_used().values()) == 0
     finally:
         srv.stop()

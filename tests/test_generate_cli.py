@@ -17,6 +17,9 @@ import pytest
 from cli import main as cli_main
 from tests.conftest import hf_test_config
 
+# `pdserve` child processes
+pytestmark = [pytest.mark.server]
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY_CMD = [
     "generate",

@@ -206,12 +206,12 @@ def test_green_context_disagg_gives_colocated_tokens():
     d.start()
     for i, p in enumerate(prompts):
         d.submit(Sequence(str(i), p, params))
-    import time  # noqa: PLC0415
+    from tests.helpers import wait_until  # noqa: PLC0415
 
-    deadline = time.time() + 60
-    while sum(map(len, got.values())) < 4 * 8 and time.time() < deadline:
-        time.sleep(0.01)
-    d.stop()
+    try:
+        wait_until(lambda: sum(map(len, got.values())) >= 4 * 8, 60, "8 tokens of each stream", interval=0.01)
+    finally:
+        d.stop()
     assert got == want
 
 

@@ -13,9 +13,11 @@ import time
 import httpx
 import pytest
 
+from tests.helpers import wait_until
 from tests.serve_process import ServeProcess
 
-pytestmark = pytest.mark.timeout(300)
+# Ray actors behind a server
+pytestmark = [pytest.mark.ray, pytest.mark.server, pytest.mark.timeout(300)]
 SHORT, LONG = 48, 1500  # tokens: the short streams finish within the timeout, the long one cannot
 
 
@@ -61,13 +63,14 @@ def test_sigterm_drains_streams_then_exits_0(tmp_path):
             assert started[p].wait(60), f"stream {p!r} did not start"
         t_signal = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10  # the signal handler runs on the server's event loop
-        while True:
-            refused = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
-            if refused.status_code == 503 or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+
+        def refusing() -> httpx.Response | None:
+            r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+            return r if r.status_code == 503 else None
+
+        # the signal handler runs on the server's event loop
+        refused = wait_until(refusing, 10, "a new request refused with 503")
+        assert refused.json()["error"]["code"] == "shutting_down"
         health = httpx.get(srv.url + "/health")
         assert health.status_code == 503 and health.json()["status"] == "draining"
         for t in threads:
@@ -85,8 +88,6 @@ def test_sigterm_drains_streams_then_exits_0(tmp_path):
     long_chunks = _payloads(out["long one"])
     assert "error" in long_chunks[-1] and "shutting down" in long_chunks[-1]["error"]["message"]
     assert len(long_chunks) < LONG
-    deadline = time.monotonic() + 10  # Ray's daemons exit just after the router does
-    while srv.session_pids() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert srv.session_pids() == [], "Ray processes outlived the server"
+    # Ray's daemons exit just after the router does
+    wait_until(lambda: srv.session_pids() == [], 10, "Ray's processes to exit after the server", interval=0.1)
     assert "Traceback" not in srv.log()

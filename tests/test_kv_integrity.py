@@ -6,8 +6,6 @@ request decodes the same greedy tokens as before. Real NIXL (two agents in this 
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -16,6 +14,7 @@ from decode_worker.worker import DecodeWorker
 from engine.kv_layout import KVLayout
 from engine.sequence import SamplingParams
 from prefill_worker.worker import PrefillWorker
+from tests.helpers import wait_until
 from transport import KVChecksumMismatch, make_transport
 from transport.integrity import block_checksums
 from transport.nixl_backend import NixlTransport
@@ -79,10 +78,12 @@ def test_corruption_detected_at_every_block_and_position():
 
 def _events(d: DecodeWorker, rid: str, timeout_s: float = 30.0) -> list[StreamEvent]:
     out: list[StreamEvent] = []
-    deadline = time.time() + timeout_s
-    while not any(e.finished for e in out):
-        assert time.time() < deadline, f"{rid} never finished"
-        out += [e for e in d.poll_events(0.05) if e.request_id == rid]
+
+    def finished() -> bool:
+        out.extend(e for e in d.poll_events(0.05) if e.request_id == rid)  # waits up to 50 ms itself
+        return any(e.finished for e in out)
+
+    wait_until(finished, timeout_s, f"{rid} to finish", interval=0)
     return out
 
 
@@ -116,10 +117,12 @@ def test_block_corrupted_mid_pull_fails_only_that_request(monkeypatch):
         _, events = _run(p, d, "corrupt")
         assert [e.kind for e in events] == ["error"]
         assert "KV integrity check failed: 1 of 4 blocks pulled from 'kvi-prefill'" in events[0].error
-        deadline = time.time() + 5
-        while not all(w.stats().blocks_free == w.stats().blocks_total for w in (p, d)):
-            assert time.time() < deadline, "blocks leaked after the corrupt pull"
-            time.sleep(0.02)
+        wait_until(
+            lambda: all(w.stats().blocks_free == w.stats().blocks_total for w in (p, d)),
+            5,
+            "every block back after the corrupt pull (leaked?)",
+            interval=0.02,
+        )
         again, _ = _run(p, d, "after")
         assert again == clean
     finally:

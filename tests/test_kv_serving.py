@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 from pathlib import Path
 
 import httpx
@@ -26,6 +25,10 @@ from engine.sequence import SamplingParams, Sequence  # noqa: E402
 from engine.tokenizer import ByteTokenizer  # noqa: E402
 from router.config import ServeConfig  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
+from tests.helpers import samples, wait_until  # noqa: E402
+
+# Ray actors behind a server
+pytestmark = [pytest.mark.ray, pytest.mark.server]
 
 SYSTEM = "You are a helpful assistant for pdserve. Answer briefly. "  # 57 bytes: 3 full blocks of 16
 PROMPTS = [SYSTEM + q for q in ("What is KV?", "Why disaggregate?", "What is a lease?", "Hi")] * 2
@@ -48,9 +51,7 @@ def expected() -> dict[str, list[int]]:
 
 
 def _per_worker(url: str, name: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    lines = re.finditer(rf"^{name}{{([^}}]*)}} (\S+)$", text, flags=re.M)
-    return {re.search(r'worker="([^"]+)"', m[1])[1]: float(m[2]) for m in lines}  # type: ignore[index]
+    return {labels["worker"]: v for labels, v in samples(httpx.get(url + "/metrics", timeout=30).text, name)}
 
 
 def _metric(url: str, name: str) -> float:
@@ -84,13 +85,8 @@ def _run_all(url: str, prompts: list[str] | list[list[int]]) -> list[dict]:
     return asyncio.run(main())
 
 
-async def _wait_in_use_zero(url: str) -> float:
-    for _ in range(100):
-        used = _metric(url, "pdserve_kv_blocks_used")
-        if not used:
-            return 0
-        await asyncio.sleep(0.2)
-    return used
+def _wait_in_use_zero(url: str) -> None:
+    wait_until(lambda: _metric(url, "pdserve_kv_blocks_used") == 0, 20, "no KV block left in use", interval=0.2)
 
 
 MODES = {
@@ -145,7 +141,7 @@ def test_forced_preemption_and_caching_keep_greedy_tokens(ray_cluster, expected,
             assert (tl2["kv_blocks_pulled"] < blocks) == caching
             block_bytes = KVLayout.build(PRESETS["tiny"], CacheConfig(num_blocks=NUM_BLOCKS)).block_bytes
             assert tl2["transfer"]["bytes"] == tl2["kv_blocks_pulled"] * block_bytes  # only the missing blocks
-        assert asyncio.run(_wait_in_use_zero(srv.url)) == 0, "KV blocks left in use"
+        _wait_in_use_zero(srv.url)
         # the ledger each worker reports: every block free (cached blocks count as free), none lost
         free = _per_worker(srv.url, "pdserve_kv_blocks_free")
         assert len(free) == cfg.decode + (cfg.prefill if cfg.mode == "disagg" else 0)

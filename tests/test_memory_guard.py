@@ -8,13 +8,13 @@ actors, uvicorn on 127.0.0.1, the health loop reading the workers' stats by itse
 from __future__ import annotations
 
 import logging
-import time
 
 import httpx
 import pytest
 
 from contracts.worker import WorkerStats
 from router.rss_watch import RssWatch
+from tests.helpers import samples, wait_until
 
 MB = 1024**2
 
@@ -56,16 +56,6 @@ def test_memory_flags_reach_the_workers_and_are_checked():
             ServeConfig(model="tiny", **{flag: bad}).validate()
 
 
-def _gauge(text: str, name: str) -> dict[str, float]:
-    """{labels: value} of one gauge in a /metrics text."""
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            labels, value = line[len(name) :].rsplit(" ", 1)
-            out[labels] = float(value)
-    return out
-
-
 @pytest.fixture(scope="module")
 def watched_server(ray_cluster):
     """A disaggregated tiny server whose watch warns at any growth (a 4 KB page), after no warm-up;
@@ -88,23 +78,25 @@ def watched_server(ray_cluster):
 
 def test_metrics_export_each_workers_rss(watched_server):
     text = httpx.get(watched_server.url + "/metrics", timeout=30).text
-    rss = _gauge(text, "pdserve_worker_rss_bytes")
-    roles = sorted(labels.split('role="')[1].split('"')[0] for labels in rss)
-    assert roles == ["decode", "prefill"], text
-    assert all(50 * MB < v < 16 * 1024 * MB for v in rss.values()), rss  # a real process's RSS
-    assert "pdserve_worker_cuda_memory_reserved_bytes{" not in text  # CPU workers: no CUDA series
+    rss = samples(text, "pdserve_worker_rss_bytes")
+    assert sorted(labels["role"] for labels, _ in rss) == ["decode", "prefill"], text
+    assert all(50 * MB < v < 16 * 1024 * MB for _, v in rss), rss  # a real process's RSS
+    assert not samples(text, "pdserve_worker_cuda_memory_reserved_bytes")  # CPU workers: no CUDA series
 
 
 def test_health_loop_warns_when_a_workers_rss_grows(watched_server, caplog):
     caplog.set_level(logging.WARNING, logger="pdserve.router")
-    deadline, n = time.monotonic() + 90, 0
-    while time.monotonic() < deadline and not any("RSS" in r.getMessage() for r in caplog.records):
-        # prompts of new lengths grow the workers (new KV, new shapes); no /metrics scrape here
-        body = {"model": "tiny", "prompt": "x" * (40 + 37 * n), "max_tokens": 4, "temperature": 0}
-        r = httpx.post(watched_server.url + "/v1/completions", json=body, timeout=60)
-        assert r.status_code == 200, r.text
-        n += 1
-        time.sleep(0.6)
-    warned = [r.getMessage() for r in caplog.records if "RSS" in r.getMessage()]
-    assert warned, f"no RSS warning after {n} requests"
-    assert "since warm-up" in warned[0] and "worker" in warned[0]
+    sent = 0
+
+    def warned() -> list[str]:
+        nonlocal sent
+        got = [r.getMessage() for r in caplog.records if "RSS" in r.getMessage()]
+        if not got:  # prompts of new lengths grow the workers (new KV, new shapes); no /metrics scrape here
+            body = {"model": "tiny", "prompt": "x" * (40 + 37 * sent), "max_tokens": 4, "temperature": 0}
+            r = httpx.post(watched_server.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            sent += 1
+        return got
+
+    warnings = wait_until(warned, 90, lambda: f"an RSS warning ({sent} requests sent)", interval=0.6)
+    assert "since warm-up" in warnings[0] and "worker" in warnings[0]

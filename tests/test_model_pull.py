@@ -18,6 +18,9 @@ import pytest
 
 from engine.gguf_file import GGUFError, GGUFFile, unpermute_rows
 
+# `pdserve model pull` child processes and the real model
+pytestmark = [pytest.mark.server, pytest.mark.real_model]
+
 PDSERVE = [str(Path(sys.executable).with_name("pdserve"))]  # the console script, as a user runs it
 NAME = "smollm2-135m-instruct"
 

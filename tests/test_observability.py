@@ -17,7 +17,11 @@ import pytest
 import yaml
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from tests.helpers import exported_names, samples, wait_until
 from tests.serve_process import ROOT, ServeProcess
+
+# `pdserve serve` child processes beside an OTLP receiver, on Ray
+pytestmark = [pytest.mark.ray, pytest.mark.server]
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -57,16 +61,15 @@ class OTLPReceiver:
 
     def trace(self, trace_id: str, root_name_prefix: str = "POST", timeout_s: float = 30.0) -> list[dict]:
         """The spans of one trace, once its root span (ended last) has arrived."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+
+        def rooted() -> bool:
             with self.lock:
-                spans = [s for s in self.spans if s["trace_id"] == trace_id]
-            if any(s["name"].startswith(root_name_prefix) for s in spans):
-                time.sleep(0.6)  # children were queued first; let the batch that holds them land
-                with self.lock:
-                    return [s for s in self.spans if s["trace_id"] == trace_id]
-            time.sleep(0.1)
-        raise AssertionError(f"no trace {trace_id} within {timeout_s} s; got {len(self.spans)} spans")
+                return any(s["trace_id"] == trace_id and s["name"].startswith(root_name_prefix) for s in self.spans)
+
+        wait_until(rooted, timeout_s, lambda: f"trace {trace_id}'s root span ({len(self.spans)} spans here)", 0.1)
+        time.sleep(0.6)  # children were queued first; let the batch that holds them land
+        with self.lock:
+            return [s for s in self.spans if s["trace_id"] == trace_id]
 
     def close(self) -> None:
         self.server.shutdown()
@@ -189,12 +192,12 @@ def test_json_logs_carry_request_and_trace_ids(server, receiver):
     rid, _, _ = _stream(
         server.url, {**BODY, "max_tokens": 4, "stream": True}, {"traceparent": f"00-{tid}-eee19b7ec3c1b174-01"}
     )
-    deadline, line = time.monotonic() + 20, None
-    while line is None and time.monotonic() < deadline:
+
+    def request_line() -> dict | None:
         records = [json.loads(x) for x in server.log().splitlines() if x.startswith("{")]
-        line = next((r for r in records if r.get("request_id") == rid and r["message"].startswith("request ")), None)
-        time.sleep(0.1)
-    assert line is not None, server.log()[-3000:]
+        return next((r for r in records if r.get("request_id") == rid and r["message"].startswith("request ")), None)
+
+    line = wait_until(request_line, 20, lambda: "the request's log line in " + server.log()[-3000:], interval=0.1)
     assert line["trace_id"] == tid and line["status"] == "ok" and line["completion_tokens"] == 4
     assert {"ts", "level", "logger", "message"} <= set(line)
     # every line the router process logged is JSON; Ray's own lines keep Ray's format: its workers'
@@ -205,20 +208,6 @@ def test_json_logs_carry_request_and_trace_ids(server, receiver):
     assert len(lines) > 3
     for x in lines:
         json.loads(x)
-
-
-def _exported_names(metrics_text: str) -> set[str]:
-    names = set()
-    for line in metrics_text.splitlines():
-        m = re.match(r"# TYPE (\S+) (\w+)", line)
-        if m:
-            name, kind = m.groups()
-            names.add(name)
-            if kind == "histogram":
-                names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
-        elif line and not line.startswith("#"):
-            names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
-    return names
 
 
 def _dashboard_queries(d: dict) -> list[str]:
@@ -235,7 +224,7 @@ def _dashboard_queries(d: dict) -> list[str]:
 def test_every_dashboard_query_names_an_exported_metric(server):
     _stream(server.url, {**BODY, "max_tokens": 4, "stream": True})  # a request: the transfer histograms get series
     text = httpx.get(server.url + "/metrics", timeout=30).text
-    exported = _exported_names(text)
+    exported = exported_names(text)
     dash = json.loads((ROOT / "deploy/grafana/pdserve.json").read_text())
     exprs = _dashboard_queries(dash)
     assert len(exprs) > 20
@@ -245,7 +234,7 @@ def test_every_dashboard_query_names_an_exported_metric(server):
         for n in names:
             assert n in exported, f"dashboard query {e!r} names {n}, which /metrics does not export"
     for must in ("pdserve_kv_transfer_duration_seconds_bucket", "pdserve_kv_transfer_size_bytes_bucket"):
-        assert any(line.startswith(must + "{") for line in text.splitlines()), must  # with samples, by link
+        assert any(labels for labels, _ in samples(text, must)), must  # with samples, by link
     prom = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     assert prom["scrape_configs"][0]["metrics_path"] == "/metrics"
 
@@ -366,20 +355,20 @@ def test_colocated_stall_metric_and_trace(receiver):
             pool.submit(_stream, srv.url, {**BODY, "prompt": f"stream {i}", "max_tokens": 120, "stream": True})
             for i in range(2)
         ]
-        deadline = time.monotonic() + 30
-        while "pdserve_running_sequences" not in (m := client.get(srv.url + "/metrics").text) or not re.search(
-            r"pdserve_running_sequences\{[^}]*\} [12]\.0", m
-        ):
-            assert time.monotonic() < deadline, "the streams never started"
-            time.sleep(0.05)
+
+        def streams_running() -> bool:
+            running = samples(client.get(srv.url + "/metrics").text, "pdserve_running_sequences")
+            return any(labels and v in (1.0, 2.0) for labels, v in running)
+
+        wait_until(streams_running, 30, "the streams to start")
         tid = "1f0e5bd1a0c34d2e9a7b6c5d4e3f2a10"
         doc = {**BODY, "prompt": "document " * 200, "max_tokens": 2, "stream": True}
         _stream(srv.url, doc, {"traceparent": f"00-{tid}-1111111111111111-01"})
         for f in streams:
             f.result()
         text = client.get(srv.url + "/metrics").text
-    counts = [ln for ln in text.splitlines() if ln.startswith("pdserve_stall_seconds_count{")]
-    assert counts and sum(float(ln.rsplit(" ", 1)[1]) for ln in counts) >= 1, text
+    counts = samples(text, "pdserve_stall_seconds_count")
+    assert counts and sum(v for _, v in counts) >= 1, text
     spans = receiver.trace(tid)
     phases = sorted((s for s in spans if "pdserve.phase" in s["attrs"]), key=lambda s: s["attrs"]["pdserve.phase"])
     assert [s["name"] for s in phases] == ["validate", "dispatch", "queue", "prefill", "decode", "finish"]

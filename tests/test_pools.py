@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 
 import pytest
 
@@ -18,7 +17,11 @@ from engine.sequence import SamplingParams  # noqa: E402
 from router.config import ServeConfig  # noqa: E402
 from router.ray_cluster import ensure_local_token  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
+from tests.helpers import wait_until  # noqa: E402
 from tests.ray_session import fresh_ray, shared_ray  # noqa: E402
+
+# Ray actors behind a server
+pytestmark = [pytest.mark.ray, pytest.mark.server]
 
 
 @pytest.fixture
@@ -103,14 +106,14 @@ def test_dead_decode_worker_fails_its_request_and_is_replaced(local_ray):
             for _ in stream:
                 pass
         assert "decode worker colocated-0 died" in str(failed.value)
-        deadline = time.time() + 120
-        while True:  # the pool replaces the worker; new requests succeed
+
+        def served():  # the pool replaces the worker; new requests succeed
             try:
-                resp = client.completions.create(model="tiny", prompt="after", max_tokens=4, temperature=0)
-                break
+                return client.completions.create(model="tiny", prompt="after", max_tokens=4, temperature=0)
             except APIStatusError:
-                assert time.time() < deadline, "dead worker was not replaced"
-                time.sleep(1)
+                return None
+
+        resp = wait_until(served, 120, "a request served after the dead worker's replacement", interval=1)
         assert resp.usage.completion_tokens >= 1
 
 
@@ -123,10 +126,8 @@ def test_lease_expiry_frees_prefill_blocks_never_pulled():
         result = worker.prefill(GenerateRequest("r1", list(b"x" * 40), SamplingParams(max_tokens=4)))
         assert len(result.handle.block_ids) == 3  # 40 tokens in blocks of 16
         assert worker.stats().blocks_free == 32 - 3 and worker.stats().parked == 1
-        deadline = time.time() + 5
-        while worker.stats().blocks_free != 32 and time.time() < deadline:
-            time.sleep(0.05)
-        assert worker.stats().blocks_free == 32 and worker.stats().parked == 0
+        wait_until(lambda: worker.stats().blocks_free == 32, 5, "the lease's blocks back in the free list")
+        assert worker.stats().parked == 0
         assert worker.leases_expired == 1
     finally:
         worker.shutdown()

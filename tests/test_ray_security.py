@@ -15,6 +15,9 @@ import pytest
 
 from tests.serve_process import ServeProcess
 
+# Ray actors behind a server
+pytestmark = [pytest.mark.ray, pytest.mark.server]
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from engine.config import CacheConfig, resolve_model_config
@@ -16,6 +17,9 @@ from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.sequence import SamplingParams, Sequence
 from engine.tokenizer import load_tokenizer
+
+# the real 135M model, often beside transformers: tens of seconds on 2 cores
+pytestmark = [pytest.mark.real_model]
 
 NEW_TOKENS = 64
 PROMPTS = [

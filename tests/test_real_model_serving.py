@@ -14,6 +14,9 @@ from router.config import ServeConfig  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
 from tests.ray_session import shared_ray  # noqa: E402
 
+# the real model on Ray actors behind a server
+pytestmark = [pytest.mark.ray, pytest.mark.server, pytest.mark.real_model]
+
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 
 import httpx
 import pytest
@@ -19,6 +18,7 @@ from engine.tokenizer import ByteTokenizer
 from router.app import create_app
 from router.config import ServeConfig
 from tests.fakes import FakeOrchestrator
+from tests.helpers import async_wait_until, value, wait_until
 
 TOK = ByteTokenizer()
 
@@ -90,9 +90,7 @@ def test_app_stream_with_stop_string_aborts_the_rest():
     assert text == "abc"
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
     assert chunks[-1]["usage"]["completion_tokens"] == 5 and "timeline" in chunks[-1]["pdserve"]
-    deadline = time.monotonic() + 5  # the abort is sent once the response has been written
-    while not orch.aborted and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: orch.aborted, 5, "the abort, sent once the response has been written", interval=0.01)
     assert orch.aborted == [chunks[0]["id"]]  # the workers stop generating past the stop string
 
 
@@ -151,8 +149,7 @@ def test_app_queue_full_429_and_bad_input_leave_the_inflight_request_alone():
     async def scenario():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             first = asyncio.create_task(c.post("/v1/completions", json={"prompt": "ab", "max_tokens": 10}))
-            while not orch.active:
-                await asyncio.sleep(0.005)
+            await async_wait_until(lambda: orch.active, 5, "the first request running")
             full = await c.post("/v1/completions", json={"prompt": "ab", "max_tokens": 10})
             bad = await c.post("/v1/completions", content=b"not json")
             return await first, full, bad
@@ -174,22 +171,22 @@ def test_app_metrics():
             return await c.get("/metrics")
 
     text = run(get()).text
-    for line in [
-        'pdserve_requests_total{status="ok"} 1.0',
-        'pdserve_requests_total{status="rejected"} 1.0',
-        "pdserve_generation_tokens_total 4.0",
-        "pdserve_prompt_tokens_total 2.0",
-        "pdserve_time_to_first_token_seconds_count 1.0",
-        "pdserve_inter_token_latency_seconds_count 3.0",
-        "pdserve_time_per_output_token_seconds_count 1.0",
-        "pdserve_e2e_request_latency_seconds_count 1.0",
-        "pdserve_kv_transfer_bytes_total 4096.0",
-        "pdserve_router_queue_depth 0.0",
-        'pdserve_kv_blocks_free{role="decode",worker="fake-decode-0"} 64.0',
-        'pdserve_kv_blocks_used{role="prefill",worker="fake-prefill-0"} 0.0',
-        'pdserve_queue_depth{role="decode",worker="fake-decode-0"} 0.0',
+    for name, labels, want in [
+        ("pdserve_requests_total", {"status": "ok"}, 1.0),
+        ("pdserve_requests_total", {"status": "rejected"}, 1.0),
+        ("pdserve_generation_tokens_total", {}, 4.0),
+        ("pdserve_prompt_tokens_total", {}, 2.0),
+        ("pdserve_time_to_first_token_seconds_count", {}, 1.0),
+        ("pdserve_inter_token_latency_seconds_count", {}, 3.0),
+        ("pdserve_time_per_output_token_seconds_count", {}, 1.0),
+        ("pdserve_e2e_request_latency_seconds_count", {}, 1.0),
+        ("pdserve_kv_transfer_bytes_total", {}, 4096.0),
+        ("pdserve_router_queue_depth", {}, 0.0),
+        ("pdserve_kv_blocks_free", {"role": "decode", "worker": "fake-decode-0"}, 64.0),
+        ("pdserve_kv_blocks_used", {"role": "prefill", "worker": "fake-prefill-0"}, 0.0),
+        ("pdserve_queue_depth", {"role": "decode", "worker": "fake-decode-0"}, 0.0),
     ]:
-        assert line in text, line
+        assert value(text, name, **labels) == want, (name, labels)
 
 
 # ------------------------------------------------------------------------------ disconnects (real uvicorn)
@@ -200,21 +197,13 @@ class _Uvicorn:
 
     def __enter__(self):
         self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
+        wait_until(lambda: self.server.started, 10, "uvicorn to start", interval=0.01)
         port = self.server.servers[0].sockets[0].getsockname()[1]
         return f"http://127.0.0.1:{port}"
 
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(10)
-
-
-def _wait(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return cond()
 
 
 def test_client_disconnect_mid_stream_aborts():
@@ -227,9 +216,9 @@ def test_client_disconnect_mid_stream_aborts():
             got = [next(lines) for _ in range(3)]
             assert got[0].startswith("data: ")
             rid = json.loads(got[0][6:])["id"]
-        assert _wait(lambda: orch.aborted == [rid] and app.state.pd.inflight == 0)
-        assert _wait(lambda: not orch.active)  # the orchestrator's stream was closed as well
-        assert 'status="aborted"} 1.0' in httpx.get(url + "/metrics").text
+        wait_until(lambda: orch.aborted == [rid] and app.state.pd.inflight == 0, 5, "the abort", interval=0.01)
+        wait_until(lambda: not orch.active, 5, "the orchestrator's stream closed as well", interval=0.01)
+        assert value(httpx.get(url + "/metrics").text, "pdserve_requests_total", status="aborted") == 1.0
 
 
 def test_client_disconnect_while_waiting_non_streaming_aborts():
@@ -237,4 +226,9 @@ def test_client_disconnect_while_waiting_non_streaming_aborts():
     with _Uvicorn(app) as url:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(url + "/v1/completions", json={"prompt": "ab", "max_tokens": 500}, timeout=0.3)
-        assert _wait(lambda: len(orch.aborted) == 1 and app.state.pd.inflight == 0 and not orch.active)
+        wait_until(
+            lambda: len(orch.aborted) == 1 and app.state.pd.inflight == 0 and not orch.active,
+            5,
+            "the abort, and the orchestrator's stream closed",
+            interval=0.01,
+        )

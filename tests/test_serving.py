@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import httpx
 import pytest
@@ -25,6 +24,10 @@ from engine.sequence import SamplingParams, Sequence  # noqa: E402
 from engine.tokenizer import ByteTokenizer  # noqa: E402
 from router.config import ServeConfig  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
+from tests.helpers import samples, wait_until  # noqa: E402
+
+# Ray actors behind a server
+pytestmark = [pytest.mark.ray, pytest.mark.server]
 
 PROMPTS = [
     "Hello, pdserve!",
@@ -66,19 +69,11 @@ def token_ids(resp) -> list[int]:
 
 def blocks_used(url: str) -> float:
     """Sum of pdserve_kv_blocks_used over every worker, from /metrics."""
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("pdserve_kv_blocks_used{")
-    )
+    return sum(v for _, v in samples(httpx.get(url + "/metrics", timeout=30).text, "pdserve_kv_blocks_used"))
 
 
-def wait_blocks_free(url: str, timeout_s: float = 20.0) -> float:
-    deadline = time.time() + timeout_s
-    used = blocks_used(url)
-    while used and time.time() < deadline:
-        time.sleep(0.2)
-        used = blocks_used(url)
-    return used
+def wait_blocks_free(url: str, timeout_s: float = 20.0) -> None:
+    wait_until(lambda: blocks_used(url) == 0, timeout_s, "every KV block back in the pool (leaked?)", interval=0.2)
 
 
 MODES = {
@@ -105,7 +100,7 @@ def test_greedy_tokens_identical_across_modes(ray_cluster, expected, name):
         if name.startswith("disagg"):
             assert tl["transfer"]["bytes"] > 0 and tl["transfer"]["descriptors"] >= 1
             assert set(tl["transfer"]["link_ms"]) == {"nvlink", "ib-400g", "ib-100g"}
-        assert wait_blocks_free(srv.url) == 0, "KV blocks leaked"
+        wait_blocks_free(srv.url)
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +146,7 @@ def test_sixteen_concurrent_streams_complete_with_correct_tokens(disagg_server, 
     prompts, results = asyncio.run(main())
     for p, ids in zip(prompts, results):
         assert ids == expected[p]
-    assert wait_blocks_free(disagg_server.url) == 0
+    wait_blocks_free(disagg_server.url)
 
 
 def test_aborted_stream_frees_blocks_on_both_pools(disagg_server):
@@ -174,7 +169,7 @@ def test_aborted_stream_frees_blocks_on_both_pools(disagg_server):
                     assert blocks_used(disagg_server.url) > 0  # the stream holds decode blocks
                     break  # disconnect mid-stream
     assert seen == 5
-    assert wait_blocks_free(disagg_server.url) == 0
+    wait_blocks_free(disagg_server.url)
 
 
 BAD_REQUESTS = [
@@ -223,7 +218,7 @@ def test_bad_input_gets_4xx_while_a_stream_completes(disagg_server, expected):
             assert err["message"] and err["type"], name
     t.join(timeout=120)
     assert len(result["ids"]) == 200 and result["ids"][:MAX_TOKENS] == expected[PROMPTS[0]]
-    assert wait_blocks_free(disagg_server.url) == 0
+    wait_blocks_free(disagg_server.url)
 
 
 def test_openai_client_sees_clear_error_for_bad_request(disagg_server):

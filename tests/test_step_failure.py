@@ -4,20 +4,26 @@ back. (In-process colocated worker; the step is made to raise once.)"""
 
 from __future__ import annotations
 
-import time
-
 from contracts.worker import GenerateRequest, StreamEvent, WorkerConfig
 from decode_worker.worker import DecodeWorker
 from engine.sequence import SamplingParams
+from tests.helpers import wait_until
 
 
 def _events(d: DecodeWorker, rids: set[str], timeout_s: float = 30.0) -> dict[str, list[StreamEvent]]:
     out: dict[str, list[StreamEvent]] = {r: [] for r in rids}
-    deadline = time.time() + timeout_s
-    while not all(evs and evs[-1].finished for evs in out.values()):
-        assert time.time() < deadline, {r: len(e) for r, e in out.items()}
-        for ev in d.poll_events(0.05):
+
+    def finished() -> bool:
+        for ev in d.poll_events(0.05):  # waits up to 50 ms itself
             out.setdefault(ev.request_id, []).append(ev)
+        return all(evs and evs[-1].finished for evs in out.values())
+
+    wait_until(
+        finished,
+        timeout_s,
+        lambda: f"every request to finish (events so far: { {r: len(e) for r, e in out.items()} })",
+        interval=0,
+    )
     return out
 
 

@@ -21,6 +21,7 @@ from engine.kv_layout import KVLayout
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.sequence import SamplingParams, Sequence
+from tests.helpers import wait_until
 from transport import LayoutMismatch, TransferTimeout, TransportError, make_transport
 from transport.coalesce import Run, coalesce, split_for_streams
 from transport.local_backend import registered_agents
@@ -91,11 +92,10 @@ def _sender_main(conn) -> None:
     transport = make_transport("nixl", "prefill-0")
     transport.register(engine.runner.cache.raw, engine.runner.layout)
     conn.send(_prefill(engine, transport))
-    deadline = time.time() + 30
-    notified: list[str] = []
-    while not notified and time.time() < deadline:
-        notified = transport.poll_notifications()
-        time.sleep(0.005)
+    try:
+        notified: list[str] = wait_until(transport.poll_notifications, 30, "the decode side's notice", interval=0.005)
+    except AssertionError:
+        notified = []  # nothing freed: the parent's check of the report says so
     freed = [engine.release(rid) for rid in notified]
     transport.close()
     conn.send(

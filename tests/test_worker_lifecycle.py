@@ -23,6 +23,7 @@ from engine.sequence import SamplingParams
 from prefill_worker.worker import PrefillWorker
 from router.orchestrator import STATS_REFRESH_S, Orchestrator
 from router.worker_handle import WorkerHandle
+from tests.helpers import async_wait_until, wait_until
 
 _names = itertools.count()
 PROMPT = list(b"the quick brown fox jumps over")  # 30 tokens: 2 blocks of 16
@@ -59,21 +60,16 @@ def _collect(d: DecodeWorker, rids: set[str], timeout_s: float = 30.0) -> dict[s
     """Poll `d` until every id in `rids` has a finished event; every event seen, by request."""
     out: dict[str, list[StreamEvent]] = {}
     done: set[str] = set()
-    deadline = time.time() + timeout_s
-    while done != rids:
-        assert time.time() < deadline, f"requests {rids - done} never finished"
-        for ev in d.poll_events(0.05):
+
+    def all_done() -> bool:
+        for ev in d.poll_events(0.05):  # waits up to 50 ms itself
             out.setdefault(ev.request_id, []).append(ev)
             if ev.finished:
                 done.add(ev.request_id)
+        return done == rids
+
+    wait_until(all_done, timeout_s, lambda: f"requests {rids - done} to finish", interval=0)
     return out
-
-
-def _wait(cond, timeout_s: float = 10.0, what: str = "condition") -> None:
-    deadline = time.time() + timeout_s
-    while not cond():
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def _all_free(*workers) -> bool:
@@ -162,7 +158,9 @@ def test_decode_death_in_disagg_leaves_the_prefill_pool_clean(make_pair):
     armed.set()
     events = _collect(d, {"k1", "k2"})
     assert all(evs[-1].kind == "error" for evs in events.values())
-    _wait(lambda: _all_free(p), what="the prefill pool to free every block (pulled or lease expired)")
+    wait_until(
+        lambda: _all_free(p), 10, "the prefill pool to free every block (pulled or lease expired)", interval=0.01
+    )
     d.engine.blocks.check()
 
 
@@ -184,7 +182,7 @@ def test_blocked_prefill_waits_without_spinning_then_proceeds():
         out: dict = {}
         t = threading.Thread(target=lambda: out.setdefault("b", w.prefill(_req("b"))), daemon=True)
         t.start()
-        _wait(lambda: w.stats().queue_depth == 1, what="b to queue")
+        wait_until(lambda: w.stats().queue_depth == 1, 10, "b to queue", interval=0.01)
         steps = w.steps
         time.sleep(0.3)
         assert w.steps == steps, "a loop with nothing it can run counted steps (it spins)"
@@ -201,13 +199,13 @@ def test_decode_admission_waits_for_blocks_then_proceeds(make_pair):
     res1, res2 = p.prefill(r1), p.prefill(r2)
     d.engine.step = _slowed(d.engine.step, 0.2)  # d1 holds the pool for ~0.6 s
     d.submit_prefilled(r1, res1)
-    _wait(lambda: d.stats().blocks_free == 0, what="d1 to take every block")
+    wait_until(lambda: d.stats().blocks_free == 0, 10, "d1 to take every block", interval=0.01)
     d.submit_prefilled(r2, res2)
     s = d.stats()
     assert s.queue_depth >= 1 and s.blocks_free == 0  # stats show the admission waiting
     events = _collect(d, {"d1", "d2"})
     assert [len(_tokens(events[r])) for r in ("d1", "d2")] == [3, 19]  # + the first from prefill
-    _wait(lambda: _all_free(p, d), what="every block freed")
+    wait_until(lambda: _all_free(p, d), 10, "every block freed", interval=0.01)
 
 
 def test_decode_pool_too_small_for_both_preempts_and_recomputes(make_pair):
@@ -222,7 +220,7 @@ def test_decode_pool_too_small_for_both_preempts_and_recomputes(make_pair):
     assert d.stats().preemptions >= 1 and any(e.kind == "preempted" for e in events["e2"])
     assert len(_tokens(events["e1"])) == 19 and _tokens(events["e1"]) == _tokens(events["e2"])  # greedy
     assert [e.index for e in events["e2"] if e.kind == "token"] == list(range(1, 20))  # nothing twice
-    _wait(lambda: _all_free(p, d), what="every block freed")
+    wait_until(lambda: _all_free(p, d), 10, "every block freed", interval=0.01)
 
 
 # ---- (3) lease expiry racing the pull ------------------------------------------------------------
@@ -237,7 +235,7 @@ def test_lease_expired_while_waiting_for_blocks_fails_clearly(make_pair):
     assert len(_tokens(events["l1"])) == 3
     assert _tokens(events["l2"]) == [] and events["l2"][-1].kind == "error"
     assert "lease" in events["l2"][-1].error and "--lease-s" in events["l2"][-1].error
-    _wait(lambda: _all_free(p, d), what="every block freed")
+    wait_until(lambda: _all_free(p, d), 10, "every block freed", interval=0.01)
 
 
 def test_pull_that_outlives_the_lease_is_discarded(make_pair):
@@ -254,7 +252,7 @@ def test_pull_that_outlives_the_lease_is_discarded(make_pair):
     d.submit_prefilled(r, p.prefill(r))
     events = _collect(d, {"x1"})["x1"]
     assert _tokens(events) == [] and events[-1].kind == "error" and "lease" in events[-1].error
-    _wait(lambda: _all_free(p, d), what="every block freed")
+    wait_until(lambda: _all_free(p, d), 10, "every block freed", interval=0.01)
 
 
 # ---- (4) aborts at every phase free everything and silence the request ---------------------------
@@ -271,7 +269,7 @@ def test_abort_while_waiting_for_blocks(make_pair):
     for ev in d.poll_events(0.05):
         events.setdefault(ev.request_id, []).append(ev)
     assert "w2" not in events
-    _wait(lambda: _all_free(p, d), what="every block freed")
+    wait_until(lambda: _all_free(p, d), 10, "every block freed", interval=0.01)
 
 
 def test_abort_during_transfer_discards_the_pull(make_pair):
@@ -290,7 +288,7 @@ def test_abort_during_transfer_discards_the_pull(make_pair):
     assert entered.wait(10)
     assert d.abort("t1") and p.abort("t1")
     release.set()
-    _wait(lambda: _all_free(p, d), what="every block freed")
+    wait_until(lambda: _all_free(p, d), 10, "every block freed", interval=0.01)
     time.sleep(0.1)
     assert [e for e in d.poll_events(0.05) if e.request_id == "t1"] == []
 
@@ -303,7 +301,7 @@ def test_submit_after_its_abort_is_refused(make_pair):
     d.submit_prefilled(r, res)
     events = _collect(d, {"s1"})["s1"]
     assert _tokens(events) == [] and events[-1].finish_reason == "abort"
-    _wait(lambda: _all_free(p, d), what="every block freed")
+    wait_until(lambda: _all_free(p, d), 10, "every block freed", interval=0.01)
 
 
 def test_abort_of_unknown_ids_is_harmless(make_pair):
@@ -347,7 +345,7 @@ def test_orchestrator_colocated_timeline_and_active_counts():
 
     try:
         asyncio.run(main())
-        _wait(lambda: _all_free(d), what="every block freed")
+        wait_until(lambda: _all_free(d), 10, "every block freed", interval=0.01)
     finally:
         d.shutdown()
 
@@ -365,10 +363,9 @@ def test_least_loaded_reads_stats_refreshed_without_a_metrics_scrape():
     async def main():
         await orch.start()
         try:
-            deadline = time.monotonic() + 10
-            while busy.stats().blocks_free >= idle.stats().blocks_free:
-                assert time.monotonic() < deadline, "the direct request never took blocks"
-                await asyncio.sleep(0.02)
+            await async_wait_until(
+                lambda: busy.stats().blocks_free < idle.stats().blocks_free, 10, "the direct request's blocks", 0.02
+            )
             await asyncio.sleep(3 * STATS_REFRESH_S)  # at least one refresh after it took them
             await _drain(orch, _req("ll1", 2))
             assert orch.timeline("ll1")["decode_worker"] == idle.name
@@ -378,7 +375,7 @@ def test_least_loaded_reads_stats_refreshed_without_a_metrics_scrape():
     try:
         asyncio.run(main())
         assert busy.abort("direct")
-        _wait(lambda: _all_free(busy, idle), what="every block freed")
+        wait_until(lambda: _all_free(busy, idle), 10, "every block freed", interval=0.01)
     finally:
         busy.shutdown()
         idle.shutdown()
@@ -405,7 +402,7 @@ def test_orchestrator_failed_transfer_is_an_error_and_frees_both_pools(make_pair
             await orch.shutdown()  # waits for the abort it sent to the prefill worker
 
     asyncio.run(main())
-    _wait(lambda: _all_free(p, d), what="every block freed")
+    wait_until(lambda: _all_free(p, d), 10, "every block freed", interval=0.01)
 
 
 def _slowed(step, seconds: float):
