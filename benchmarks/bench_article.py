@@ -112,7 +112,7 @@ def run(
     gen = torch.Generator().manual_seed(args.seed + 1)
     table = h.bm.allocate(h.bm.blocks_for(max(contexts)))
     for t in contexts:
-        p = cm.prefill(m, spec, t, mfu, cdt)
+        pp = cm.prefill(m, spec, t, mfu, cdt)
         ids = torch.randint(0, h.cfg.vocab_size, (t,), generator=gen).tolist()
         meas = _timed(lambda: h.runner.forward([StepItem(ids, 0, table)]), h, args.prefill_repeats)
         rows.append(
@@ -121,10 +121,10 @@ def run(
                 1,
                 t,
                 meas and meas * 1e3,
-                p.time_s * 1e3,
-                _err(p.time_s * 1e3, meas and meas * 1e3),
-                meas and (p.linear_flops + p.attention_flops) / meas / 1e12,
-                f"attention {100 * p.attention_share:.0f}%",
+                pp.time_s * 1e3,
+                _err(pp.time_s * 1e3, meas and meas * 1e3),
+                meas and (pp.linear_flops + pp.attention_flops) / meas / 1e12,
+                f"attention {100 * pp.attention_share:.0f}%",
                 "" if meas else "skipped: out of memory",
             )
         )

@@ -278,7 +278,7 @@ def main(args: argparse.Namespace) -> int:
     prompts = torch.randint(0, cfg.vocab_size, (max(batches), args.prompt_len), generator=gen).tolist()
     hf = load_hf(model, device) if ckpt and hf_batches else None
     log = (lambda *a: None) if args.no_progress else (lambda *a: print("bench step:", *a, file=sys.stderr))
-    rows = []
+    rows: list[dict[str, Any]] = []
     weight_bytes = runner.model.decode_weight_bytes()
     for name in backends:
         runner.backend = backend_by_name(name, device)

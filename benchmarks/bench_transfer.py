@@ -173,6 +173,7 @@ def main(args: argparse.Namespace) -> int:
     transports = {}
     try:
         if holder is not None:
+            assert conn is not None  # made with the holder
             if not conn.poll(300):
                 raise CliError("the holder process did not start within 300 s")
             peers = conn.recv()
@@ -192,6 +193,7 @@ def main(args: argparse.Namespace) -> int:
                 transports[("local-src", bt)] = (src, None)
         for backend, size, bt, coalesced in tqdm(cases, desc="transfer sweep", file=sys.stderr):
             t, peer = transports[(backend, bt)]
+            assert t.layout is not None  # registered above
             n = size // (bt * token_bytes)
             ids = list(range(n))
             src_view = expected[: t.layout.pool_bytes].view(t.layout.num_blocks, t.layout.block_bytes)
@@ -244,7 +246,7 @@ def main(args: argparse.Namespace) -> int:
     finally:
         for t, _ in transports.values():
             t.close()
-        if holder is not None:
+        if holder is not None and conn is not None:
             conn.send("quit")
             holder.join(30)
 

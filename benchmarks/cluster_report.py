@@ -32,7 +32,9 @@ def rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
             def gap_share(kind: str, ttft: dict = ttft, ttst: dict = ttst, tx: dict = tx) -> float | None:
                 a, b, t = ttft.get(kind), ttst.get(kind), tx.get(kind)
-                return t / (b - a) if None not in (a, b, t) and b > a else None
+                if a is None or b is None or t is None or b <= a:
+                    return None
+                return t / (b - a)
 
             out.append(
                 {

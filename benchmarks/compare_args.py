@@ -10,6 +10,7 @@ import argparse
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from costmodel.provenance import OUT_DIR_HELP
 from costmodel.workloads import WorkloadConfig
@@ -277,7 +278,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
-    base = dict(QUICK_WORKLOAD if args.quick else DEFAULT_WORKLOAD)
+    base: dict[str, Any] = dict(QUICK_WORKLOAD if args.quick else DEFAULT_WORKLOAD)  # int and float fields
     for key in (
         "chat_streams",
         "chat_prompt_len",

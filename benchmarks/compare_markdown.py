@@ -14,7 +14,7 @@ from typing import Any
 
 from benchmarks import compare_auto, demo_samples
 from benchmarks.compare_plots import plot_latency, plot_predicted, plot_timelines
-from benchmarks.compare_table import endpoint_notes, fmt_num, fmt_pct, num, ok_modes, table_cells
+from benchmarks.compare_table import endpoint_notes, fmt_num, fmt_pct, must_num, num, ok_modes, table_cells
 
 
 @dataclass
@@ -42,8 +42,8 @@ def _documents_section(result: dict[str, Any]) -> list[str]:
                     m["label"],
                     d["request_id"],
                     fmt_num(num(d["arrival_s"]), 2),
-                    fmt_num(num(d["ttft_s"]) * 1e3, 0),
-                    fmt_num(None if d.get("stall_s") is None else num(d["stall_s"]) * 1e3, 0),
+                    fmt_num(must_num(d["ttft_s"]) * 1e3, 0),
+                    fmt_num(None if d.get("stall_s") is None else must_num(d["stall_s"]) * 1e3, 0),
                     fmt_num(d["tokens_lost"]),
                     str(len(d["streams"])),
                 ]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.compare_record import unpack
-from benchmarks.compare_table import num, ok_modes
+from benchmarks.compare_table import must_num, num, ok_modes
 
 
 def _plt() -> Any:
@@ -50,23 +50,24 @@ def plot_timelines(result: dict[str, Any], path: Path) -> Path:
     modes = ok_modes(result)
     firsts = [_first_stalled_document(m) for m in modes]
     # wide enough for the slowest mode's document to reach its first token
-    span_ms = max([1000.0] + [1.25 * num(d["ttft_s"]) * 1e3 for d in firsts if d])
+    span_ms = max([1000.0] + [1.25 * must_num(d["ttft_s"]) * 1e3 for d in firsts if d])
     fig, axes = plt.subplots(len(modes), 1, figsize=(10, 1.2 + 1.7 * len(modes)), sharex=True, squeeze=False)
     for ax, m, d in zip(axes[:, 0], modes, firsts):
         if d is None:
             ax.set_title(f"{m['label']}: no document completed", fontsize=9, loc="left")
             continue
-        a = num(d["arrival_s"])
+        a = must_num(d["arrival_s"])
         chats = [_times(r) for r in m["records"] if r["kind"] == "chat"]
         ax.eventplot(
             [[(t - a) * 1e3 for t in ts] for ts in chats if ts], colors="tab:blue", linelengths=0.7, linewidths=0.8
         )
-        shown = [x for x in m["metrics"]["documents"] if -0.25 * span_ms < (num(x["arrival_s"]) - a) * 1e3 < span_ms]
+        docs = m["metrics"]["documents"]
+        shown = [x for x in docs if -0.25 * span_ms < (must_num(x["arrival_s"]) - a) * 1e3 < span_ms]
         for j, x in enumerate(shown):  # a later document may fall inside the window too
-            xa = (num(x["arrival_s"]) - a) * 1e3
+            xa = (must_num(x["arrival_s"]) - a) * 1e3
             ax.axvspan(
                 xa,
-                (num(x["first_token_s"]) - a) * 1e3,
+                (must_num(x["first_token_s"]) - a) * 1e3,
                 color=("tab:orange", "tab:red")[j % 2],
                 alpha=0.15,
                 label=f"{x['request_id']}: sent to first token",
@@ -76,7 +77,7 @@ def plot_timelines(result: dict[str, Any], path: Path) -> Path:
         ax.set_title(
             f"{m['label']}: longest gap of a stream in flight "
             f"{'-' if stall is None else f'{stall * 1e3:.0f} ms'}, {d['request_id']} TTFT "
-            f"{num(d['ttft_s']) * 1e3:.0f} ms",
+            f"{must_num(d['ttft_s']) * 1e3:.0f} ms",
             fontsize=9,
             loc="left",
         )

@@ -93,6 +93,7 @@ def warmup_errors(
     """`setup`'s relative error on each SCORED figure of the mode's warm-up."""
     if run.warmup is None:
         return {}
+    assert isinstance(run.spec, ModeSpec)  # only pdserve's own modes are calibrated (choose() asserts it)
     warm_specs = warmup_specs(run, specs)
     p = cp.predict("warm-up", sim_config_of(run.spec, max_num_seqs, setup), setup, warm_specs, None, None, hop_s(run))
     figs = cp.compare_figures(run.warmup.metrics, p.metrics)

@@ -36,6 +36,14 @@ def num(x: Any) -> float | None:
         return None
 
 
+def must_num(x: Any) -> float:
+    """`num` of a figure that is there by construction (a completed document's arrival or TTFT)."""
+    v = num(x)
+    if v is None:
+        raise ValueError(f"expected a number, got {x!r}")
+    return v
+
+
 def fmt_num(x: Any, digits: int = 1) -> str:
     v = num(x)
     return "-" if v is None else f"{v:,.{digits}f}"

@@ -29,7 +29,7 @@ async def _ask_all(base_url: str, model: str, questions: tuple[str, ...]) -> lis
                     "question": q,
                     "answer": r.choices[0].message.content,
                     "finish_reason": r.choices[0].finish_reason,
-                    "tokens": r.usage.completion_tokens,
+                    "tokens": r.usage.completion_tokens if r.usage else None,
                 }
             )
         return out

@@ -85,17 +85,20 @@ def predict_documents(
         s = replace(by_id[m["request_id"]], arrival_s=0.0, max_tokens=max(2, by_id[m["request_id"]].max_tokens))
         r = cp.simulate_requests(sim_cfg, setup.steps, [s])[0]
         t = r.token_times
-        pulled = r.transfer_s is not None and r.admitted is not None and bool(t)
+        xfer, admitted = (r.transfer_s, r.admitted) if t else (None, None)
+        pulled = xfer is not None and admitted is not None
         out.append(
             {
                 "request_id": s.request_id,
                 "ttft_ms": t[0] * 1e3 if t else None,
                 "ttst_ms": t[1] * 1e3 if len(t) > 1 else None,
-                "transfer_ms": r.transfer_s * 1e3 if pulled else None,
+                "transfer_ms": xfer * 1e3 if xfer is not None and pulled else None,
                 "transfer_bytes": s.prompt_len * cm.kv_bytes_per_token(setup.steps.model, setup.steps.kv_dtype)
                 if pulled
                 else None,
-                "decode_wait_ms": max(0.0, round((r.admitted - t[0] - r.transfer_s) * 1e3, 6)) if pulled else None,
+                "decode_wait_ms": max(0.0, round((admitted - t[0] - xfer) * 1e3, 6))
+                if xfer is not None and admitted is not None
+                else None,
             }
         )
     return out

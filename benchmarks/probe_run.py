@@ -302,9 +302,9 @@ async def probe(c: ProbeClient, plan: ProbePlan, log: Callable[[str], None], see
     handoff = [d for d in decode if d.batch == 1][-1]
     prefill = []
     for t in plan.prefill_tokens:
-        s = await pm.prefill(c, t, plan.prefill_repeats_at(t))
-        prefill.append(s)
-        say(f"prefill T={s.tokens}: TTFT {s.ttft_s * 1e3:.1f} ms")
+        sp = await pm.prefill(c, t, plan.prefill_repeats_at(t))
+        prefill.append(sp)
+        say(f"prefill T={sp.tokens}: TTFT {sp.ttft_s * 1e3:.1f} ms")
     df = pf.fit_decode([d.point for d in decode])
     ttfts = [pf.TTFTPoint(p.tokens, p.ttft_s) for p in prefill]
     fp = pf.fit_prefill_anchored(ttfts, http, ovh.ttft_s)
@@ -315,11 +315,11 @@ async def probe(c: ProbeClient, plan: ProbePlan, log: Callable[[str], None], see
             for _ in range(plan.tax_repeats)
         ]
         # the lower median run by its stall: of two, the one a burst elsewhere on the machine spared
-        s = sorted(runs, key=lambda x: x.stall_s or 0.0)[(len(runs) - 1) // 2]
-        tax.append(s)
-        stall = "-" if s.stall_s is None else f"{s.stall_s * 1e3:.1f} ms"
-        say(f"tax {i}/{len(plan.tax_points)} b={b} T={s.tokens}: stall {stall}, {s.tokens_lost:.1f} tokens lost, "
-            f"{s.steps_during:g} steps")  # fmt: skip
+        st = sorted(runs, key=lambda x: x.stall_s or 0.0)[(len(runs) - 1) // 2]
+        tax.append(st)
+        stall = "-" if st.stall_s is None else f"{st.stall_s * 1e3:.1f} ms"
+        say(f"tax {i}/{len(plan.tax_points)} b={b} T={st.tokens}: stall {stall}, {st.tokens_lost:.1f} tokens lost, "
+            f"{st.steps_during:g} steps")  # fmt: skip
     chunking = infer_chunking(tax, fp, handoff.first_to_second_token_s, handoff.point.step_s, one.point.step_s)
     say(
         f"chunking: {chunking.verdict}"

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import httpx
 import openai
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, Timeout
 from tqdm import tqdm
 
 from costmodel.serve_metrics import RequestRecord
@@ -76,7 +76,7 @@ def make_client(cfg: ClientConfig) -> AsyncOpenAI:
         base_url=normalize_base_url(cfg.base_url),
         api_key=cfg.api_key,
         max_retries=0,
-        timeout=httpx.Timeout(timeout, connect=min(10.0, timeout)),
+        timeout=Timeout(timeout, connect=min(10.0, timeout)),  # openai's own Timeout class (its HTTP client's)
     )
 
 
