@@ -51,9 +51,8 @@ def timeline(arrival: float) -> dict[str, Any]:
 
 
 def measure(n: int) -> dict[str, float]:
-    tr = Tracing("http://127.0.0.1:9")  # never reached: the exporter below replaces the OTLP one
     keep = _Keep()
-    tr._exporter.inner = keep
+    tr = Tracing("http://127.0.0.1:9", exporter=keep)  # the endpoint is never reached: `keep` replaces OTLP
     t = time.time_ns()
     tl = timeline(t / 1e9)
     headers = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}

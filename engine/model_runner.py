@@ -103,9 +103,11 @@ class ModelRunner:
         slots = tables[item, pos // bs] * bs + pos % bs
         return DecodeInputs(ids, pos, slots, tables, (starts + qlens).to(torch.int32))
 
-    def _inputs(
+    def step_inputs(
         self, decode: DecodeInputs | None, items: list[StepItem]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """A step's model inputs on the device: (token ids, positions, attention metadata), decode
+        rows first. Public for the benchmarks that time the model's forward alone (benchmarks/gpu)."""
         parts = ([decode] if decode is not None else []) + ([self._prefill_inputs(items)] if items else [])
         qlens = [1] * (decode.input_ids.shape[0] if decode is not None else 0) + [len(it.token_ids) for it in items]
         if len(parts) == 1:
@@ -142,7 +144,7 @@ class ModelRunner:
         n_dec = 0 if decode is None else decode.input_ids.shape[0]
         if not n_dec and not items:
             return torch.empty(0, self.model_cfg.vocab_size, device=self.device)
-        input_ids, positions, meta = self._inputs(decode, items)
+        input_ids, positions, meta = self.step_inputs(decode, items)
         if not items and self.graphs is not None and self.graphs.fits(n_dec, meta.block_tables.shape[1]):
             self.graph_steps += 1
             return self.graphs.replay_step(

@@ -115,13 +115,20 @@ class _CountingProcessor(SpanProcessor):
 class Tracing:
     """One app's tracer provider (not the global one: several apps may share a process in tests)."""
 
-    def __init__(self, endpoint: str | None, chunk_size: int | None = None, max_queue: int = MAX_QUEUE_SPANS):
+    def __init__(
+        self,
+        endpoint: str | None,
+        chunk_size: int | None = None,
+        max_queue: int = MAX_QUEUE_SPANS,
+        exporter: SpanExporter | None = None,  # instead of OTLP's (benchmarks/tracing_cost.py)
+    ):
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # noqa: PLC0415 - only when tracing is on
             OTLPSpanExporter,
         )
 
         self.chunk_size = chunk_size
-        exporter = OTLPSpanExporter(endpoint=traces_url(endpoint) if endpoint else None)
+        if exporter is None:
+            exporter = OTLPSpanExporter(endpoint=traces_url(endpoint) if endpoint else None)
         self._exporter = _CountingExporter(exporter)
         self._processor = _CountingProcessor(
             BatchSpanProcessor(

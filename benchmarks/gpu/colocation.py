@@ -26,7 +26,7 @@ def bench_green(
     tables = torch.arange(B * per_seq, device="cuda").view(B, per_seq)
     graphs.replay(torch.randint(0, 1000, (B,), device="cuda"), torch.full((B,), CTX - 1, device="cuda"), tables)
     item = StepItem(torch.randint(0, 1000, (P,)).tolist(), 0, list(range(B * per_seq, B * per_seq + P // 16)))
-    ids, pos, meta = runner._inputs(None, [item])
+    ids, pos, meta = runner.step_inputs(None, [item])
 
     def prefill():
         runner.model(ids, pos, runner.backend, runner.cache, meta)

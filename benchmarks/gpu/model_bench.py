@@ -113,7 +113,7 @@ def bench_prefill(runner, lens: list[int], fp8_peak: float | None, cap_s: float)
         if nbl > runner.cache_cfg.num_blocks - 1 or time.perf_counter() > end:
             break
         item = StepItem(list(torch.randint(0, 1000, (T,)).tolist()), 0, list(range(nbl)))
-        ids, pos, meta = runner._metadata([item])  # host-side preparation kept out of the GPU timing
+        ids, pos, meta = runner.step_inputs(None, [item])  # host-side preparation kept out of the GPU timing
         t = cuda_time(lambda: runner.model(ids, pos, runner.backend, runner.cache, meta), reps=3, warmup=1)
         fl = prefill_flops(runner.model_cfg, T)
         rows.append(
