@@ -136,7 +136,8 @@ def bench_hf(preset: str, cap_s: float, B: int = 32) -> dict:
     from engine.config import PRESETS  # noqa: PLC0415
 
     end = time.perf_counter() + cap_s
-    hf_cfg = LlamaConfig(**PRESETS[preset].to_hf_config(), attn_implementation="sdpa")
+    # attn_implementation: PretrainedConfig's documented keyword (not in LlamaConfig's typed signature)
+    hf_cfg = LlamaConfig(**{**PRESETS[preset].to_hf_config(), "attn_implementation": "sdpa"})
     t0 = time.perf_counter()
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
