@@ -2,14 +2,9 @@
 (prefill pool, then KV over the link), whichever the calibrated cost model says is better under
 the SLO pair.
 
-Each worker's prefill queue is modelled explicitly (`WorkerQueue`): the prompts the router sent it
-that have no first token yet, and the step boundary it last saw (a realized first token). A
-prediction replays that worker's scheduler step by step, as `engine/llm_engine.py` schedules:
-FIFO, within a prefill budget per step (the chunk size on a decode worker, whole prompts up to
-`max_prefill_tokens` on a prefill worker), each step priced by the step-cost fit f (calibration,
-refined online from the steps the workers report) with the decode batch it runs beside (local
-prompts that finish join it). For a prompt of P tokens after its cached prefix on that worker
-(from the router's prefix index), with S streams decoding on decode worker d:
+Each worker's prefill queue is modelled explicitly and replayed step by step as its scheduler
+would run it (`WorkerQueue`, router/dispatch_replay.py). For a prompt of P tokens after its cached
+prefix on that worker (from the router's prefix index), with S streams decoding on decode worker d:
 
   Local   TTFT  = end of the step that finishes its last chunk - now   (the queue ahead included)
           stall = sum over its chunks of what the chunk adds to a step    (what each stream loses)
@@ -44,264 +39,42 @@ prefill fit learns its rate beside decoding directly (router/shared_cores.py).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from contracts.worker import WorkerStats
 from costmodel import cost_model as cm
-from costmodel.step_fit import OnlineStepFit, StepCostFit, StepShape
+from costmodel.step_fit import OnlineStepFit, StepCostFit
+from router.dispatch_replay import MAX_PREFILL_TOKENS, MAX_REPLAY_STEPS, NO_SLOWDOWN, Job, Slowdown, WorkerQueue
+from router.dispatch_stats import ERROR_BUCKETS, WITHIN, ErrorHist, ReplayCost, rel_error
+from router.dispatch_types import Decision, Prediction, Stream
 from router.shared_cores import SharedCores
 from router.timeline import Timeline
+
+# router.dispatch stays the one import path for `--mode auto`: its types, queue model and statistics
+# live in the modules beside it, and every name this module ever exported still resolves here.
+__all__ = [
+    "DEFAULT_CHUNK",
+    "ERROR_BUCKETS",
+    "MAX_PREFILL_TOKENS",
+    "MAX_REPLAY_STEPS",
+    "NO_SLOWDOWN",
+    "OVERHEAD_WEIGHT",
+    "WITHIN",
+    "AutoDispatcher",
+    "Decision",
+    "Job",
+    "Prediction",
+    "Slowdown",
+    "Stream",
+    "WorkerQueue",
+]
 
 log = logging.getLogger("pdserve.router.dispatch")
 
 DEFAULT_CHUNK = 128  # local prefill chunk when the decode pool has none configured
-MAX_PREFILL_TOKENS = 8192  # a prefill worker's whole-prompt budget per step (engine default)
-ERROR_BUCKETS = (0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0)  # |relative error| histogram bounds
-WITHIN = 0.15
 OVERHEAD_WEIGHT = 0.2  # weight of the newest request in the learned serving overhead and TTFT error
-MAX_REPLAY_STEPS = 100_000  # a replay never runs away (each step advances time by f's fixed cost)
-
-
-@dataclass(frozen=True)
-class Stream:
-    """A sequence decoding on the decode worker, as the router sees it."""
-
-    context: int  # tokens in its KV (prompt + output so far)
-    decoded: int = 0  # output tokens so far
-    decode_s: float = 0.0  # seconds since its first token
-    max_tokens: int = 0  # its length limit (0: unknown)
-
-
-@dataclass
-class Prediction:
-    ttft_s: float
-    stall_s: float = 0.0  # per in-flight stream (local only)
-    itl_s: float = 0.0  # longest step the in-flight streams see (local) or the admission gap (remote)
-    cost_s: float = 0.0
-    admissible: bool = True
-    queue_s: float = 0.0  # of ttft_s: waiting for the prompts ahead on that worker
-    stream_itl_s: float = 0.0  # local: the worst stream's mean inter-token latency with the stall
-    decode_step_s: float = 0.0  # the streams' decode step while this prompt prefills
-    prefill_s: float = 0.0  # of ttft_s: from its first step to its first token (its own compute)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "ttft_ms": round(self.ttft_s * 1e3, 3),
-            "queue_ms": round(self.queue_s * 1e3, 3),
-            "stall_ms": round(self.stall_s * 1e3, 3),
-            "itl_ms": round(self.itl_s * 1e3, 3),
-            "stream_itl_ms": round(self.stream_itl_s * 1e3, 3),
-            "decode_step_ms": round(self.decode_step_s * 1e3, 3),
-            "prefill_ms": round(self.prefill_s * 1e3, 3),
-            "cost_ms": round(self.cost_s * 1e3, 3),
-            "admissible": self.admissible,
-        }
-
-
-@dataclass
-class Decision:
-    choice: str  # "local" | "remote"
-    local: Prediction
-    remote: Prediction
-    streams: int  # in flight on the decode worker at the decision
-    prompt_tokens: int
-    reason: str
-    cached: dict[str, int] = field(default_factory=dict)  # cached prefix tokens per side
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "decision": self.choice,
-            "reason": self.reason,
-            "streams_in_flight": self.streams,
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": dict(self.cached),
-            "local": self.local.to_dict(),
-            "remote": self.remote.to_dict(),
-        }
-
-
-@dataclass
-class _ErrorHist:
-    counts: list[int] = field(default_factory=lambda: [0] * (len(ERROR_BUCKETS) + 1))
-    total: int = 0
-    abs_sum: float = 0.0
-    within: int = 0
-
-    def observe(self, rel: float) -> None:
-        a = abs(rel)
-        i = next((k for k, b in enumerate(ERROR_BUCKETS) if a <= b), len(ERROR_BUCKETS))
-        self.counts[i] += 1
-        self.total += 1
-        self.abs_sum += a
-        self.within += a <= WITHIN
-
-
-@dataclass
-class _ReplayCost:
-    """What the dispatcher's calls cost the router's event loop (they run on it, synchronously):
-    replay iterations and wall time, per entry point."""
-
-    calls: int = 0
-    steps: int = 0
-    max_steps: int = 0
-    seconds: float = 0.0
-    max_s: float = 0.0
-
-    def observe(self, steps: int, seconds: float) -> None:
-        self.calls += 1
-        self.steps += steps
-        self.max_steps = max(self.max_steps, steps)
-        self.seconds += seconds
-        self.max_s = max(self.max_s, seconds)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "calls": self.calls,
-            "replay_steps": self.steps,
-            "max_replay_steps": self.max_steps,
-            "total_ms": round(self.seconds * 1e3, 3),
-            "max_ms": round(self.max_s * 1e3, 3),
-        }
-
-
-@dataclass
-class Job:
-    """A prompt in a prefill worker's queue, as the replay sees it."""
-
-    rid: str
-    arrival: float  # when the router sent it (unix seconds)
-    start: int  # next prompt position to prefill (its cached prefix skipped)
-    end: int  # prompt length
-
-
-@dataclass
-class _Replay:
-    finish: float  # when the target's last chunk ends (inf: never, in MAX_REPLAY_STEPS)
-    started: float  # when the target's first chunk began
-    stall_s: float  # what its chunks added to the steps they ran in
-    itl_s: float  # the longest of those steps
-    jobs: list[Job]  # the queue's state right after the target finished
-    steps: int = 0  # loop iterations it took (an idle stretch is one): its cost, O(jobs x chunks)
-
-
-@dataclass(frozen=True)
-class Slowdown:
-    """A step starting at t costs `factor` times the fit's price while t < `until` (the other
-    pool predicted busy beside it), the fit's price after. Piecewise constant, so the replay can
-    cross an idle stretch in one jump instead of one decode step at a time."""
-
-    factor: float = 1.0
-    until: float = -math.inf
-
-    def at(self, t: float) -> float:
-        return self.factor if t < self.until else 1.0
-
-    def constant_until(self, t: float) -> float:
-        """The end of the stretch from t over which `at` does not change."""
-        return self.until if t < self.until else math.inf
-
-
-NO_SLOWDOWN = Slowdown()
-
-
-class WorkerQueue:
-    """The dispatcher's model of one worker's prefill queue: the prompts sent to it without a first
-    token yet, from the last step boundary it saw (`anchor`). `chunk`: the decode worker's chunk
-    size (prompts share it per step and finished ones join the decode batch); None: a prefill
-    worker (whole prompts up to MAX_PREFILL_TOKENS a step, the first whatever its length)."""
-
-    def __init__(self, chunk: int | None):
-        self.chunk = chunk
-        self.jobs: list[Job] = []
-        self.anchor = 0.0
-        self.steps_run = 0  # replay iterations so far (the dispatcher reports its cost)
-
-    def replay(
-        self, f: StepCostFit, streams: list[int], target: Job, now: float, scale: Slowdown = NO_SLOWDOWN
-    ) -> _Replay:
-        """Run the worker's scheduler over its queue plus `target` (if not already in it); a step
-        starting at t costs `scale.at(t)` times what f says (the other pool busy beside it).
-
-        Its cost is O(jobs x chunks): every iteration prefills a chunk, or crosses a whole idle
-        stretch (no prompt waiting: decode-only steps until the next arrival) in one jump, so a
-        queue anchored long ago costs no more than a fresh one."""
-        jobs = [Job(j.rid, j.arrival, j.start, j.end) for j in self.jobs]
-        if not any(j.rid == target.rid for j in jobs):
-            jobs.append(Job(target.rid, target.arrival, target.start, target.end))
-        ctxs = list(streams)
-        base = f.decode_seconds(ctxs) if ctxs else 0.0
-        # from the last boundary seen when prompts are ahead; idle: now, or (decoding) on average
-        # half a decode step later, when the step in progress ends
-        t = self.anchor if self.jobs else target.arrival + (base / 2 if self.chunk and ctxs else 0.0)
-        budget0 = self.chunk or MAX_PREFILL_TOKENS
-        started, stall, itl = math.inf, 0.0, 0.0
-        for steps in range(1, MAX_REPLAY_STEPS + 1):
-            waiting = [j for j in jobs if j.arrival <= t and j.start < j.end]
-            work: list[tuple[Job, int]] = []
-            budget = budget0
-            for j in waiting:
-                if budget <= 0:
-                    break
-                n = min(j.end - j.start, budget) if self.chunk else j.end - j.start
-                if not self.chunk and work and n > budget:
-                    break
-                work.append((j, n))
-                budget -= n
-            if not work:
-                arrives = min(j.arrival for j in jobs if j.start < j.end)
-                if self.chunk and ctxs:
-                    # decode-only steps run meanwhile: as many as start before the next arrival
-                    # (at least the one in progress), the slowdown constant over them
-                    step = f.decode_seconds(ctxs) * scale.at(t)
-                    edge = min(arrives, scale.constant_until(t))
-                    t += max(1, math.ceil((edge - t) / step)) * step if step > 0 else max(0.0, arrives - t)
-                else:
-                    t = max(t, arrives)
-                continue
-            decode = ctxs if self.chunk else []
-            k = scale.at(t)
-            step = f.seconds(StepShape.of(decode, [(j.start, n) for j, n in work])) * k
-            for j, n in work:
-                if j.rid == target.rid:
-                    started = min(started, t)
-                    stall += (f.seconds(StepShape.of((), [(j.start, n)])) - f.fixed_s) * k
-                    itl = max(itl, step)
-            t += step
-            for j, n in work:
-                j.start += n
-                if j.start >= j.end and self.chunk:
-                    ctxs.append(j.end + 1)  # a local prompt's first token: it decodes from now on
-            if any(j.rid == target.rid and j.start >= j.end for j, _ in work):
-                self.steps_run += steps
-                return _Replay(t, started, stall, itl, [j for j in jobs if j.start < j.end], steps)
-        self.steps_run += MAX_REPLAY_STEPS
-        return _Replay(math.inf, started, stall, itl, jobs, MAX_REPLAY_STEPS)
-
-    def add(self, job: Job) -> None:
-        if not self.jobs:
-            self.anchor = job.arrival
-        self.jobs.append(job)
-
-    def realized(
-        self, rid: str, t: float, f: StepCostFit, streams: list[int], scale: Slowdown = NO_SLOWDOWN
-    ) -> _Replay | None:
-        """`rid` got its first token at `t`, a step boundary: what the replay says is left of the
-        prompts behind it stays queued, from `t`; it and every prompt ahead of it (FIFO) are done."""
-        k = next((i for i, j in enumerate(self.jobs) if j.rid == rid), None)
-        if k is None:
-            return None
-        r = self.replay(f, streams, self.jobs[k], t, scale)
-        left = {j.rid: j for j in r.jobs}
-        self.jobs = [left.get(j.rid, Job(j.rid, j.arrival, j.end - 1, j.end)) for j in self.jobs[k + 1 :]]
-        self.anchor = t
-        return r
-
-    def forget(self, rid: str) -> None:
-        self.jobs = [j for j in self.jobs if j.rid != rid]
 
 
 class AutoDispatcher:
@@ -333,11 +106,11 @@ class AutoDispatcher:
         self.hop_in_s = {"local": 0.0, "remote": 0.0}
         self.hop_out_s = {"local": 0.0, "remote": 0.0}
         self.ttft_abs_error = {"local": 0.0, "remote": 0.0}  # learned: mean |relative TTFT error|
-        self.errors: dict[str, _ErrorHist] = {"ttft": _ErrorHist(), "stall": _ErrorHist()}
+        self.errors: dict[str, ErrorHist] = {"ttft": ErrorHist(), "stall": ErrorHist()}
         self.queues: dict[str, WorkerQueue] = {}  # worker name -> its queue model
         # request id -> (placement, worker, whether that worker's queue was empty) until its first token
         self._open: dict[str, tuple[str, str, bool]] = {}
-        self.cost = {"decide": _ReplayCost(), "outcome": _ReplayCost()}  # on the router's event loop
+        self.cost = {"decide": ReplayCost(), "outcome": ReplayCost()}  # on the router's event loop
 
     # ---- online refinement -------------------------------------------------------------------
     def observe_stats(self, stats: list[WorkerStats], now: float | None = None) -> None:
@@ -507,7 +280,7 @@ class AutoDispatcher:
             self.queues[placed[1]].realized(rid, first_token_at, self.fits[role].current, list(streams), scale)
         pred = d[choice]
         out: dict[str, Any] = {"ttft_ms": tl.first_token_ms}
-        out["ttft_error"] = _rel(pred["ttft_ms"], tl.first_token_ms)
+        out["ttft_error"] = rel_error(pred["ttft_ms"], tl.first_token_ms)
         if out["ttft_error"] is not None:
             self.errors["ttft"].observe(out["ttft_error"])
             w = OVERHEAD_WEIGHT
@@ -527,7 +300,7 @@ class AutoDispatcher:
         gap = tl.local_max_gap_ms
         if choice == "local" and gap is not None and d["streams_in_flight"]:
             out["stall_ms"] = gap
-            out["stall_error"] = _rel(pred["itl_ms"], gap)
+            out["stall_error"] = rel_error(pred["itl_ms"], gap)
             if out["stall_error"] is not None:
                 self.errors["stall"].observe(out["stall_error"])
         d["outcome"] = out
@@ -544,16 +317,7 @@ class AutoDispatcher:
             "shared_cores": self.cores.to_dict(),
             "ttft_mean_abs_error": dict(self.ttft_abs_error),
             "event_loop_cost": {k: v.to_dict() for k, v in self.cost.items()},
-            "errors": {
-                k: {
-                    "buckets": list(ERROR_BUCKETS),
-                    "counts": h.counts,
-                    "count": h.total,
-                    "abs_sum": h.abs_sum,
-                    "within_15pct": h.within,
-                }
-                for k, h in self.errors.items()
-            },
+            "errors": {k: h.to_dict() for k, h in self.errors.items()},
         }
 
 
@@ -563,9 +327,3 @@ def _mean_itl(s: Stream, step_s: float, stall_s: float, longest_s: float) -> flo
     if s.max_tokens > max(1, s.decoded):
         return (s.decode_s + (s.max_tokens - s.decoded) * step_s + stall_s) / (s.max_tokens - 1)
     return longest_s
-
-
-def _rel(predicted: float, measured: float) -> float | None:
-    if not measured or not math.isfinite(measured):
-        return None
-    return round((predicted - measured) / measured, 4)
