@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from benchmarks import timing as eb
+from benchmarks import engine_bench as eb
 from cli import CliError
 from cli.output import emit_json
 from costmodel import cost_model as cm

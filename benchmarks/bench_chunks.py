@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from benchmarks import timing as eb
+from benchmarks import engine_bench as eb
 from benchmarks.timing import measure, time_call
 from cli import CliError
 from cli.output import emit_json

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import timing as eb
+from benchmarks import engine_bench as eb
 from cli import CliError
 from cli.output import emit_json
 from costmodel.provenance import OUT_DIR_HELP, RESULTS_DIR, write_result
