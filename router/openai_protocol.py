@@ -1,5 +1,7 @@
-"""The OpenAI wire protocol, request side, as pure functions: JSON parsing, validation, the chat
-template, sampling parameters. router/openai_responses.py shapes what goes back. Nothing here
+"""The OpenAI wire protocol, request side, as pure functions: the request models, validation,
+sampling parameters. The body's JSON and the error type are router/openai_body.py, a chat's
+messages and template router/openai_chat_prompt.py; their names are re-exported here, so callers
+import the protocol from this one module. router/openai_responses.py shapes what goes back. Nothing here
 touches the network or the workers, so every rule can be unit tested (tests/test_router_protocol.py).
 
 Unknown request fields are ignored, as vLLM and SGLang do, so clients that send extensions
@@ -11,52 +13,27 @@ have to ignore *silently* in a way that changes the answer (`n` > 1, penalties, 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from engine.chat_template import ChatTemplateError
 from engine.sequence import SamplingParams
 from engine.tokenizer import Tokenizer
+from router.openai_body import MAX_JSON_DEPTH as MAX_JSON_DEPTH
+from router.openai_body import OpenAIError as OpenAIError
+from router.openai_body import bad as bad
+from router.openai_body import error_body as error_body
+from router.openai_body import parse_json as parse_json
+from router.openai_chat_prompt import ChatMessage as ChatMessage
+from router.openai_chat_prompt import chat_prompt_ids as chat_prompt_ids
+from router.openai_chat_prompt import message_text as message_text
+from router.openai_chat_prompt import render_chat as render_chat
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # top alternatives per token, as vLLM and the OpenAI chat API allow
 INT64 = 1 << 63
-
-
-class OpenAIError(Exception):
-    """An error answered with an OpenAI-style body: {"error": {message, type, param, code}}."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        type: str = "invalid_request_error",
-    ):  # noqa: A002 - the wire name
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(
-    message: str,
-    type: str = "invalid_request_error",
-    param: str | None = None,  # noqa: A002
-    code: str | None = None,
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def bad(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
-    return OpenAIError(400, message, param=param, code=code)
 
 
 # ------------------------------------------------------------------------------ request models
@@ -91,11 +68,6 @@ class CompletionRequest(_Common):
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Any = None  # str | list of {"type": "text", "text": str} | None
 
 
 class ChatCompletionRequest(_Common):
@@ -133,54 +105,6 @@ class Prepared:
     prompt_text: str = ""  # what echo prepends
 
 
-MAX_JSON_DEPTH = 32  # far beyond any OpenAI request (chat content parts sit at depth 4)
-
-
-def parse_json(raw: bytes) -> Any:
-    """The request body, or a 400: not JSON, nested deeper than MAX_JSON_DEPTH (json.loads itself
-    raises RecursionError near Python's recursion limit), or holding a string that is not valid
-    Unicode (a lone surrogate such as "\\ud800", which no tokenizer can encode)."""
-    try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise bad(
-            f"The JSON body is nested too deeply (at most {MAX_JSON_DEPTH} levels).", code="invalid_json"
-        ) from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad(f"We could not parse the JSON body of your request: {e}", code="invalid_json") from None
-    _check_json_value(body)
-    return body
-
-
-def _check_json_value(body: Any) -> None:
-    """Depth and Unicode checks over the parsed body, iteratively (no recursion to exhaust)."""
-    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
-    while stack:
-        value, path, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise bad(f"The JSON body is nested too deeply (at most {MAX_JSON_DEPTH} levels).", code="invalid_json")
-        if isinstance(value, str):
-            _check_text(value, path)
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                _check_text(k, path)
-                stack.append((v, f"{path}.{k}" if path else k, depth + 1))
-        elif isinstance(value, list):
-            stack.extend((v, f"{path}.{i}" if path else str(i), depth + 1) for i, v in enumerate(value))
-
-
-def _check_text(text: str, path: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise bad(
-            f"Invalid Unicode in '{path or 'body'}': {text[e.start : e.end].encode('unicode_escape').decode()} at "
-            f"character {e.start} is a lone surrogate, which is not a character.",
-            param=path or None,
-            code="invalid_unicode",
-        ) from None
-
-
 def _model_validate(cls: type[_Strict], body: Any) -> Any:
     if not isinstance(body, dict):
         raise bad("The request body must be a JSON object.", code="invalid_json")
@@ -214,45 +138,6 @@ def completion_prompt_ids(prompt: Any, tok: Tokenizer) -> list[int]:
     if _is_ids(prompt):
         return list(prompt)
     raise bad("'prompt' must be a string, a list of token ids, or a list holding one of those.", param="prompt")
-
-
-def message_text(msg: ChatMessage, i: int) -> str:
-    c = msg.content
-    if c is None or isinstance(c, str):
-        return c or ""
-    if isinstance(c, list):
-        parts = []
-        for j, part in enumerate(c):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise bad(
-                    "Only text content parts ({'type': 'text', 'text': ...}) are supported.",
-                    param=f"messages.{i}.content.{j}",
-                )
-            parts.append(part["text"])
-        return "".join(parts)
-    raise bad("'content' must be a string or a list of text parts.", param=f"messages.{i}.content")
-
-
-def render_chat(messages: list[ChatMessage]) -> str:
-    """pdserve's simple chat template, for models without one of their own (random-weight
-    presets): a line per message, then the assistant's cue."""
-    lines = [f"{m.role}: {message_text(m, i)}\n" for i, m in enumerate(messages)]
-    return "".join(lines) + "assistant: "
-
-
-def chat_prompt_ids(messages: list[ChatMessage], tok: Tokenizer) -> list[int]:
-    """The conversation as prompt ids: the checkpoint's own Jinja template when it has one
-    (with the assistant's generation prompt, as transformers' apply_chat_template renders it),
-    else the simple template."""
-    template = getattr(tok, "chat_template", None)
-    if template is None:
-        return tok.encode(render_chat(messages))
-    msgs = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(messages)]
-    try:
-        text = template.render(msgs, add_generation_prompt=True)
-    except ChatTemplateError as e:
-        raise bad(f"The model's chat template rejected these messages: {e}", param="messages") from None
-    return tok.encode(text, add_bos=False)  # the template writes its own bos, if it wants one
 
 
 def _stop_strings(stop: Any) -> tuple[str, ...]:
