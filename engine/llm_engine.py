@@ -1,8 +1,10 @@
 """LLMEngine: continuous batching over one ModelRunner and one BlockManager.
 
-Every `step()` builds one batch: one token for each running (decoding) sequence, plus prefill
-work for waiting sequences, whole prompts or chunks of `chunk_size` tokens, and runs it as a
-single forward pass. The same engine serves three roles:
+Every `step()` runs one batch as a single forward pass: schedule -> run -> postprocess. The
+`Scheduler` (engine/scheduler.py) chooses the batch, one token for each running (decoding)
+sequence plus prefill work for waiting sequences (whole prompts or chunks of `chunk_size`
+tokens), and hands it over as one `ScheduledBatch`; the engine runs it, samples, and appends
+the tokens. The same engine serves three roles:
 
 - colocated worker (and `pdserve generate`): prefill and decode on one pool;
 - prefill worker (`prefill_only=True`): sequences stop after their first token and are *parked*
@@ -42,6 +44,7 @@ from engine.logprobs import token_logprobs
 from engine.model_runner import ModelRunner, StepItem
 from engine.prefix_cache import ROOT, block_hash, block_hashes
 from engine.sampler import SamplingRows
+from engine.scheduler import PrefillChunk, ScheduledBatch, Scheduler
 from engine.sequence import Sequence, Status, TokenLogprob
 
 
@@ -90,29 +93,61 @@ class LLMEngine:
         cache = runner.cache_cfg
         self.blocks = BlockManager(cache.num_blocks, cache.block_size, enable_prefix_caching)
         self.max_context = runner.model_cfg.max_position_embeddings
-        self.chunk_size = chunk_size
-        self.max_num_seqs = max_num_seqs
-        self.max_prefill_tokens = max_prefill_tokens
         self.prefill_only = prefill_only
         # reserve prompt + max_tokens at a sequence's first chunk (the pre-on-demand policy; only
         # `pdserve bench kvcache` uses it, to measure what blocks on demand gain)
         self.reserve_budget = reserve_budget
         eos = runner.model_cfg.eos_token_id
         self.eos_ids = set(eos_ids) | ({eos} if eos is not None else set())
-        self.waiting: deque[Sequence] = deque()  # admitted, prompt not fully cached
         max_blocks = min(self.blocks.blocks_for(self.max_context), cache.num_blocks)
         self.batch = InputBatch(max_num_seqs, max_blocks, cache.block_size, runner.device)  # decoding
+        # a prefill worker reserves no output: its sequences stop after their first token
+        reserve = reserve_budget and not prefill_only
+        self.scheduler = Scheduler(self.blocks, self.batch, chunk_size, max_num_seqs, max_prefill_tokens, reserve)
         self.parked: dict[str, Sequence] = {}  # prefill_only: first token sampled, KV held
         self.last_step: StepStats | None = None  # the last step() call's figures; None if it ran nothing
-        self.preemptions = 0  # sequences preempted (by recompute) so far
-        self.preempted: list[str] = []  # ids preempted by the last step() (for timelines)
-        self._admissions = 0  # counter behind Sequence.admitted
         self.sync = False  # time the forward to completion (CUDA runs asynchronously); benchmarks set it
 
+    # ---- the scheduler's state, read by the workers and the benchmarks -------------------------
     @property
     def running(self) -> list[Sequence]:
         """Decoding sequences, in batch row order (read-only: change them through the engine)."""
         return self.batch.seqs
+
+    @property
+    def waiting(self) -> deque[Sequence]:
+        """Admitted sequences whose prompt is not fully cached yet, in queue order."""
+        return self.scheduler.waiting
+
+    @property
+    def preempted(self) -> list[str]:
+        """Ids preempted by the last step() (for timelines)."""
+        return self.scheduler.preempted
+
+    @property
+    def preemptions(self) -> int:
+        """Sequences preempted (by recompute) so far."""
+        return self.scheduler.preemptions
+
+    @property
+    def chunk_size(self) -> int | None:
+        return self.scheduler.chunk_size
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.scheduler.max_num_seqs
+
+    @property
+    def max_prefill_tokens(self) -> int:
+        return self.scheduler.max_prefill_tokens
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def _grow_running(self) -> None:
+        """What the next step() does first (may preempt); idempotent there."""
+        self.scheduler.grow_running()
 
     # ---- admission -------------------------------------------------------------------------
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
@@ -157,7 +192,7 @@ class LLMEngine:
         came from the local cache; the pulled full blocks are registered here."""
         seq.num_cached = len(seq.prompt_ids)
         seq.status = Status.RUNNING
-        self._stamp_admitted(seq)
+        self.scheduler.stamp_admitted(seq)
         self._commit_full_blocks(seq)
         if self._finish_if_done(seq):
             return
@@ -185,150 +220,62 @@ class LLMEngine:
         self._free(s, s.finish_reason or "released")
         return True
 
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.batch.seqs)
-
-    # ---- one step --------------------------------------------------------------------------
-    def _holders(self) -> list[Sequence]:
-        """Sequences holding blocks that preemption may take back: running ones and partly
-        prefilled waiting ones (parked prefills are leased to a decode worker: never)."""
-        return self.running + [s for s in self.waiting if s.block_table]
-
-    def _preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: give back every block (full ones stay cached) and wait at the
-        head of the queue; output_ids are kept, so the stream resumes where it stopped."""
-        if seq in self.batch:
-            self.batch.remove(seq)  # its row goes; it rejoins with its new block table
-            self.waiting.appendleft(seq)
-        self.blocks.free(seq.block_table)
-        seq.block_table, seq.block_hashes, seq.num_cached = [], [], 0
-        if not seq.output_ids:
-            seq.prompt_logprobs = []  # its prefill starts again from token 0
-        seq.status = Status.WAITING
-        seq.preemptions += 1
-        self.preemptions += 1
-        self.preempted.append(seq.seq_id)
-
-    def _grow_running(self) -> None:
-        """Give each running sequence (oldest first) the block its next token needs, preempting
-        the most recently admitted holder while none is free (possibly the sequence itself).
-        Batch rows are compacted when one leaves, so the order comes from `admitted`."""
-        needy = [s for s in self.running if self.blocks.blocks_for(s.num_tokens) > len(s.block_table)]
-        for seq in sorted(needy, key=lambda s: s.admitted):
-            if seq.status != Status.RUNNING:  # preempted for an older sequence's block
-                continue
-            need = self.blocks.blocks_for(seq.num_tokens) - len(seq.block_table)
-            while not self.blocks.can_allocate(need):
-                victim = max(self._holders(), key=lambda s: s.admitted)
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            if seq.status == Status.RUNNING:
-                self.blocks.grow(seq.block_table, seq.num_tokens)
-
-    def _cache_hit(self, seq: Sequence) -> tuple[list[int], list[int]]:
-        """(cached blocks, their hashes): the longest cached run of `seq`'s full blocks, leaving at
-        least one token to compute (its logits sample the next token). Takes no references."""
-        if not self.blocks.enable_caching or seq.params.prompt_logprobs is not None:
-            return [], []  # echo needs the logits of every prompt token: compute them all
-        hashes = block_hashes(seq.tokens(0, seq.prefill_target - 1), self.blocks.block_size)
-        hit = self.blocks.match(hashes)
-        return hit, hashes[: len(hit)]
-
-    def _give_blocks(self, seq: Sequence, n: int, hit: list[int], hashes: list[int]) -> bool:
-        """Blocks for `seq`'s next `n` prefill tokens (after the cache hit, on its first chunk).
-        False, taking nothing, if the pool cannot give them now."""
-        start = seq.num_cached if seq.block_table else len(hit) * self.blocks.block_size
-        end = start + n
-        if self.reserve_budget and not self.prefill_only:  # up-front reservation: bench kvcache's baseline
-            end = max(end, len(seq.prompt_ids) + seq.params.max_tokens)
-        need = self.blocks.blocks_for(end) - (len(seq.block_table) or len(hit))
-        if not self.blocks.can_allocate(need + self.blocks.evictable(hit)):
-            return False
-        if not seq.block_table:
-            self.blocks.acquire(hit)
-            seq.block_table, seq.block_hashes, seq.num_cached = list(hit), list(hashes), start
-            if not seq.output_ids:
-                seq.cached_tokens = start
-            self._stamp_admitted(seq)
-        self.blocks.grow(seq.block_table, end)
-        return True
-
-    def _schedule_prefill(self) -> list[tuple[Sequence, int]]:
-        """(sequence, tokens this step) for waiting sequences, FIFO, within the step's prefill
-        budget: `chunk_size` tokens when chunking, else whole prompts up to max_prefill_tokens
-        (the first prompt always runs whole, however long). A prompt whose blocks the pool
-        cannot give stops the scan (head-of-line waits: keeps FIFO order)."""
-        work: list[tuple[Sequence, int]] = []
-        budget = self.chunk_size or self.max_prefill_tokens
-        for seq in self.waiting:
-            if budget <= 0 or len(self.batch) + len(work) >= self.max_num_seqs:
-                break
-            hit, hashes = self._cache_hit(seq) if not seq.block_table else ([], [])
-            remaining = seq.prefill_target - (seq.num_cached if seq.block_table else len(hit) * self.blocks.block_size)
-            if self.chunk_size is None:
-                n = remaining
-                if work and n > budget:
-                    break
-            else:
-                n = min(remaining, budget)
-            if not self._give_blocks(seq, n, hit, hashes):
-                break
-            work.append((seq, n))
-            budget -= n
-        return work
-
     def step(self) -> list[TokenEvent]:
+        """One forward pass: schedule -> run -> postprocess."""
         t0 = time.perf_counter()
-        self.preempted = []
-        self._grow_running()
-        decode = list(self.batch.seqs)
-        prefill = self._schedule_prefill()
-        inputs = self.batch.prepare() if decode else None
-        items = []
-        for seq, n in prefill:
-            done = seq.num_cached + n == seq.prefill_target
-            items.append(
-                StepItem(
-                    seq.tokens(seq.num_cached, seq.num_cached + n),
-                    seq.num_cached,
-                    seq.block_table,
-                    want_logits=done and not seq.output_ids,  # a resumed sequence samples nothing here
-                    # echo: logits of every prompt token, on the first (not a resumed) prefill
-                    all_logits=seq.params.prompt_logprobs is not None and not seq.output_ids,
-                )
-            )
-        if not decode and not items:
+        work = self.scheduler.schedule()
+        if work.is_empty:
             self.last_step = None  # nothing could run (idle, or every waiting prompt lacks blocks)
             return []
+        inputs = self.batch.prepare() if work.decode else None
+        items = [_step_item(c) for c in work.prefill]
         t1 = time.perf_counter()
         logits = self.runner.execute(inputs, items)
         if self.sync and logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         t2 = time.perf_counter()
+        sampled = self._sample(work, logits)
+        t3 = time.perf_counter()
+        events = self._postprocess(work, sampled)
+        t4 = time.perf_counter()
+        # decode rows attend over context_lens (start + 1 each); prefill items as in the cost model
+        pairs = sum(len(it.token_ids) * (it.start_pos + len(it.token_ids)) for it in items)
+        if inputs is not None:
+            pairs += int(inputs.context_lens.sum())
+        self.last_step = StepStats(
+            work.prefill_tokens, len(work.decode), t4 - t0, pairs, t1 - t0, t2 - t1, t3 - t2, t4 - t3
+        )
+        return events
+
+    def _sample(self, work: ScheduledBatch, logits: torch.Tensor) -> _Sampled:
+        """Advance the prefills past their chunks and sample one token per row that asks for one.
+        Rows of `logits`: the batch's rows, then the fresh prefills that finished their prompt."""
         for i, all_logits in self.runner.last_all_logits.items():  # echo: prompt logprobs, chunk by chunk
-            _record_prompt_logprobs(prefill[i][0], all_logits)
-        # rows of `logits`: the batch's rows, then the fresh prefills that finished their prompt
+            _record_prompt_logprobs(work.prefill[i].seq, all_logits)
         finished_prefill: list[Sequence] = []
         resumed: list[Sequence] = []  # recomputed after preemption: they rejoin the batch, sampling nothing now
-        for seq, n in prefill:
-            seq.num_cached += n
+        for chunk in work.prefill:
+            seq = chunk.seq
+            seq.num_cached += chunk.n
             self._commit_full_blocks(seq)
             if seq.num_cached == seq.prefill_target:
                 (resumed if seq.output_ids else finished_prefill).append(seq)
-        rows = self.batch.sampling_rows(logits.device) if decode else None
+        rows = self.batch.sampling_rows(logits.device) if work.decode else None
         if finished_prefill:
             extra = SamplingRows.build([s.params for s in finished_prefill], [0] * len(finished_prefill), logits.device)
             rows = extra if rows is None else rows.cat(extra)
         # the step's only device -> host copy: one id per row (none if only non-final chunks ran)
         ids = self.runner.sampler(logits, rows).cpu() if rows is not None else torch.empty(0, dtype=torch.long)
         tokens = ids.tolist()
-        logprobs = _logprobs(logits, decode + finished_prefill, tokens)  # only rows that asked
-        t3 = time.perf_counter()
+        logprobs = _logprobs(logits, [*work.decode, *finished_prefill], tokens)  # only rows that asked
+        return _Sampled(ids, tokens, logprobs, finished_prefill, resumed)
+
+    def _postprocess(self, work: ScheduledBatch, sampled: _Sampled) -> list[TokenEvent]:
+        """Append the sampled tokens, finish what is done, move finished prefills out of the queue."""
+        decode, tokens, logprobs = work.decode, sampled.tokens, sampled.logprobs
         events: list[TokenEvent] = []
         if decode:
-            self.batch.advance(ids[: len(decode)])
+            self.batch.advance(sampled.ids[: len(decode)])
         for seq, tok, lp in zip(decode, tokens, logprobs):
             seq.num_cached += 1
             self._commit_full_blocks(seq)  # before _finish_if_done frees the table
@@ -337,7 +284,7 @@ class LLMEngine:
                 seq.output_logprobs.append(lp)
             finished = self._finish_if_done(seq)
             events.append(TokenEvent(seq.seq_id, tok, len(seq.output_ids) - 1, finished, seq.finish_reason, lp))
-        for seq, tok, lp in zip(finished_prefill, tokens[len(decode) :], logprobs[len(decode) :]):
+        for seq, tok, lp in zip(sampled.finished_prefill, tokens[len(decode) :], logprobs[len(decode) :]):
             if lp is not None:
                 seq.output_logprobs.append(lp)
             self.waiting.remove(seq)
@@ -352,18 +299,10 @@ class LLMEngine:
             if not finished:
                 self.batch.add(seq)
             events.append(TokenEvent(seq.seq_id, tok, 0, finished, seq.finish_reason, lp))
-        for seq in resumed:  # decode its last sampled token next step (after this step's rows moved)
+        for seq in sampled.resumed:  # decode its last sampled token next step (after this step's rows moved)
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.batch.add(seq)
-        t4 = time.perf_counter()
-        # decode rows attend over context_lens (start + 1 each); prefill items as in the cost model
-        pairs = sum(len(it.token_ids) * (it.start_pos + len(it.token_ids)) for it in items)
-        if inputs is not None:
-            pairs += int(inputs.context_lens.sum())
-        self.last_step = StepStats(
-            sum(n for _, n in prefill), len(decode), t4 - t0, pairs, t1 - t0, t2 - t1, t3 - t2, t4 - t3
-        )
         return events
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -379,10 +318,6 @@ class LLMEngine:
             self.batch.remove(seq)
         self._free(seq, reason)
         return True
-
-    def _stamp_admitted(self, seq: Sequence) -> None:
-        seq.admitted = self._admissions
-        self._admissions += 1
 
     def _commit_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks `seq` has filled since the last call under their chained hashes."""
@@ -402,6 +337,30 @@ class LLMEngine:
             seq.block_hashes = []
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+
+
+@dataclass
+class _Sampled:
+    """A step's sampling, for its postprocessing: ids (and the same as a list) row by row."""
+
+    ids: torch.Tensor
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
+    finished_prefill: list[Sequence]  # fresh prefills that sampled their first token (rows after decode)
+    resumed: list[Sequence]  # recomputed after preemption: they rejoin the batch, sampling nothing now
+
+
+def _step_item(chunk: PrefillChunk) -> StepItem:
+    """The model runner's view of one prefill chunk."""
+    seq, start = chunk.seq, chunk.start
+    return StepItem(
+        seq.tokens(start, start + chunk.n),
+        start,
+        seq.block_table,
+        want_logits=chunk.completes and not seq.output_ids,  # a resumed sequence samples nothing here
+        # echo: logits of every prompt token, on the first (not a resumed) prefill
+        all_logits=seq.params.prompt_logprobs is not None and not seq.output_ids,
+    )
 
 
 def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprob | None]:
