@@ -127,6 +127,14 @@ class FakeCompletionsServer:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
+    def reset(self, **fields: object) -> FakeScript:
+        """Put a fresh script (with `fields` set) in place of the running server's, in place: a
+        module-scoped server serves each test as if new."""
+        fresh = FakeScript(**fields)  # type: ignore[arg-type]
+        for name in fresh.__dataclass_fields__:
+            setattr(self.script, name, getattr(fresh, name))
+        return self.script
+
     def __enter__(self) -> FakeCompletionsServer:
         self._thread.start()
 

@@ -36,10 +36,7 @@ def server():
 @pytest.fixture
 def script(server):
     """Reset the shared server's script before each test."""
-    fresh = FakeScript(first_token_delay_s=FIRST_TOKEN_S, itl_s=0.01)
-    for name in fresh.__dataclass_fields__:
-        setattr(server.script, name, getattr(fresh, name))
-    return server.script
+    return server.reset(first_token_delay_s=FIRST_TOKEN_S, itl_s=0.01)
 
 
 def stream(server, max_tokens: int, n: int = 1, kind: str = "chat") -> list[StreamRecord]:

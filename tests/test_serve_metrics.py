@@ -245,10 +245,7 @@ def server():
 @pytest.fixture
 def script(server):
     """Reset the shared server's script before each test."""
-    fresh = FakeScript()
-    for name in fresh.__dataclass_fields__:
-        setattr(server.script, name, getattr(fresh, name))
-    return server.script
+    return server.reset()
 
 
 def _config(server, **workload) -> BenchConfig:
