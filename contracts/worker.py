@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 from engine.sequence import SamplingParams, TokenLogprob
-from transport.wire import KVHandle, PeerInfo, TransferStats
+from transport.wire import KVHandle, PeerInfo, StreamTarget, TransferStats
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,9 @@ class PrefillResult:
     handle: KVHandle
     timings: dict[str, float]  # queue_ms, prefill_ms, prefill_start (unix), prefill_end (unix)
     worker: str = ""
+    # layer-wise: every group of layers and the first token reached the decode worker named in the
+    # request's StreamTarget, which admits the request by itself (False: pull `handle` whole)
+    streamed: bool = False
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when it asked for prompt logprobs (echo)
 
@@ -154,9 +157,10 @@ class Worker(Protocol):
 
 
 class PrefillWorkerAPI(Worker, Protocol):
-    def prefill(self, req: GenerateRequest) -> PrefillResult:
+    def prefill(self, req: GenerateRequest, stream: StreamTarget | None = None) -> PrefillResult:
         """Run the prompt; return the first token and a KVHandle whose blocks stay leased until
-        the decode side pulls them, `release` is called, or the lease expires."""
+        the decode side pulls them, `release` is called, or the lease expires. With `stream`
+        (layer-wise), each group of layers is announced to that decode worker as it is written."""
 
     def release(self, request_id: str) -> bool:
         """Free a prefilled prompt's leased blocks now."""
@@ -169,7 +173,16 @@ class DecodeWorkerAPI(Worker, Protocol):
         """Colocated: admit a raw prompt (prefilled here, whole or in chunks)."""
 
     def submit_prefilled(self, req: GenerateRequest, result: PrefillResult) -> None:
-        """Disaggregated: admit a request whose KV waits on the prefill worker named in `result`."""
+        """Disaggregated: admit a request whose KV waits on the prefill worker named in `result`
+        (a stream opened for it that did not complete is closed first)."""
+
+    def open_stream(self, req: GenerateRequest, source: PeerInfo, layers_per_group: int) -> StreamTarget | None:
+        """Layer-wise: reserve the prompt's blocks now and pull each group of layers as `source`
+        announces it; the request joins the batch once all of it and its first token landed.
+        None when the blocks are not free now (the router then uses a bulk pull)."""
+
+    def describe(self) -> PeerInfo:
+        """This worker's transport endpoint (disaggregated decode workers only)."""
 
     def poll_events(self, timeout_s: float = 0.05) -> list[StreamEvent]:
         """Token (and admission/error) events since the last poll; waits up to `timeout_s` for one."""

@@ -5,6 +5,10 @@ transport (a transfer thread, so running streams keep decoding meanwhile) -> not
 worker it may free its copy -> join the running batch (loop thread). Tokens are buffered as
 StreamEvents that the router collects with `poll_events()` (one long-poll per worker, not one
 call per token).
+
+Layer-wise admission (`open_stream`): the blocks are reserved before the prompt is prefilled, and
+the receiver thread pulls each group of layers as the prefill worker announces it
+(decode_worker/kv_stream.py); the request joins the batch once all of it has landed.
 """
 
 from __future__ import annotations
@@ -25,12 +29,13 @@ from contracts.worker import (
     WorkerError,
     WorkerStats,
 )
+from decode_worker.kv_stream import IncomingStream, StreamReceiver
 from engine.block_manager import NoFreeBlocks
 from engine.sequence import Sequence
 from engine.worker_base import EngineLoop, build_engine, kv_figures, log, memory_figures
 from transport import make_transport
 from transport.base import TransferTimeout, TransportError
-from transport.wire import TransferStats
+from transport.wire import PeerInfo, StreamTarget, TransferStats
 
 # How long an abort is remembered. A submit that reaches this worker after its own abort (the
 # router's abort and submit calls run on separate threads) is then refused instead of decoded
@@ -52,12 +57,16 @@ class DecodeWorker(EngineLoop):
         self.engine = build_engine(cfg, prefill_only=False)
         runner = self.engine.runner
         self.transport = None
+        self.receiver: StreamReceiver | None = None
         if not colocated:
             # A NIXL puller without the busy-polling progress thread pulls ~2x faster (measured by
             # `pdserve bench transfer`); prefill keeps it so peers' reads progress while it computes.
             options = {"progress_thread": False} if cfg.transport == "nixl" else {}
             self.transport = make_transport(cfg.transport, name, **options)
             self.transport.register(runner.cache.raw, runner.layout)
+            self.receiver = StreamReceiver(
+                self.transport, name, cfg.transfer_timeout_s, self._stream_landed, self._stream_failed
+            )
         self._events: list[StreamEvent] = []
         self._events_cv = threading.Condition()
         self._admissions: deque[tuple[GenerateRequest, PrefillResult]] = deque()  # waiting for blocks
@@ -81,14 +90,48 @@ class DecodeWorker(EngineLoop):
         self.call(admit)
 
     def submit_prefilled(self, req: GenerateRequest, result: PrefillResult) -> None:
-        """Disaggregated: admit a request whose prompt KV waits on a prefill worker."""
+        """Disaggregated: admit a request whose prompt KV waits on a prefill worker (pulled whole:
+        a layer-wise stream opened for it that did not complete is closed first)."""
         self.engine.check_fits(len(req.prompt_ids), req.params.max_tokens)
 
         def admit() -> None:
+            self._close_stream(req.request_id)
             if not self._refuse_aborted(req.request_id):
                 self._admissions.append((req, result))
 
         self.call(admit)
+
+    def describe(self) -> PeerInfo:
+        if self.transport is None:
+            raise WorkerError(f"{self.name} is colocated: it has no KV transport")
+        return self.transport.describe()
+
+    def open_stream(self, req: GenerateRequest, source: PeerInfo, layers_per_group: int) -> StreamTarget | None:
+        """Layer-wise: reserve the prompt's blocks now (its local prefix-cache hit included) and
+        pull each group of layers as `source` announces it. None when the blocks are not free now
+        (the router pulls it whole later instead)."""
+        if self.transport is None or self.receiver is None:
+            raise WorkerError(f"{self.name} is colocated: it has no KV transport")
+        self.engine.check_fits(len(req.prompt_ids), req.params.max_tokens)
+        self.transport.connect(source)  # here, not on the loop thread: a handshake
+
+        def reserve() -> tuple[list[int], list[int]] | None:
+            if self._refuse_aborted(req.request_id):
+                return None
+            try:
+                blocks, hit, hashes = self.engine.reserve_cached(list(req.prompt_ids))
+            except NoFreeBlocks:
+                return None
+            self._in_transfer[req.request_id] = blocks
+            return blocks, hashes
+
+        got = self.call(reserve)
+        if got is None:
+            return None
+        blocks, hashes = got
+        assert self.receiver is not None
+        self.receiver.open(IncomingStream(req, source, blocks, hashes, self.engine.runner.layout.num_layers))
+        return StreamTarget(req.request_id, self.transport.describe(), layers_per_group, len(hashes))
 
     def abort(self, request_id: str) -> bool:
         def do() -> bool:
@@ -97,7 +140,9 @@ class DecodeWorker(EngineLoop):
             before = len(self._admissions)
             kept = [a for a in self._admissions if a[0].request_id != request_id]
             self._admissions = deque(kept)
-            return self.engine.abort(request_id) or len(kept) != before or request_id in self._in_transfer
+            streaming = self._close_stream(request_id)
+            found = self.engine.abort(request_id) or len(kept) != before or request_id in self._in_transfer
+            return found or streaming
 
         return self.call(do)
 
@@ -136,6 +181,8 @@ class DecodeWorker(EngineLoop):
 
     def shutdown(self) -> None:
         self.close()
+        if self.receiver is not None:
+            self.receiver.close()
         self._xfer.shutdown(wait=True)
         if self.transport is not None:
             self.transport.close()
@@ -202,7 +249,10 @@ class DecodeWorker(EngineLoop):
         """Transfer thread: pull the blocks the local prefix cache lacks (the first len(hashes)
         are already here), notify, then hand the sequence to the loop thread."""
         hit = len(hashes)
-        handle = dataclasses.replace(result.handle, block_ids=result.handle.block_ids[hit:])
+        # the checksums follow their blocks (an unsliced list failed every prefix-hit pull under --verify-kv)
+        handle = dataclasses.replace(
+            result.handle, block_ids=result.handle.block_ids[hit:], checksums=result.handle.checksums[hit:]
+        )
         transport = self.transport
         assert transport is not None  # disaggregated decode workers always have one
         try:
@@ -214,6 +264,7 @@ class DecodeWorker(EngineLoop):
                     f"the KV lease on {handle.agent} expired {-left:.2f} s before the pull started; raise --lease-s"
                 )
             transport.connect(handle.source)
+            started = time.time()
             try:
                 if handle.block_ids:
                     stats = transport.read(handle, blocks[hit:], min(self.cfg.transfer_timeout_s, left))
@@ -239,7 +290,8 @@ class DecodeWorker(EngineLoop):
             self._post_or_drop(lambda: self._fail_admission(req.request_id, blocks, message))
             return
         # posted, not called: the next pull starts now, not after this admission's step boundary
-        self._post_or_drop(lambda: self._admit(req, result, blocks, hashes, stats))
+        stats.start_unix, stats.end_unix = started, time.time()
+        self._post_or_drop(lambda: self._admit(req, result.first_token, blocks, hashes, stats))
 
     def _post_or_drop(self, fn: Callable[[], None]) -> None:
         """Hand `fn` to the loop thread; once the loop has ended, `on_exit` has already failed
@@ -255,7 +307,37 @@ class DecodeWorker(EngineLoop):
         if request_id not in self._aborted:  # an aborted request's stream is gone: nothing after abort
             self._emit([StreamEvent(request_id, "error", finished=True, finish_reason="error", error=message)])
 
-    def _admit(self, req: GenerateRequest, result: PrefillResult, blocks: list[int], hashes: list[int], stats) -> None:
+    # ---- layer-wise streams (decode_worker/kv_stream.py) -----------------------------------
+    def _stream_landed(self, s: IncomingStream) -> None:
+        """Receiver thread: every group and the first token are here; join the batch."""
+        assert self.transport is not None
+        stats = s.stats(self.transport.backend)
+        first = s.first_token if s.first_token is not None else -1
+        self._post_or_drop(lambda: self._admit(s.req, first, s.blocks, s.hashes, stats))
+
+    def _stream_failed(self, s: IncomingStream, message: str | None) -> None:
+        """Receiver thread: the stream failed (message) or was cancelled (None) while a READ ran."""
+        if message is None:
+            self._post_or_drop(lambda: self._free_stream_blocks(s.request_id, s.blocks))
+        else:
+            log.warning("layer-wise KV stream of %s failed: %s", s.request_id, message)
+            self._post_or_drop(lambda: self._fail_admission(s.request_id, s.blocks, message))
+
+    def _close_stream(self, request_id: str) -> bool:
+        """Loop thread: stop pulling `request_id` and free its blocks (now, or once its READ ends)."""
+        blocks = self.receiver.cancel(request_id) if self.receiver is not None else None
+        if blocks:
+            self._free_stream_blocks(request_id, blocks)
+        return blocks is not None
+
+    def _free_stream_blocks(self, request_id: str, blocks: list[int]) -> None:
+        if self._in_transfer.get(request_id) is blocks:
+            del self._in_transfer[request_id]
+        self.engine.blocks.free(blocks)
+
+    def _admit(
+        self, req: GenerateRequest, first_token: int, blocks: list[int], hashes: list[int], stats: TransferStats
+    ) -> None:
         self._in_transfer.pop(req.request_id, None)
         if req.request_id in self._aborted:
             self.engine.blocks.free(blocks)
@@ -264,7 +346,7 @@ class DecodeWorker(EngineLoop):
             req.request_id,
             list(req.prompt_ids),
             req.params,
-            output_ids=[result.first_token],
+            output_ids=[first_token],
             block_table=blocks,
             block_hashes=list(hashes),
         )

@@ -72,6 +72,22 @@ class KVLayout:
     def bytes_per_token(self) -> int:
         return self.block_bytes // self.block_size
 
+    def layer_ranges(self, first: int, last: int) -> list[tuple[int, int]]:
+        """Byte ranges (offset in a block, length) holding layers [first, last) of one block:
+        their K/V data, then their FP8 scales. Layer l's data starts at l x data_bytes_per_block /
+        num_layers, its scales at data_bytes_per_block + l x scale_bytes_per_block / num_layers.
+        All layers: the whole block, one range."""
+        if not 0 <= first < last <= self.num_layers:
+            raise ValueError(f"layers [{first}, {last}) outside the {self.num_layers} layers")
+        if (first, last) == (0, self.num_layers):
+            return [(0, self.block_bytes)]
+        per_data = self.data_bytes_per_block // self.num_layers
+        ranges = [(first * per_data, (last - first) * per_data)]
+        if self.scale_bytes_per_block:
+            per_scale = self.scale_bytes_per_block // self.num_layers
+            ranges.append((self.data_bytes_per_block + first * per_scale, (last - first) * per_scale))
+        return ranges
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

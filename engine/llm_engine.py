@@ -32,8 +32,10 @@ each time its next token crosses into a block the sequence has grown since.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -220,8 +222,9 @@ class LLMEngine:
         self._free(s, s.finish_reason or "released")
         return True
 
-    def step(self) -> list[TokenEvent]:
-        """One forward pass: schedule -> run -> postprocess."""
+    def step(self, on_layer: Callable[[ScheduledBatch, int], None] | None = None) -> list[TokenEvent]:
+        """One forward pass: schedule -> run -> postprocess. `on_layer(batch, i)` runs once layer
+        i of the step has written its KV (the prefill worker streams finished layers from it)."""
         t0 = time.perf_counter()
         work = self.scheduler.schedule()
         if work.is_empty:
@@ -230,7 +233,8 @@ class LLMEngine:
         inputs = self.batch.prepare() if work.decode else None
         items = [_step_item(c) for c in work.prefill]
         t1 = time.perf_counter()
-        logits = self.runner.execute(inputs, items)
+        hook = None if on_layer is None else functools.partial(on_layer, work)
+        logits = self.runner.execute(inputs, items, hook)
         if self.sync and logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         t2 = time.perf_counter()

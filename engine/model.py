@@ -8,6 +8,7 @@ Hq/Hkv for query/KV heads and D for head_dim. Projections are fused (qkv, gate_u
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -179,14 +180,18 @@ class LlamaModel(nn.Module):
         backend: AttentionBackend,
         cache: KVCache,
         meta: AttentionMetadata,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+        """input_ids, positions [T] -> final hidden states [T, hidden]. `on_layer(i)` runs after
+        layer i has written its KV (layer-wise KV streaming announces finished layers from it)."""
         # per-step work, once for all layers: RoPE tables for the step's positions, attention state
         rope = self.rotary.cos_sin(positions)
         backend.prepare(meta, cache)
         x = F.embedding(input_ids, self.embed_tokens)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x = layer(x, rope, backend, cache, meta)
+            if on_layer is not None:
+                on_layer(i)
         return self.norm(x)
 
     @torch.inference_mode()

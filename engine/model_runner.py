@@ -14,6 +14,7 @@ graph when one is attached (`graphs`, set by the worker; see engine/gpu/cuda_gra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -138,19 +139,27 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, decode: DecodeInputs | None, items: list[StepItem]) -> torch.Tensor:
+    def execute(
+        self, decode: DecodeInputs | None, items: list[StepItem], on_layer: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
         """Run one step: decode rows (if any) then prefill items. Returns fp32 logits on the device,
-        [rows + items with want_logits, vocab], in that order."""
+        [rows + items with want_logits, vocab], in that order. `on_layer(i)`: called once layer i
+        has written the step's KV (on CUDA: once it is queued; the caller synchronizes)."""
         n_dec = 0 if decode is None else decode.input_ids.shape[0]
         if not n_dec and not items:
             return torch.empty(0, self.model_cfg.vocab_size, device=self.device)
         input_ids, positions, meta = self.step_inputs(decode, items)
-        if not items and self.graphs is not None and self.graphs.fits(n_dec, meta.block_tables.shape[1]):
+        if (
+            on_layer is None
+            and not items
+            and self.graphs is not None
+            and self.graphs.fits(n_dec, meta.block_tables.shape[1])
+        ):
             self.graph_steps += 1
             return self.graphs.replay_step(
                 input_ids, positions, meta.slot_mapping, meta.block_tables, meta.context_lens_t
             )
-        hidden = self.model(input_ids, positions, self.backend, self.cache, meta)  # [T, hidden]
+        hidden = self.model(input_ids, positions, self.backend, self.cache, meta, on_layer)  # [T, hidden]
         self.last_all_logits = {}
         if items:
             want = [True] * n_dec + [it.want_logits for it in items]

@@ -2,6 +2,9 @@
 
 The prompt's blocks stay pinned under a lease until the decode worker says it has pulled them
 (a transport notification) or the lease expires; either way they return to the free list.
+With a `StreamTarget` (layer-wise KV transfer) each group of layers is announced to the decode
+worker as it is written, so the pull runs while the prompt is still prefilling
+(prefill_worker/kv_stream.py).
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ from concurrent.futures import Future
 from contracts.worker import CacheEvents, GenerateRequest, PrefillResult, WorkerConfig, WorkerError, WorkerStats
 from engine.sequence import Sequence
 from engine.worker_base import EngineLoop, build_engine, kv_figures, memory_figures
+from prefill_worker.kv_stream import StreamSender
 from transport import make_transport
-from transport.wire import PeerInfo
+from transport.base import TransportError
+from transport.wire import PeerInfo, StreamTarget
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -30,6 +35,9 @@ class PrefillWorker(EngineLoop):
         self.transport = make_transport(cfg.transport, name)
         self.transport.register(runner.cache.raw, runner.layout)
         self.peer_info: PeerInfo = self.transport.describe()
+        self.streams = StreamSender(
+            self.transport, runner.layout.num_layers, runner.layout.block_size, verify=cfg.verify_kv
+        )
         # request id -> (future, enqueue time, sequence, start time of its first prefill step)
         self._pending: dict[str, tuple[Future, float, Sequence, list[float]]] = {}
         # request id -> when its blocks are freed if decode has not pulled them, on this process's
@@ -40,14 +48,30 @@ class PrefillWorker(EngineLoop):
         self.start()
 
     # ---- called from other threads (Ray actor methods) -------------------------------------
-    def prefill(self, req: GenerateRequest) -> PrefillResult:
-        """Blocks until the prompt is prefilled. Raises ValueError for a request that can never fit."""
+    def prefill(self, req: GenerateRequest, stream: StreamTarget | None = None) -> PrefillResult:
+        """Blocks until the prompt is prefilled. Raises ValueError for a request that can never fit.
+        With `stream`, its KV is announced to that decode worker group by group as it is written
+        (`PrefillResult.streamed` says whether all of it was)."""
         fut: Future = Future()
+        if stream is not None:
+            try:
+                self.transport.connect(stream.peer)  # here, not on the loop thread: a handshake
+            except TransportError as e:
+                log.warning(
+                    "%s: cannot stream %s to %s (%s); it will be pulled whole",
+                    self.name,
+                    req.request_id,
+                    stream.peer.agent,
+                    e,
+                )
+                stream = None
 
         def admit() -> None:
             seq = Sequence(req.request_id, list(req.prompt_ids), req.params)
             self.engine.add_request(seq)
             self._pending[req.request_id] = (fut, time.time(), seq, [])
+            if stream is not None:
+                self.streams.open(stream)
 
         self.call(admit)
         return fut.result()
@@ -63,6 +87,7 @@ class PrefillWorker(EngineLoop):
                 entry[0].set_exception(WorkerError(f"request {request_id} aborted"))
             found = self.engine.abort(request_id)
             self._leases.pop(request_id, None)
+            self.streams.fail(request_id, f"request {request_id} was aborted on {self.name}")
             return found
 
         return self.call(do)
@@ -106,6 +131,7 @@ class PrefillWorker(EngineLoop):
 
     def on_exit(self) -> None:
         error = self._ended_error()
+        self.streams.fail_all(str(error))
         for fut, *_ in self._pending.values():
             if not fut.done():
                 fut.set_exception(error)
@@ -123,6 +149,7 @@ class PrefillWorker(EngineLoop):
         for seq in batch:
             entry = self._pending.pop(seq.seq_id, None)
             self.engine.abort(seq.seq_id)
+            self.streams.fail(seq.seq_id, f"prefill step failed on {self.name}: {error!r}")
             if entry is not None and not entry[0].done():
                 entry[0].set_exception(WorkerError(f"prefill step failed: {error!r}"))
 
@@ -137,7 +164,7 @@ class PrefillWorker(EngineLoop):
             return False
         t_start = time.time()
         try:
-            events = self.engine.step()
+            events = self.engine.step(self.streams.on_layer if self.streams.active else None)
         except Exception as e:  # noqa: BLE001 - one failed step fails its own prompts, not the worker
             self._fail_step(e)
             return True
@@ -150,8 +177,15 @@ class PrefillWorker(EngineLoop):
                 entry[3].append(t_start)
         for ev in events:
             fut, t_enq, seq, started = self._pending.pop(ev.seq_id)
+            deadline = time.time() + self.cfg.lease_s
+            # first: the decode worker admits a streamed request once this lands, router or not
+            streamed = self.streams.done(ev.seq_id, ev.token_id, deadline)
             handle = self.transport.make_handle(
-                ev.seq_id, seq.block_table, len(seq.prompt_ids), self.cfg.lease_s, checksum=self.cfg.verify_kv
+                ev.seq_id,
+                seq.block_table,
+                len(seq.prompt_ids),
+                self.cfg.lease_s,
+                checksum=self.cfg.verify_kv and not streamed,  # a streamed request's groups carried theirs
             )
             self._leases[ev.seq_id] = time.monotonic() + self.cfg.lease_s
             t_first = started[0] if started else t_start
@@ -161,6 +195,7 @@ class PrefillWorker(EngineLoop):
                     first_token=ev.token_id,
                     handle=handle,
                     worker=self.name,
+                    streamed=streamed,
                     first_logprob=ev.logprob,
                     prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
                     timings={

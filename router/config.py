@@ -19,6 +19,7 @@ from router.config_flags import cli_flag
 MODES = ("disagg", "colocated", "auto")
 POLICIES = ("round_robin", "least_loaded", "prefix")
 TRANSPORTS = ("nixl", "local")
+KV_TRANSFERS = ("bulk", "layerwise", "auto")
 WEIGHT_DTYPES = ("fp8", "bf16", "fp32")
 
 
@@ -127,6 +128,26 @@ class ServeConfig:
     transport: str = field(default="nixl", metadata=cli_flag("pools", "KV transport between pools", choices=TRANSPORTS))
     lease_s: float = field(
         default=30.0, metadata=cli_flag("pools", "seconds prefill keeps KV that decode has not pulled")
+    )
+    kv_transfer: str = field(
+        default="bulk",
+        metadata=cli_flag(
+            "pools",
+            "how the KV crosses from prefill to decode: bulk pulls it whole once the prefill has ended; "
+            "layerwise streams each group of layers while the prompt is still prefilling (only the last "
+            "group's share stays between the first and second token); auto streams the prompts long "
+            "enough to gain, by the cost model, at --link-gbps or the pull rate measured so far",
+            choices=("bulk", "layerwise", "auto"),
+        ),
+    )
+    kv_stream_layers: int = field(
+        default=2,
+        metadata=cli_flag(
+            "pools",
+            "layers announced and pulled together under --kv-transfer layerwise/auto: fewer leave less "
+            "exposed after the prefill, more cost fewer messages and pulls",
+            metavar="N",
+        ),
     )
     # A pull is also capped by the lease time left: the prefill side frees the blocks then.
     transfer_timeout_s: float = field(
@@ -277,6 +298,12 @@ class ServeConfig:
             raise bad("--gpus-per-worker", "must be >= 0 (0 on CPU)")
         if self.transport not in TRANSPORTS:
             raise bad("--transport", f"must be one of {', '.join(TRANSPORTS)}")
+        if self.kv_transfer not in KV_TRANSFERS:
+            raise bad("--kv-transfer", f"must be one of {', '.join(KV_TRANSFERS)}")
+        if self.kv_stream_layers < 1:
+            raise bad("--kv-stream-layers", "must be >= 1")
+        if self.kv_transfer != "bulk" and self.mode == "colocated":
+            raise bad("--kv-transfer", "streams KV between pools: it needs --mode disagg or auto")
         if self.lease_s <= 0:
             raise bad("--lease-s", "must be > 0 seconds")
         if self.transfer_timeout_s <= 0:

@@ -20,8 +20,10 @@ from typing import Any
 
 from contracts.worker import WorkerConfig
 from costmodel.cost_model import Calibration, ModelSpec
-from engine.config import is_checkpoint_dir, read_generation_eos, resolve_model_config
+from engine.config import CacheConfig, is_checkpoint_dir, read_generation_eos, resolve_model_config
+from engine.kv_layout import KVLayout
 from router.dispatch import DEFAULT_CHUNK, AutoDispatcher
+from router.kv_transfer_policy import KVTransferPolicy
 from router.orchestrator import Orchestrator
 from router.ray_cluster import connect_ray, start_local_ray
 from router.rss_watch import RSS_WARMUP_STEPS, RssWatch
@@ -199,6 +201,21 @@ def build_dispatcher(cfg: Any, model_dir: str) -> AutoDispatcher | None:
     )
 
 
+def kv_transfer_policy(cfg: Any) -> KVTransferPolicy | None:
+    """--kv-transfer: which remote prefills stream their KV layer by layer (None: colocated)."""
+    if cfg.mode == "colocated":
+        return None
+    model_cfg = resolve_model_config(cfg.model)
+    layout = KVLayout.build(model_cfg, CacheConfig(block_size=cfg.block_size, num_blocks=1, kv_dtype=cfg.kv_dtype))
+    return KVTransferPolicy(
+        getattr(cfg, "kv_transfer", "bulk"),
+        getattr(cfg, "kv_stream_layers", 2),
+        layout.num_layers,
+        layout.bytes_per_token,
+        getattr(cfg, "link_gbps", None),
+    )
+
+
 def rss_watch(cfg: Any) -> RssWatch | None:
     """The worker memory watch `--rss-growth-warn-mb` asks for (None when it is 0)."""
     bound = getattr(cfg, "rss_growth_warn_mb", 0)
@@ -273,6 +290,7 @@ async def build_orchestrator(cfg: Any) -> Orchestrator:
         dispatcher=dispatcher,
         block_size=cfg.block_size,
         rss_watch=rss_watch(cfg),
+        kv_policy=kv_transfer_policy(cfg),
     )
     await orch.start()
     return orch

@@ -2,6 +2,11 @@
 
 Disaggregated:  pick (prefill, decode) -> prefill.prefill(req) -> stream the first token (TTFT)
                 -> decode.submit_prefilled(req, result) -> decode pulls KV, streams the rest.
+  layer-wise:   pick (prefill, decode) -> decode.open_stream(req) reserves its blocks ->
+                prefill.prefill(req, stream) announces each group of layers to the decode
+                worker, which pulls it at once -> stream the first token -> the decode worker
+                admits the request when the last group lands (router/kv_transfer_policy.py says
+                which requests stream).
 Colocated:      pick decode -> decode.submit_prompt(req) -> stream every token.
 Auto:           both pools; router/dispatch.py decides per request which of the two above runs.
 
@@ -24,6 +29,7 @@ from contracts.worker import GenerateRequest, PrefillResult, StreamEvent, Worker
 from engine.config import ModelConfig
 from router.decode_streams import DecodeStreams
 from router.dispatch import AutoDispatcher
+from router.kv_transfer_policy import KVTransferPolicy
 from router.placement import Placement
 from router.request_state import RequestState
 from router.rss_watch import RSS_CHECK_S, RssWatch
@@ -55,6 +61,7 @@ class Orchestrator:
         cache_sync_s: float = 0.05,
         health_interval_s: float = HEALTH_INTERVAL_S,
         rss_watch: RssWatch | None = None,
+        kv_policy: KVTransferPolicy | None = None,
     ):
         if mode not in ("disagg", "colocated", "auto"):
             raise ValueError(f"mode must be disagg, colocated or auto, got {mode!r}")
@@ -69,6 +76,7 @@ class Orchestrator:
         self.link_gbps = link_gbps  # nominal Gbit/s between the pools, shown beside each measured pull
         self.dispatcher = dispatcher
         self.block_size = block_size
+        self.kv_policy = kv_policy  # None: every remote prefill is pulled whole (bulk)
         self._live: dict[str, RequestState] = {}  # the requests in flight, by id
         self._timelines: OrderedDict[str, Timeline] = OrderedDict()  # the last TIMELINES_KEPT, by id
         self._decode_streams = DecodeStreams(self._live)
@@ -143,7 +151,14 @@ class Orchestrator:
         try:
             if prefill is not None:
                 state.phase = "prefill"
-                result: PrefillResult = await prefill.prefill(req)
+                stream = None
+                if self.kv_policy is not None and self.kv_policy.streams(len(req.prompt_ids)):
+                    source = await prefill.peer_info()
+                    stream = await decode.open_stream(req, source, self.kv_policy.layers_per_group)
+                tl.kv_transfer = "layerwise" if stream is not None else "bulk"
+                result: PrefillResult = await prefill.prefill(req, stream)
+                if self.kv_policy is not None:
+                    self.kv_policy.observe_prefill(len(req.prompt_ids), result.timings["prefill_ms"] / 1e3)
                 first = StreamEvent(
                     rid,
                     "token",
@@ -164,7 +179,8 @@ class Orchestrator:
                     finished = True
                     return
                 state.phase = "pull"
-                await decode.submit_prefilled(req, result)
+                if not result.streamed:  # streamed: the decode worker admits it once the last group lands
+                    await decode.submit_prefilled(req, result)
             else:
                 await decode.submit_prompt(req)
             while True:
@@ -301,6 +317,8 @@ class Orchestrator:
             s = ev.transfer
             self._transfer_bytes += s.bytes
             self._transfer_seconds += s.seconds
+            if self.kv_policy is not None:
+                self.kv_policy.observe_pull(s.bytes, s.seconds)
             if self.dispatcher is not None:
                 self.dispatcher.observe_transfer(s.bytes, s.seconds)
 

@@ -35,6 +35,15 @@ class KVTransfer:
     link_gbits_per_s: float | None = None
     link_nominal_ms: float | None = None
     rate_vs_link: float | None = None
+    # how it moved: "bulk" (one pull after the prefill) or "layerwise" (`groups` pulls, while the
+    # prefill ran); when it started (ms after arrival), how much of it overlapped the remote
+    # prefill, and what was left once the prefill had ended (the exposed transfer: end of the
+    # last pull minus the prefill's end, waits before a bulk pull included)
+    mode: str = "bulk"
+    groups: int = 1
+    start_ms: float | None = None
+    overlap_ms: float | None = None
+    exposed_ms: float | None = None
 
     @classmethod
     def measured(cls, s: TransferStats, link_gbps: float | None) -> KVTransfer:
@@ -51,7 +60,18 @@ class KVTransfer:
             t.link_gbits_per_s = link_gbps
             t.link_nominal_ms = round(s.bytes * 8 / (link_gbps * 1e9) * 1e3, 3)
             t.rate_vs_link = round(s.gbytes_per_s * 8 / link_gbps, 3)
+        t.mode, t.groups = s.mode, s.groups
         return t
+
+    def place(self, s: TransferStats, tl: Timeline) -> None:
+        """Its start, overlap with the remote prefill and exposed part, on `tl`'s clock."""
+        if not s.start_unix or not s.end_unix:
+            return
+        start, end = tl.rel(s.start_unix), tl.rel(s.end_unix)
+        self.start_ms = start
+        if tl.prefill_start_ms is not None and tl.prefill_end_ms is not None:
+            self.overlap_ms = round(max(0.0, min(end, tl.prefill_end_ms) - max(start, tl.prefill_start_ms)), 3)
+            self.exposed_ms = round(max(0.0, end - tl.prefill_end_ms), 3)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -69,6 +89,10 @@ class KVTransfer:
                 link_nominal_ms=self.link_nominal_ms,
                 rate_vs_link=self.rate_vs_link,
             )
+        d.update(mode=self.mode, groups=self.groups)
+        _put(d, "start_ms", self.start_ms)
+        _put(d, "overlap_ms", self.overlap_ms)
+        _put(d, "exposed_ms", self.exposed_ms)
         return d
 
     @classmethod
@@ -84,6 +108,11 @@ class KVTransfer:
             d.get("link_gbits_per_s"),
             d.get("link_nominal_ms"),
             d.get("rate_vs_link"),
+            str(d.get("mode", "bulk")),
+            int(d.get("groups", 1)),
+            d.get("start_ms"),
+            d.get("overlap_ms"),
+            d.get("exposed_ms"),
         )
 
 
@@ -125,6 +154,7 @@ class Timeline:
     decode_admitted_ms: float | None = None
     decode_cached_tokens: int | None = None  # the decode side's prefix-cache hit (not pulled)
     kv_blocks_pulled: int | None = None
+    kv_transfer: str | None = None  # remote prefills: "bulk" or "layerwise" (--kv-transfer)
     transfer: KVTransfer | None = None
     decode_wait_ms: float | None = None  # prefill end to decode join, less the pull
     preemptions: int = 0  # KV taken back under memory pressure (recomputed, not re-sent)
@@ -176,8 +206,13 @@ class Timeline:
             self.kv_blocks_pulled = int(ev.timings.get("blocks_pulled", 0))
         if ev.transfer is not None:
             self.transfer = KVTransfer.measured(ev.transfer, link_gbps)
+            self.transfer.place(ev.transfer, self)
             if self.prefill_end_ms is not None:
-                wait = self.decode_admitted_ms - self.prefill_end_ms - ev.transfer.seconds * 1e3
+                if self.transfer.exposed_ms is not None and ev.transfer.mode == "layerwise":
+                    # the pulls overlapped the prefill: the wait is what followed the last one
+                    wait = self.decode_admitted_ms - self.prefill_end_ms - self.transfer.exposed_ms
+                else:
+                    wait = self.decode_admitted_ms - self.prefill_end_ms - ev.transfer.seconds * 1e3
                 self.decode_wait_ms = round(wait, 3)
 
     # ---- JSON
@@ -221,6 +256,7 @@ class Timeline:
         _put(d, "decode_admitted_ms", self.decode_admitted_ms)
         _put(d, "decode_cached_tokens", self.decode_cached_tokens)
         _put(d, "kv_blocks_pulled", self.kv_blocks_pulled)
+        _put(d, "kv_transfer", self.kv_transfer)
         _put(d, "transfer", self.transfer.to_dict() if self.transfer is not None else None)
         _put(d, "decode_wait_ms", self.decode_wait_ms)
         if self.preemptions:
@@ -261,6 +297,7 @@ class Timeline:
             decode_admitted_ms=d.get("decode_admitted_ms"),
             decode_cached_tokens=d.get("decode_cached_tokens"),
             kv_blocks_pulled=d.get("kv_blocks_pulled"),
+            kv_transfer=d.get("kv_transfer"),
             transfer=KVTransfer.from_dict(tr) if tr and "ms" in tr else None,
             decode_wait_ms=d.get("decode_wait_ms"),
             preemptions=int(d.get("preemptions", 0)),

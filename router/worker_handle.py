@@ -24,6 +24,7 @@ from contracts.worker import (
     WorkerError,
     WorkerStats,
 )
+from transport.wire import PeerInfo, StreamTarget
 
 log = logging.getLogger("pdserve.router")
 P = ParamSpec("P")
@@ -52,6 +53,7 @@ class WorkerHandle:
         self.name, self.role, self.target, self.is_ray, self.bundle = name, role, target, is_ray, bundle
         self.alive = True
         self.active = 0  # requests the router has assigned and not yet finished
+        self._peer: PeerInfo | None = None  # its transport endpoint, asked once (layer-wise streams)
 
     # ---- the worker contract, as coroutines ----------------------------------------------------
     # A Ray ActorHandle has the worker class's methods as attributes (ActorMethods), so the casts
@@ -68,8 +70,17 @@ class WorkerHandle:
     def _decode(self) -> DecodeWorkerAPI:
         return cast(DecodeWorkerAPI, self.target)
 
-    async def prefill(self, req: GenerateRequest) -> PrefillResult:
-        return await self._call(self._prefill.prefill, req)
+    async def prefill(self, req: GenerateRequest, stream: StreamTarget | None = None) -> PrefillResult:
+        return await self._call(self._prefill.prefill, req, stream)
+
+    async def peer_info(self) -> PeerInfo:
+        """The worker's transport endpoint; fixed for its lifetime (a replacement is a new handle)."""
+        if self._peer is None:
+            self._peer = await self._retrying(self._prefill.describe)
+        return self._peer
+
+    async def open_stream(self, req: GenerateRequest, source: PeerInfo, layers_per_group: int) -> StreamTarget | None:
+        return await self._call(self._decode.open_stream, req, source, layers_per_group)
 
     async def release(self, request_id: str) -> bool:
         return await self._retrying(self._prefill.release, request_id)

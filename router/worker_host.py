@@ -13,7 +13,7 @@ import importlib
 from typing import Any
 
 from contracts.worker import CacheEvents, GenerateRequest, PrefillResult, StreamEvent, WorkerStats
-from transport.wire import PeerInfo
+from transport.wire import PeerInfo, StreamTarget
 
 # role -> "module:Class" of the worker that plays it
 WORKER_CLASSES: dict[str, str] = {
@@ -34,13 +34,13 @@ class WorkerHost:
         self.worker: Any = load_worker_class(role)(*args)
 
     # PrefillWorkerAPI
-    def prefill(self, req: GenerateRequest) -> PrefillResult:
-        return self.worker.prefill(req)
+    def prefill(self, req: GenerateRequest, stream: StreamTarget | None = None) -> PrefillResult:
+        return self.worker.prefill(req, stream)
 
     def release(self, request_id: str) -> bool:
         return self.worker.release(request_id)
 
-    def describe(self) -> PeerInfo:
+    def describe(self) -> PeerInfo:  # both roles (a decode worker's: for layer-wise streams)
         return self.worker.describe()
 
     # DecodeWorkerAPI
@@ -49,6 +49,9 @@ class WorkerHost:
 
     def submit_prefilled(self, req: GenerateRequest, result: PrefillResult) -> None:
         self.worker.submit_prefilled(req, result)
+
+    def open_stream(self, req: GenerateRequest, source: PeerInfo, layers_per_group: int) -> StreamTarget | None:
+        return self.worker.open_stream(req, source, layers_per_group)
 
     def poll_events(self, timeout_s: float = 0.05) -> list[StreamEvent]:
         return self.worker.poll_events(timeout_s)

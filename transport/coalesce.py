@@ -41,23 +41,29 @@ def check_blocks(
 
 
 def coalesce(
-    remote_blocks: Sequence[int], local_blocks: Sequence[int], block_bytes: int, enabled: bool = True
+    remote_blocks: Sequence[int],
+    local_blocks: Sequence[int],
+    block_bytes: int,
+    enabled: bool = True,
+    ranges: Sequence[tuple[int, int]] | None = None,
 ) -> list[Run]:
     """Byte ranges for moving remote_blocks[i] -> local_blocks[i], merged where both sides are
-    consecutive (and in order). Order of the result follows the input."""
+    consecutive (and in order). Order of the result follows the input.
+
+    `ranges`: only these (offset, length) ranges of each block (a group of layers:
+    KVLayout.layer_ranges); default the whole block. A slice of one block never touches the
+    same slice of the next, so a group's runs are two per block (data, scales) unless the group
+    is every layer, when the whole-block merging above applies again."""
+    parts = list(ranges) if ranges is not None else [(0, block_bytes)]
     runs: list[Run] = []
-    start_r = start_l = prev_r = prev_l = -1
-    count = 0
-    for r, l in zip(remote_blocks, local_blocks):  # noqa: E741 - r/l: remote/local, as in start_r/start_l
-        if enabled and count and r == prev_r + 1 and l == prev_l + 1:
-            count += 1
-        else:
-            if count:
-                runs.append(Run(start_r * block_bytes, start_l * block_bytes, count * block_bytes))
-            start_r, start_l, count = r, l, 1
-        prev_r, prev_l = r, l
-    if count:
-        runs.append(Run(start_r * block_bytes, start_l * block_bytes, count * block_bytes))
+    for r, l in zip(remote_blocks, local_blocks):  # noqa: E741 - r/l: remote/local
+        for off, n in parts:
+            ro, lo = r * block_bytes + off, l * block_bytes + off
+            last = runs[-1] if runs else None
+            if enabled and last and last.remote_offset + last.nbytes == ro and last.local_offset + last.nbytes == lo:
+                runs[-1] = Run(last.remote_offset, last.local_offset, last.nbytes + n)
+            else:
+                runs.append(Run(ro, lo, n))
     return runs
 
 

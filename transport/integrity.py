@@ -33,20 +33,35 @@ def _runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def block_checksums(pool: torch.Tensor, block_ids: Sequence[int]) -> tuple[int, ...]:
-    """One checksum per block of `pool` ([num_blocks, block_bytes] uint8), in `block_ids` order."""
+def block_checksums(
+    pool: torch.Tensor, block_ids: Sequence[int], ranges: Sequence[tuple[int, int]] | None = None
+) -> tuple[int, ...]:
+    """One checksum per block of `pool` ([num_blocks, block_bytes] uint8), in `block_ids` order.
+    `ranges`: only these (offset, length) byte ranges of each block, summed together (a group of
+    layers under layer-wise streaming, KVLayout.layer_ranges); default the whole block."""
     import torch  # noqa: PLC0415 - the wire types that import this module stay torch-free
 
     if not block_ids:
         return ()
-    word = torch.int64 if pool.shape[1] % 8 == 0 else torch.int32
-    sums = [pool[first : first + n].view(word).sum(dim=1, dtype=torch.int64) for first, n in _runs(block_ids)]
+    parts = list(ranges) if ranges is not None else [(0, pool.shape[1])]
+    sizes = [x for part in parts for x in part]
+    word = torch.int64 if all(x % 8 == 0 for x in sizes) else torch.int32 if all(x % 4 == 0 for x in sizes) else None
+    sums: list[torch.Tensor] = []
+    for first, n in _runs(block_ids):
+        slices = [pool[first : first + n, off : off + length] for off, length in parts]
+        words = [x.view(word) if word is not None else x for x in slices]
+        sums.append(sum(w.sum(dim=1, dtype=torch.int64) for w in words[1:]) + words[0].sum(dim=1, dtype=torch.int64))
     return tuple(int(x) for x in torch.cat(sums).tolist())  # one device->host copy
 
 
-def mismatched_blocks(pool: torch.Tensor, local_blocks: Sequence[int], expected: Sequence[int]) -> list[int]:
-    """Positions i whose block local_blocks[i] does not sum to expected[i] (all of them if the
-    counts differ)."""
+def mismatched_blocks(
+    pool: torch.Tensor,
+    local_blocks: Sequence[int],
+    expected: Sequence[int],
+    ranges: Sequence[tuple[int, int]] | None = None,
+) -> list[int]:
+    """Positions i whose block local_blocks[i] (or its `ranges`) does not sum to expected[i]
+    (all of them if the counts differ)."""
     if len(expected) != len(local_blocks):
         return list(range(len(local_blocks)))
-    return [i for i, (g, e) in enumerate(zip(block_checksums(pool, local_blocks), expected)) if g != e]
+    return [i for i, (g, e) in enumerate(zip(block_checksums(pool, local_blocks, ranges), expected)) if g != e]

@@ -13,12 +13,11 @@ import time
 import torch
 
 from transport.base import TransferTimeout, Transport, TransportError
-from transport.coalesce import check_blocks, coalesce
 from transport.wire import KVHandle, KVLayout, PeerInfo, TransferStats
 
 _LOCK = threading.Lock()
 _POOLS: dict[str, tuple[torch.Tensor, KVLayout]] = {}  # agent -> registered pool
-_INBOX: dict[str, list[str]] = {}  # agent -> request ids notified to it, not yet polled
+_INBOX: dict[str, list[bytes]] = {}  # agent -> messages sent to it, not yet received
 
 
 def registered_agents() -> list[str]:
@@ -74,12 +73,11 @@ class LocalTransport(Transport):
     def read(
         self, handle: KVHandle, local_blocks: list[int], timeout_s: float = 30.0, coalesced: bool = True
     ) -> TransferStats:
-        layout = self._check_read(handle)
+        self._check_read(handle)
         assert self._pool is not None  # registered, as _check_read found
         self.connect(handle.source)
         remote, remote_layout = self._remote_pool(handle.agent)
-        check_blocks(handle.block_ids, local_blocks, remote_layout.num_blocks, layout.num_blocks)
-        runs = coalesce(handle.block_ids, local_blocks, layout.block_bytes, enabled=coalesced)
+        runs = self.handle_runs(handle, local_blocks, remote_layout.num_blocks, coalesced)
         src, dst = remote.view(-1), self._pool.view(-1)
         deadline = time.perf_counter() + timeout_s
         t0 = time.perf_counter()
@@ -97,19 +95,19 @@ class LocalTransport(Transport):
         seconds = time.perf_counter() - t0
         verify_s = self._verify_read(handle, local_blocks)
         stats = TransferStats.build(
-            handle.request_id, self.backend, len(local_blocks) * layout.block_bytes, len(runs), seconds
+            handle.request_id, self.backend, self.moved_bytes(handle, len(local_blocks)), len(runs), seconds
         )
         stats.verify_s = verify_s
         return stats
 
-    def notify(self, peer_agent: str, request_id: str) -> None:
+    def _send(self, peer_agent: str, message: bytes) -> None:
         self._check_open()
         with _LOCK:
             if peer_agent not in _INBOX:
                 raise TransportError(f"notify: peer {peer_agent!r} is not registered in this process")
-            _INBOX[peer_agent].append(request_id)
+            _INBOX[peer_agent].append(message)
 
-    def poll_notifications(self) -> list[str]:
+    def _receive(self) -> list[bytes]:
         self._check_open()
         with _LOCK:
             out, _INBOX[self.agent] = _INBOX.get(self.agent, []), []

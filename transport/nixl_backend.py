@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from transport.base import TransferTimeout, Transport, TransportError
-from transport.coalesce import Run, check_blocks, coalesce, split_for_streams
+from transport.coalesce import Run, split_for_streams
 from transport.wire import KVHandle, KVLayout, PeerInfo, TransferStats
 
 PROGRESS_DELAY_US = 100  # progress-thread sleep between idle polls: ~3% of a core instead of 100%
@@ -167,11 +167,10 @@ class NixlTransport(Transport):
     ) -> TransferStats:
         """Pull the handle's blocks into `local_blocks`. `coalesced=False` posts one descriptor
         per block (benchmark baseline only)."""
-        layout = self._check_read(handle)
+        self._check_read(handle)
         self.connect(handle.source)
         peer = self._peers[handle.agent]
-        check_blocks(handle.block_ids, local_blocks, peer.layout.num_blocks, layout.num_blocks)
-        runs = coalesce(handle.block_ids, local_blocks, layout.block_bytes, enabled=coalesced)
+        runs = self.handle_runs(handle, local_blocks, peer.layout.num_blocks, coalesced)
         groups = split_for_streams(runs, self.streams)
         deadline = time.perf_counter() + timeout_s
         t0 = time.perf_counter()
@@ -187,7 +186,7 @@ class NixlTransport(Transport):
                 raise first
         seconds = time.perf_counter() - t0
         verify_s = self._verify_read(handle, local_blocks)
-        nbytes = len(local_blocks) * layout.block_bytes
+        nbytes = self.moved_bytes(handle, len(local_blocks))
         stats = TransferStats.build(handle.request_id, self.backend, nbytes, sum(len(g) for g in groups), seconds)
         stats.verify_s = verify_s
         return stats
@@ -229,20 +228,20 @@ class NixlTransport(Transport):
                 pass
 
     # ---- notifications ------------------------------------------------------------------------
-    def notify(self, peer_agent: str, request_id: str) -> None:
+    def _send(self, peer_agent: str, message: bytes) -> None:
         self._check_open()
         if peer_agent not in self._peers:
             raise TransportError(f"notify: unknown peer {peer_agent!r} (connect first)")
         try:
-            self._agent.send_notif(peer_agent, request_id.encode())
+            self._agent.send_notif(peer_agent, message)
         except Exception as e:
-            raise TransportError(f"notify {peer_agent!r} of {request_id!r} failed: {e}") from e
+            raise TransportError(f"notify {peer_agent!r} failed: {e}") from e
 
-    def poll_notifications(self) -> list[str]:
+    def _receive(self) -> list[bytes]:
         self._check_open()
-        out = []
+        out: list[bytes] = []
         for msgs in self._agent.get_new_notifs().values():
-            out += [m.decode() if isinstance(m, bytes) else str(m) for m in msgs]
+            out += [m if isinstance(m, bytes) else str(m).encode() for m in msgs]
         return out
 
     # ---- teardown -----------------------------------------------------------------------------

@@ -1,0 +1,103 @@
+"""Layer-wise KV streaming, priced: how much of a prompt's KV transfer is left after its prefill.
+
+Bulk: the decode worker pulls the whole KV once the prefill has ended, so all of it is exposed:
+
+    exposed_bulk = B / R + o
+
+Layer-wise: the prefill announces its L layers in G groups as they are written; group i is ready
+at about i/G of the prefill (P) and each is one pull of B/G bytes plus a per-group overhead o
+(a message, a READ posted and completed). The link takes the groups in order:
+
+    finish_0 = 0;  finish_i = max(finish_{i-1}, P * i / G) + B / (G R) + o
+    exposed_layerwise = max(0, finish_G - P)
+
+When the link keeps up (B/(G R) + o <= P/G) only the last group is exposed: B/(G R) + o. When
+it is slower than the prefill produces KV, the backlog adds up: about B/R + G o - P (G-1)/G.
+Chunked prefill repeats the groups per chunk; the last chunk's groups are what is left, so the
+same recurrence over the last chunk's share of the bytes and time is a close bound.
+
+Everything is pure arithmetic: the router (`--kv-transfer auto`), `pdserve cost`, the simulator
+and `bench compare`'s predictions use the same functions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Measured per-group cost of a layer-wise pull on the 2-core CPU VM (NIXL, host memory): one
+# progress message, one READ posted and waited for. See docs/results.md (layer-wise section).
+DEFAULT_GROUP_OVERHEAD_S = 0.0005
+# Measured cost of opening a stream (the router's extra call to the decode worker before the
+# prefill starts): paid by every layer-wise request, on its TTFT.
+DEFAULT_OPEN_S = 0.004
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A link between the pools: sustained bytes/s and a fixed cost per pull."""
+
+    bytes_per_s: float
+    per_pull_s: float = DEFAULT_GROUP_OVERHEAD_S
+
+    @classmethod
+    def gbits(cls, gbps: float, per_pull_s: float = DEFAULT_GROUP_OVERHEAD_S) -> LinkSpec:
+        return cls(gbps * 1e9 / 8, per_pull_s)
+
+
+def groups_of(num_layers: int, layers_per_group: int) -> int:
+    return math.ceil(num_layers / max(1, min(layers_per_group, num_layers)))
+
+
+def bulk_exposed_s(kv_bytes: float, link: LinkSpec) -> float:
+    """The whole transfer, after the prefill."""
+    return kv_bytes / link.bytes_per_s + link.per_pull_s
+
+
+def layerwise_finish_s(kv_bytes: float, prefill_s: float, groups: int, link: LinkSpec) -> float:
+    """When the last group lands, from the prefill's start (the recurrence above)."""
+    share = kv_bytes / groups / link.bytes_per_s + link.per_pull_s
+    finish = 0.0
+    for i in range(1, groups + 1):
+        finish = max(finish, prefill_s * i / groups) + share
+    return finish
+
+
+def layerwise_exposed_s(kv_bytes: float, prefill_s: float, groups: int, link: LinkSpec) -> float:
+    """What of the transfer is left once the prefill has ended."""
+    return max(0.0, layerwise_finish_s(kv_bytes, prefill_s, groups, link) - prefill_s)
+
+
+def layerwise_gain_s(
+    kv_bytes: float, prefill_s: float, groups: int, link: LinkSpec, open_s: float = DEFAULT_OPEN_S
+) -> float:
+    """Time to the second token saved by streaming (negative: streaming costs more than it hides).
+    The stream's opening call is paid before the prefill, so it counts against the gain."""
+    return bulk_exposed_s(kv_bytes, link) - layerwise_exposed_s(kv_bytes, prefill_s, groups, link) - open_s
+
+
+def layerwise_threshold_tokens(
+    bytes_per_token: float,
+    prefill_s_per_token: float,
+    groups: int,
+    link: LinkSpec,
+    open_s: float = DEFAULT_OPEN_S,
+    max_tokens: int = 1 << 20,
+) -> int:
+    """The shortest prompt that gains from streaming (`--kv-transfer auto` streams prompts at
+    least this long); `max_tokens` when none up to it does. The gain grows with the prompt, so a
+    bisection finds it."""
+
+    def gains(n: int) -> bool:
+        return layerwise_gain_s(n * bytes_per_token, n * prefill_s_per_token, groups, link, open_s) > 0
+
+    if not gains(max_tokens):
+        return max_tokens
+    lo, hi = 1, max_tokens
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if gains(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
