@@ -35,6 +35,8 @@ class PrefillResult:
     # layer-wise: every group of layers and the first token reached the decode worker named in the
     # request's StreamTarget, which admits the request by itself (False: pull `handle` whole)
     streamed: bool = False
+    # layer-wise: when each group of layers was written and announced (first layer, last + 1, unix)
+    stream_groups: list[tuple[int, int, float]] = field(default_factory=list)
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when it asked for prompt logprobs (echo)
 

@@ -52,6 +52,7 @@ class IncomingStream:
     groups: int = 0
     start_unix: float = 0.0
     end_unix: float = 0.0
+    group_spans: list[tuple[int, int, float, float, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.pulled:
@@ -69,6 +70,7 @@ class IncomingStream:
         s = TransferStats.build(self.request_id, backend, self.nbytes, self.descriptors, self.seconds)
         s.verify_s, s.mode, s.groups = self.verify_s, "layerwise", self.groups
         s.start_unix, s.end_unix = self.start_unix, self.end_unix or time.time()
+        s.group_spans = list(self.group_spans)
         return s
 
 
@@ -208,6 +210,7 @@ class StreamReceiver:
         s.seconds += stats.seconds
         s.verify_s += stats.verify_s
         s.groups += 1
+        s.group_spans.append((first, last, t0, t1, stats.bytes))
         for layer in range(first, last):
             s.pulled[layer] = max(s.pulled[layer], end)
         return None

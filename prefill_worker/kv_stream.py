@@ -43,6 +43,7 @@ class _Outgoing:
     group_ends: dict[int, tuple[int, int]]  # last layer of a group -> that group
     sent: dict[tuple[int, int], int] = field(default_factory=dict)  # group -> blocks announced so far
     messages: int = 0
+    announced: list[tuple[int, int, float]] = field(default_factory=list)  # (first layer, last + 1, unix)
     broken: str | None = None  # why this request stopped streaming (its decode worker is unreachable)
 
 
@@ -79,18 +80,23 @@ class StreamSender:
                 synced = _sync_device()
             ids = chunk.seq.block_table[first:end_block]
             sums = self.transport.slice_checksums(ids, group) if self.verify else ()
-            self._send(out, StreamProgress(chunk.seq.seq_id, "group", group, first, tuple(ids), sums, time.time()))
+            now = time.time()
+            self._send(out, StreamProgress(chunk.seq.seq_id, "group", group, first, tuple(ids), sums, now))
             out.sent[group] = end_block
+            out.announced.append((group[0], group[1], now))
 
-    def done(self, request_id: str, first_token: int, lease_deadline: float) -> bool:
-        """The prompt is prefilled: send the first token. True if every message reached the
-        decode worker (it then admits the request by itself); False if it was not streaming."""
+    def done(
+        self, request_id: str, first_token: int, lease_deadline: float
+    ) -> tuple[bool, list[tuple[int, int, float]]]:
+        """The prompt is prefilled: send the first token. Returns (True if every message reached
+        the decode worker, which then admits the request by itself; False if it was not
+        streaming), and when each group was announced (first layer, last + 1, unix), in order."""
         out = self._streams.pop(request_id, None)
         if out is None:
-            return False
+            return False, []
         msg = StreamProgress(request_id, "done", t=time.time(), first_token=first_token, lease_deadline=lease_deadline)
         self._send(out, msg)
-        return out.broken is None
+        return out.broken is None, out.announced
 
     def fail(self, request_id: str, error: str) -> None:
         """The prefill gave up on the request (abort, failed step, worker ending): the decode side

@@ -179,7 +179,7 @@ class PrefillWorker(EngineLoop):
             fut, t_enq, seq, started = self._pending.pop(ev.seq_id)
             deadline = time.time() + self.cfg.lease_s
             # first: the decode worker admits a streamed request once this lands, router or not
-            streamed = self.streams.done(ev.seq_id, ev.token_id, deadline)
+            streamed, announced = self.streams.done(ev.seq_id, ev.token_id, deadline)
             handle = self.transport.make_handle(
                 ev.seq_id,
                 seq.block_table,
@@ -196,6 +196,7 @@ class PrefillWorker(EngineLoop):
                     handle=handle,
                     worker=self.name,
                     streamed=streamed,
+                    stream_groups=announced,
                     first_logprob=ev.logprob,
                     prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
                     timings={

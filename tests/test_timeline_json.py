@@ -27,6 +27,7 @@ from engine.sequence import SamplingParams
 from prefill_worker.worker import PrefillWorker
 from router import trace_phases
 from router.dispatch import AutoDispatcher
+from router.kv_transfer_policy import KVTransferPolicy
 from router.orchestrator import Orchestrator
 from router.timeline import KVTransfer, Timeline
 from router.worker_handle import WorkerHandle
@@ -37,7 +38,7 @@ PROMPT = list(b"the quick brown fox jumps over")  # 30 tokens: 1 full block of 1
 HEAD = ["request_id", "mode", "arrival", "prompt_tokens", "output_tokens", "token_ids", "token_ms"]
 PLACED = ["decode_worker", "prefill_worker", "policy", "dispatch_reason", "dispatched_ms"]
 REMOTE_PREFILL = ["queue_ms", "prefill_ms", "prefill_start_ms", "prefill_end_ms", "kv_blocks", "prefill_cached_tokens"]
-PULLED = ["decode_admitted_ms", "decode_cached_tokens", "kv_blocks_pulled", "transfer", "decode_wait_ms"]
+PULLED = ["decode_admitted_ms", "decode_cached_tokens", "kv_blocks_pulled", "kv_transfer", "transfer", "decode_wait_ms"]
 COLOCATED_KEYS = [*HEAD, *PLACED, "first_token_ms", "queue_ms", "prefill_ms", "cached_tokens", "last_token_ms"]
 COLOCATED_KEYS += ["finish_reason"]
 DISAGG_KEYS = [*HEAD, "routed_prefix_blocks", *PLACED, *REMOTE_PREFILL, "first_token_ms", "last_token_ms", *PULLED]
@@ -48,6 +49,7 @@ AUTO_LOCAL_KEYS += ["finish_reason"]
 AUTO_REMOTE_KEYS = [*AUTO_HEAD, *REMOTE_PREFILL, "first_token_ms", "last_token_ms", *PULLED, "finish_reason"]
 TRANSFER_KEYS = ["backend", "bytes", "descriptors", "ms", "gbytes_per_s", "link_ms", "gbits_per_s"]
 LINK_KEYS = ["link_gbits_per_s", "link_nominal_ms", "rate_vs_link"]  # with a nominal --link-gbps
+PLACE_KEYS = ["mode", "groups", "start_ms", "overlap_ms", "exposed_ms"]  # bulk or layer-wise, when
 DISPATCH_KEYS = ["decision", "reason", "streams_in_flight", "prompt_tokens", "cached_tokens", "local", "remote"]
 
 # the JSON type of every value (int and float apart: a client may format them differently)
@@ -78,6 +80,7 @@ TYPES = {
     "decode_admitted_ms": float,
     "decode_cached_tokens": int,
     "kv_blocks_pulled": int,
+    "kv_transfer": str,
     "transfer": dict,
     "decode_wait_ms": float,
     "finish_reason": str,
@@ -117,9 +120,11 @@ def _check_types(tl: dict) -> None:
 
 
 def _check_transfer(tr: dict, link: bool) -> None:
-    assert list(tr) == TRANSFER_KEYS + (LINK_KEYS if link else [])
+    assert list(tr) == TRANSFER_KEYS + (LINK_KEYS if link else []) + PLACE_KEYS
     assert type(tr["bytes"]) is int and type(tr["descriptors"]) is int and type(tr["backend"]) is str
-    assert all(type(tr[k]) is float for k in ("ms", "gbytes_per_s", "gbits_per_s"))
+    assert type(tr["mode"]) is str and type(tr["groups"]) is int
+    assert all(type(tr[k]) is float for k in ("ms", "gbytes_per_s", "gbits_per_s", "start_ms", "exposed_ms"))
+    assert type(tr["overlap_ms"]) is float
     assert tr["link_ms"] and all(type(v) is float for v in tr["link_ms"].values())
 
 
@@ -167,6 +172,25 @@ def test_disaggregated_timeline_json(workers):
     _check_transfer(tl["transfer"], link=True)
     assert tl["routed_prefix_blocks"] == {"prefill": 0, "decode": 0}
     assert tl["prefill_worker"] == p.name and tl["decode_worker"] == d.name and tl["policy"] == "prefix"
+    assert tl["kv_transfer"] == tl["transfer"]["mode"] == "bulk" and tl["transfer"]["overlap_ms"] == 0.0
+
+
+def test_layerwise_timeline_json(workers):
+    """A layer-wise request's timeline: the same keys, its pulls started before the prefill ended
+    (they overlap it) and what was exposed after it is at most the whole transfer."""
+    p, d = workers("prefill"), workers("decode")
+    policy = KVTransferPolicy("layerwise", 1, PRESETS["tiny"].num_layers, 1.0)
+    orch = Orchestrator(
+        "disagg", PRESETS["tiny"], _handles("prefill", [p]), _handles("decode", [d]), "prefix", kv_policy=policy
+    )
+    (tl,) = _serve(orch, ["l1"])
+    assert list(tl) == DISAGG_KEYS
+    _check_types(tl)
+    tr = tl["transfer"]
+    _check_transfer(tr, link=False)
+    assert tl["kv_transfer"] == tr["mode"] == "layerwise" and tr["groups"] == PRESETS["tiny"].num_layers
+    assert tr["start_ms"] < tl["prefill_end_ms"] and tr["overlap_ms"] > 0
+    assert tr["exposed_ms"] >= 0 and tl["decode_admitted_ms"] >= tl["prefill_end_ms"]
 
 
 @pytest.mark.parametrize("choice", ["local", "remote"])

@@ -102,6 +102,8 @@ class TransferStats:
     groups: int = 1
     start_unix: float = 0.0  # when the first pull started (wall clock on the decode worker)
     end_unix: float = 0.0  # when the last pull ended: the KV is whole on the decode worker
+    # layer-wise: each pull as (first layer, last layer + 1, start unix, end unix, bytes), in order
+    group_spans: list[tuple[int, int, float, float, int]] = field(default_factory=list)
 
     @property
     def gbytes_per_s(self) -> float:
