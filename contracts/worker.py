@@ -23,6 +23,7 @@ class GenerateRequest:
     prompt_ids: list[int]
     params: SamplingParams
     arrival: float = field(default_factory=time.time)  # wall clock (time.time) at the router
+    kv_transfer: str | None = None  # "bulk" | "layerwise" | "auto": this request's, over the server's
 
 
 @dataclass

@@ -43,7 +43,7 @@ class AdmittedRequest:
         self.error: str | None = None  # why it failed, for its trace and its log line
         self.rid = oar.new_request_id(p.kind)
         self.created = oar.now_created()
-        self.req = GenerateRequest(self.rid, p.prompt_ids, p.params)
+        self.req = GenerateRequest(self.rid, p.prompt_ids, p.params, kv_transfer=p.kv_transfer)
         self.q: asyncio.Queue[Any] = asyncio.Queue()
         self.token_times: list[float] = []
         self.finish_reason: str | None = None  # set once the request ended normally

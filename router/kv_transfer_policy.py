@@ -65,8 +65,10 @@ class KVTransferPolicy:
         kv = prompt_tokens * self.bytes_per_token
         return layerwise_gain_s(kv, prompt_tokens * per_token, self.groups, link, self.open_s)
 
-    def streams(self, prompt_tokens: int) -> bool:
-        if self.mode != "auto":
-            return self.mode == "layerwise"
+    def streams(self, prompt_tokens: int, requested: str | None = None) -> bool:
+        """Whether this prompt streams; `requested`: the request's own mode, over the server's."""
+        mode = requested or self.mode
+        if mode != "auto":
+            return mode == "layerwise"
         gain = self.gain_s(prompt_tokens)
         return gain is not None and gain > 0

@@ -60,6 +60,9 @@ class _Common(_Strict):
     frequency_penalty: float | None = None
     ignore_eos: bool = False  # vLLM extension (benchmarks keep output lengths exact with it)
     stop_token_ids: list[int] | None = None  # vLLM extension
+    # pdserve extension: how this request's KV crosses to the decode pool (default: the server's
+    # --kv-transfer); lets one server compare bulk and layer-wise on the same workers
+    kv_transfer: Literal["bulk", "layerwise", "auto"] | None = None
 
 
 class CompletionRequest(_Common):
@@ -103,6 +106,7 @@ class Prepared:
     logprobs: int | None = None  # top alternatives per generated token; None = no logprobs
     echo: bool = False  # completions: the prompt (and its logprobs, with logprobs) come first
     prompt_text: str = ""  # what echo prepends
+    kv_transfer: str | None = None  # the request's own --kv-transfer (None: the server's)
 
 
 def _model_validate(cls: type[_Strict], body: Any) -> Any:
@@ -263,6 +267,7 @@ def _prepare(
         bool(req.stream and req.stream_options and req.stream_options.include_usage),
         logprobs=logprobs,
         echo=echo,
+        kv_transfer=req.kv_transfer,
     )
 
 

@@ -152,7 +152,7 @@ class Orchestrator:
             if prefill is not None:
                 state.phase = "prefill"
                 stream = None
-                if self.kv_policy is not None and self.kv_policy.streams(len(req.prompt_ids)):
+                if self.kv_policy is not None and self.kv_policy.streams(len(req.prompt_ids), req.kv_transfer):
                     source = await prefill.peer_info()
                     stream = await decode.open_stream(req, source, self.kv_policy.layers_per_group)
                 tl.kv_transfer = "layerwise" if stream is not None else "bulk"
