@@ -47,10 +47,14 @@ def served_prompt_lengths(specs: list[RequestSpec], records: list[Any] | None) -
     return [replace(s, prompt_len=served.get(s.request_id, s.prompt_len)) for s in specs]
 
 
-def sim_config_of(spec: ModeSpec, max_num_seqs: int, setup: PredictionSetup) -> Any:
+def sim_config_of(
+    spec: ModeSpec, max_num_seqs: int, setup: PredictionSetup, kv_transfer: str = "bulk", kv_stream_layers: int = 2
+) -> Any:
+    """The simulator's view of `spec`; `kv_transfer`, `kv_stream_layers`: the server's own flags,
+    so a layer-wise server is predicted with its KV crossing while the prefill runs."""
     return cp.sim_config(
         spec.mode, spec.chunk_size, spec.prefill, spec.decode, max_num_seqs, setup.link, setup.admit_s,
-        setup.decode_slowdown,
+        setup.decode_slowdown, kv_transfer, kv_stream_layers,
     )  # fmt: skip
 
 
@@ -62,7 +66,12 @@ def warmup_specs(run: ModeRun, specs: list[RequestSpec]) -> list[RequestSpec]:
 
 
 def with_admission(
-    setup: PredictionSetup, run: ModeRun, specs: list[RequestSpec], max_num_seqs: int
+    setup: PredictionSetup,
+    run: ModeRun,
+    specs: list[RequestSpec],
+    max_num_seqs: int,
+    kv_transfer: str = "bulk",
+    kv_stream_layers: int = 2,
 ) -> PredictionSetup:
     """Disagg: `setup` with the decode admission delay the simulator lacks, fitted on the warm-up:
     the median measured decode wait (prefill end to decode join, less the pull) minus the median
@@ -74,11 +83,10 @@ def with_admission(
     measured = [r.decode_wait_ms for r in run.warmup.records if r.ok and r.decode_wait_ms is not None]
     if not measured:
         return setup
-    sc = sim_config_of(run.spec, max_num_seqs, replace(setup, admit_s=0.0))
+    sc = sim_config_of(run.spec, max_num_seqs, replace(setup, admit_s=0.0), kv_transfer, kv_stream_layers)
     sim = cp.simulate_requests(sc, setup.steps, warmup_specs(run, specs))
-    waits = [
-        r.admitted - r.token_times[0] - (r.transfer_s or 0.0) for r in sim if r.admitted is not None and r.token_times
-    ]
+    # as the server's timeline counts it: a streamed pull's exposed part, a bulk pull's whole time
+    waits = [w for r in sim if (w := r.decode_wait_s) is not None]
     sim_ms = statistics.median(waits) * 1e3 if waits else 0.0
     return replace(setup, admit_s=max(0.0, statistics.median(measured) - sim_ms) / 1e3)
 
@@ -88,14 +96,20 @@ def hop_s(run: ModeRun) -> float:
 
 
 def warmup_errors(
-    setup: PredictionSetup, run: ModeRun, specs: list[RequestSpec], max_num_seqs: int
+    setup: PredictionSetup,
+    run: ModeRun,
+    specs: list[RequestSpec],
+    max_num_seqs: int,
+    kv_transfer: str = "bulk",
+    kv_stream_layers: int = 2,
 ) -> dict[str, float | None]:
     """`setup`'s relative error on each SCORED figure of the mode's warm-up."""
     if run.warmup is None:
         return {}
     assert isinstance(run.spec, ModeSpec)  # only pdserve's own modes are calibrated (choose() asserts it)
     warm_specs = warmup_specs(run, specs)
-    p = cp.predict("warm-up", sim_config_of(run.spec, max_num_seqs, setup), setup, warm_specs, None, None, hop_s(run))
+    sc = sim_config_of(run.spec, max_num_seqs, setup, kv_transfer, kv_stream_layers)
+    p = cp.predict("warm-up", sc, setup, warm_specs, None, None, hop_s(run))
     figs = cp.compare_figures(run.warmup.metrics, p.metrics)
     return {k: figs[k]["error"] for k in SCORED}
 
@@ -120,18 +134,22 @@ def choose(
     file_given: bool,
     specs: list[RequestSpec],
     max_num_seqs: int,
+    kv_transfer: str = "bulk",
+    kv_stream_layers: int = 2,
 ) -> Choice:
-    """The device model that predicts this mode, and the record of why (the report's basis)."""
+    """The device model that predicts this mode, and the record of why (the report's basis);
+    `kv_transfer`, `kv_stream_layers`: the server's, for the warm-up predictions that choose it."""
     assert isinstance(run.spec, ModeSpec)
     own, own_error = self_setup(model, run.spec.mode, run.self_calibration)
     basis: dict[str, Any] = {"self_error": own_error, "file_error": file_error}
     if file_given and file_setup is not None:
         return Choice(file_setup, basis | {"used": "file", "why": "--calibration given", **_about(file_setup)})
     found = (("self", own), ("file", file_setup), ("probe", _probe_setup(model, run, basis)))
-    candidates = {k: with_admission(s, run, specs, max_num_seqs) for k, s in found if s is not None}
+    kv = (kv_transfer, kv_stream_layers)
+    candidates = {k: with_admission(s, run, specs, max_num_seqs, *kv) for k, s in found if s is not None}
     if not candidates:
         return Choice(None, basis | {"used": None, "why": "no calibration could be fitted or found"})
-    errors = {k: warmup_errors(s, run, specs, max_num_seqs) for k, s in candidates.items()}
+    errors = {k: warmup_errors(s, run, specs, max_num_seqs, *kv) for k, s in candidates.items()}
     scores = {k: score(e) for k, e in errors.items()}
     basis["warmup_scores"], basis["warmup_errors"] = scores, errors
     ranked = sorted(candidates, key=lambda k: (scores[k] is None, scores[k] or 0.0, k != "self"))

@@ -29,6 +29,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 # `pdserve bench NAME`
 BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "transfer": ("benchmarks.bench_transfer", "KV transfer sweep: backends, sizes, block sizes, coalescing"),
+    "layerwise": (
+        "benchmarks.bench_layerwise",
+        "layer-wise vs bulk KV transfer on one disaggregated server: exposed transfer, TTFT, predictions",
+    ),
     "serve": ("benchmarks.bench_serve", "OpenAI-API load generator with TTFT/TPOT/ITL/stall metrics"),
     "probe": (
         "benchmarks.bench_probe",

@@ -5,7 +5,9 @@ to the discrete-event simulator (`costmodel/sim_engine.py`) for each serving mod
 times from the cost model evaluated on a calibrated device spec (`costmodel/cost_model.py`
 Calibration, e.g. the one `pdserve bench chunks` writes for this device). The simulated token
 times are turned into `RequestRecord`s and go through the same `compute_metrics` as the measured
-run, so a predicted TTFT/ITL/stall is computed by the same formula as the measured one.
+run, so a predicted TTFT/ITL/stall is computed by the same formula as the measured one. A
+disaggregated server's `--kv-transfer` and `--kv-stream-layers` reach the simulator too, so a
+layer-wise server is predicted with its KV crossing while the prefill runs.
 
 What the simulator does not model (so the prediction error includes it): HTTP/SSE and Ray call
 latency per token, the router's event pump, Python scheduling, and on a CPU the prefill and
@@ -165,8 +167,11 @@ def sim_config(
     link: cm.Link,
     admit_s: float = 0.0,
     decode_slowdown: float = 1.0,
+    kv_transfer: str = "bulk",
+    kv_stream_layers: int = 2,
 ) -> SimConfig:
-    """The simulator's view of one pdserve mode ("colocated" whole or chunked, or "disagg")."""
+    """The simulator's view of one pdserve mode ("colocated" whole or chunked, or "disagg"; the
+    KV transfer settings only matter to "disagg": nothing crosses a link otherwise)."""
     if mode == "disagg":
         return SimConfig(
             "disagg",
@@ -176,6 +181,8 @@ def sim_config(
             link=link,
             admit_s=admit_s,
             decode_slowdown=decode_slowdown,
+            kv_transfer=kv_transfer,
+            kv_stream_layers=kv_stream_layers,
         )
     if chunk_size:
         return SimConfig("chunked", workers=decode, chunk=chunk_size, max_batch=max_num_seqs, link=link)

@@ -1,6 +1,9 @@
 """`pdserve cost`: the article's tables for any model, GPU, link and MFU (no torch).
 
 With no arguments it prints the article's tables (Llama-3.1-70B FP8 on one H100 SXM, 40% MFU).
+Beside the article's KV transfer table it predicts what streaming the KV layer by layer
+(`pdserve serve --kv-transfer layerwise`) leaves after the prefill on each link, and the prompt
+length from which `--kv-transfer auto` streams (costmodel/layerwise.py).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import Any
 from cli import CliError
 from cli.output import emit_json
 from costmodel import cost_model as cm
+from costmodel.layerwise import DEFAULT_GROUP_OVERHEAD_S, DEFAULT_OPEN_S, groups_of
 
 
 def _ints(s: str) -> list[int]:
@@ -51,6 +55,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--links", default="nvlink,ib-400g,ib-100g", help=f"comma-separated: {', '.join(cm.LINKS)} or NAME=GBPS"
     )
+    p.add_argument(
+        "--kv-stream-layers",
+        type=int,
+        default=2,
+        metavar="N",
+        help="layers per group when the KV streams layer by layer (as pdserve serve's flag): the "
+        "transfer table's layer-wise column and auto threshold (default 2)",
+    )
     p.add_argument("--crossover-ctx", type=int, default=512, help="context of the crossover batch (default 512)")
     p.add_argument("--weight-dtype", default="fp8", choices=["fp8", "bf16", "fp16", "fp32"])
     p.add_argument("--kv-dtype", default="fp8", choices=["fp8", "bf16", "fp32"])
@@ -74,8 +86,8 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
     mfu = args.mfu if args.mfu is not None else (cal.effective_mfu(hw, cm.ARTICLE_MFU) if cal else cm.ARTICLE_MFU)
     if not 0 < mfu <= 1:
         raise CliError(f"--mfu must be in (0, 1], got {mfu}")
-    if args.ctx < 1 or args.batch < 1:
-        raise CliError("--ctx and --batch must be positive")
+    if args.ctx < 1 or args.batch < 1 or args.kv_stream_layers < 1:
+        raise CliError("--ctx, --batch and --kv-stream-layers must be positive")
     dt = dict(weight_dtype=args.weight_dtype)
     kdt = dict(dt, kv_dtype=args.kv_dtype)
     try:
@@ -155,10 +167,28 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
                 "gbytes_per_s": link.bw / cm.GB,
                 "ms": cm.transfer_seconds(doc_bytes, link) * 1e3,
                 "share_of_prefill": cm.transfer_seconds(doc_bytes, link) / doc_prefill.time_s,
+                **_layerwise_row(model, hw, link, args, mfu),
             }
             for link in links
         ],
+        "kv_stream_layers": args.kv_stream_layers,
+        "kv_stream_groups": groups_of(model.num_layers, args.kv_stream_layers),
+        "kv_group_overhead_ms": DEFAULT_GROUP_OVERHEAD_S * 1e3,
+        "kv_stream_open_ms": DEFAULT_OPEN_S * 1e3,
         "step_fit": _step_fit(cal, args),
+    }
+
+
+def _layerwise_row(
+    model: cm.ModelSpec, hw: cm.HardwareSpec, link: cm.Link, args: argparse.Namespace, mfu: float
+) -> dict[str, Any]:
+    """Predicted: the document's KV left after its prefill when streamed, and the shortest prompt
+    `--kv-transfer auto` streams on this link (None: no prompt up to ~1M tokens gains)."""
+    layers, wdt, kdt = args.kv_stream_layers, args.weight_dtype, args.kv_dtype
+    exposed = cm.layerwise_kv_exposed_seconds(model, hw, args.ctx, link, layers, mfu, wdt, kdt)
+    return {
+        "layerwise_exposed_ms_predicted": exposed * 1e3,
+        "auto_threshold_tokens": cm.layerwise_threshold(model, hw, link, layers, args.ctx, mfu, wdt, kdt),
     }
 
 
@@ -183,6 +213,10 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     lines = ["  ".join(h.rjust(w[i]) for i, h in enumerate(headers))]
     lines += ["  ".join(c.rjust(w[i]) for i, c in enumerate(r)) for r in rows]
     return "\n".join(lines)
+
+
+def _tokens(n: int | None) -> str:
+    return "never" if n is None else f"{n:,} tokens"
 
 
 def render(r: dict[str, Any]) -> str:
@@ -254,14 +288,26 @@ def render(r: dict[str, Any]) -> str:
             ],
         ),
         "",
-        f"KV transfer of a {ctx:,}-token prompt ({r['prompt_kv_bytes'] / 1e6:.0f} MB)",
+        f"KV transfer of a {ctx:,}-token prompt ({r['prompt_kv_bytes'] / 1e6:.0f} MB): bulk after the prefill, "
+        "and layer-wise (predicted) while it runs",
         _table(
-            ["link", "GB/s", "ms", "% of prefill"],
+            ["link", "GB/s", "ms", "% of prefill", "layer-wise ms left", "auto streams from"],
             [
-                [row["label"], f"{row['gbytes_per_s']:g}", f"{row['ms']:.1f}", f"{row['share_of_prefill']:.1%}"]
+                [
+                    row["label"],
+                    f"{row['gbytes_per_s']:g}",
+                    f"{row['ms']:.1f}",
+                    f"{row['share_of_prefill']:.1%}",
+                    f"{row['layerwise_exposed_ms_predicted']:.1f}",
+                    _tokens(row["auto_threshold_tokens"]),
+                ]
                 for row in r["link_table"]
             ],
         ),
+        f"  layer-wise: {r['kv_stream_groups']} groups of {r['kv_stream_layers']} layers, "
+        f"{r['kv_group_overhead_ms']:g} ms a group, {r['kv_stream_open_ms']:g} ms to open the stream "
+        "(measured on the CPU VM); left = the last group's share, or the backlog when the link is "
+        "slower than the prefill writes KV",
     ]
     sf = r.get("step_fit")
     if sf:

@@ -8,6 +8,10 @@ Every function follows the article's accounting so its tables come out exactly:
   the full T x T score matrix (no causal halving), again as the article does;
 - a chunk [p, p + c) of a prompt costs prefill(p + c) - prefill(p), so chunks sum to the whole.
 
+The KV transfer is the article's bytes over the link's rate; streamed layer by layer (pdserve's
+`--kv-transfer layerwise`) the arithmetic of what is left after the prefill is
+`costmodel/layerwise.py`'s, fed here with this model's bytes, layers and prefill time.
+
 N is the parameter count of the config (Llama-3.1-70B: 70,553,706,496). The article's script
 rounds it to 70.55e9; the tables it prints need the exact count (reads at batch 64: 113.4997 GB
 with 70.55e9, 113.503 GB with the config; the article prints 114).
@@ -38,6 +42,13 @@ from costmodel.datasheets import (
     ModelSpec,
     resolve_hardware,
     resolve_link,
+)
+from costmodel.layerwise import (
+    DEFAULT_GROUP_OVERHEAD_S,
+    LinkSpec,
+    groups_of,
+    layerwise_exposed_s,
+    layerwise_threshold_tokens,
 )
 from engine.config import KV_DTYPE_BYTES
 
@@ -249,6 +260,61 @@ def kv_transfer_seconds(m: ModelSpec, tokens: int, link: Link, kv_dtype: str = "
     return transfer_seconds(tokens * kv_bytes_per_token(m, kv_dtype), link)
 
 
+def stream_link(link: Link, group_overhead_s: float = DEFAULT_GROUP_OVERHEAD_S) -> LinkSpec:
+    """`link` as costmodel/layerwise.py prices it: its rate, and a fixed cost per pulled group."""
+    return LinkSpec(link.bw, group_overhead_s)
+
+
+# The longest prompt the `auto` threshold is searched up to; past it a link "never" gains.
+STREAM_THRESHOLD_MAX_TOKENS = 1 << 20
+
+
+def layerwise_kv_exposed_seconds(
+    m: ModelSpec,
+    hw: HardwareSpec,
+    tokens: int,
+    link: Link,
+    layers_per_group: int = 2,
+    mfu: float = ARTICLE_MFU,
+    weight_dtype: str = "fp8",
+    kv_dtype: str = "fp8",
+    group_overhead_s: float = DEFAULT_GROUP_OVERHEAD_S,
+) -> float:
+    """A `tokens` prompt's KV transfer left after its prefill when streamed `layers_per_group`
+    layers at a time, its prefill priced by this cost model."""
+    return layerwise_exposed_s(
+        tokens * kv_bytes_per_token(m, kv_dtype),
+        prefill(m, hw, tokens, mfu, weight_dtype).time_s,
+        groups_of(m.num_layers, layers_per_group),
+        stream_link(link, group_overhead_s),
+    )
+
+
+def layerwise_threshold(
+    m: ModelSpec,
+    hw: HardwareSpec,
+    link: Link,
+    layers_per_group: int = 2,
+    at_tokens: int = 4096,
+    mfu: float = ARTICLE_MFU,
+    weight_dtype: str = "fp8",
+    kv_dtype: str = "fp8",
+    group_overhead_s: float = DEFAULT_GROUP_OVERHEAD_S,
+) -> int | None:
+    """The shortest prompt `--kv-transfer auto` streams on `link`; None when none up to
+    STREAM_THRESHOLD_MAX_TOKENS gains. The prefill's time per token is taken at `at_tokens`, as
+    the router measures it: an average over the prompts it has served."""
+    per_token = prefill(m, hw, at_tokens, mfu, weight_dtype).time_s / at_tokens
+    n = layerwise_threshold_tokens(
+        kv_bytes_per_token(m, kv_dtype),
+        per_token,
+        groups_of(m.num_layers, layers_per_group),
+        stream_link(link, group_overhead_s),
+        max_tokens=STREAM_THRESHOLD_MAX_TOKENS,
+    )
+    return None if n >= STREAM_THRESHOLD_MAX_TOKENS else n
+
+
 __all__ = [
     "GB",
     "TFLOP",
@@ -281,4 +347,8 @@ __all__ = [
     "capacity_table",
     "transfer_seconds",
     "kv_transfer_seconds",
+    "stream_link",
+    "STREAM_THRESHOLD_MAX_TOKENS",
+    "layerwise_kv_exposed_seconds",
+    "layerwise_threshold",
 ]

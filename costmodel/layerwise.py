@@ -14,7 +14,9 @@ at about i/G of the prefill (P) and each is one pull of B/G bytes plus a per-gro
 When the link keeps up (B/(G R) + o <= P/G) only the last group is exposed: B/(G R) + o. When
 it is slower than the prefill produces KV, the backlog adds up: about B/R + G o - P (G-1)/G.
 Chunked prefill repeats the groups per chunk; the last chunk's groups are what is left, so the
-same recurrence over the last chunk's share of the bytes and time is a close bound.
+same recurrence over the last chunk's share of the bytes and time is a close bound. A link still
+busy with earlier pulls when the prefill starts (the simulator's FIFO link) starts the recurrence
+later: finish_0 = that busy time instead of 0.
 
 Everything is pure arithmetic: the router (`--kv-transfer auto`), `pdserve cost`, the simulator
 and `bench compare`'s predictions use the same functions.
@@ -54,18 +56,19 @@ def bulk_exposed_s(kv_bytes: float, link: LinkSpec) -> float:
     return kv_bytes / link.bytes_per_s + link.per_pull_s
 
 
-def layerwise_finish_s(kv_bytes: float, prefill_s: float, groups: int, link: LinkSpec) -> float:
-    """When the last group lands, from the prefill's start (the recurrence above)."""
+def layerwise_finish_s(kv_bytes: float, prefill_s: float, groups: int, link: LinkSpec, busy_s: float = 0.0) -> float:
+    """When the last group lands, from the prefill's start (the recurrence above); `busy_s`: how
+    long after the prefill's start the link is still taken by earlier pulls."""
     share = kv_bytes / groups / link.bytes_per_s + link.per_pull_s
-    finish = 0.0
+    finish = max(0.0, busy_s)
     for i in range(1, groups + 1):
         finish = max(finish, prefill_s * i / groups) + share
     return finish
 
 
-def layerwise_exposed_s(kv_bytes: float, prefill_s: float, groups: int, link: LinkSpec) -> float:
+def layerwise_exposed_s(kv_bytes: float, prefill_s: float, groups: int, link: LinkSpec, busy_s: float = 0.0) -> float:
     """What of the transfer is left once the prefill has ended."""
-    return max(0.0, layerwise_finish_s(kv_bytes, prefill_s, groups, link) - prefill_s)
+    return max(0.0, layerwise_finish_s(kv_bytes, prefill_s, groups, link, busy_s) - prefill_s)
 
 
 def layerwise_gain_s(

@@ -10,8 +10,10 @@ it gets its token. Modes:
 - ``chunked``: each step is the decode batch plus up to `chunk` prompt tokens (Sarathi-style);
   its time is decode step + chunk time, the article's additive accounting.
 - ``disagg``: `prefill_workers` run whole prompts; the first token streams at the end of
-  prefill; the KV cache then crosses the link (one FIFO link into each decode worker) and the
-  request joins a decode worker's batch at its next step.
+  prefill; the KV cache crosses the link (one FIFO link into each decode worker) and the request
+  joins a decode worker's batch at its next step. Bulk (`SimConfig.kv_transfer`), the whole KV
+  crosses after the prefill; layer-wise, its groups of layers cross while the prefill runs and only
+  what the link has not caught up with is left after it (costmodel/layerwise.py prices both).
 
 This module holds the workload and the event loop (`Sim`); the request, step prices and
 configuration are costmodel/sim_model.py, the workers costmodel/sim_workers.py, and their names
@@ -26,6 +28,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from costmodel.layerwise import layerwise_exposed_s, layerwise_gain_s
 from costmodel.sim_model import MODES as MODES
 from costmodel.sim_model import Request as Request
 from costmodel.sim_model import SimConfig as SimConfig
@@ -75,6 +78,17 @@ def _times(rate: float, duration: float, rng: random.Random, process: str) -> li
     return out
 
 
+@dataclass
+class _OpenStream:
+    """A layer-wise stream whose prefill is running: its decode worker, when the prefill began, and
+    the link time ahead of its groups (the link's backlog then, plus the part after that start
+    of every pull charged to the link since: a fluid FIFO, those pulls interleave with its groups)."""
+
+    worker: DecodeWorker
+    start: float
+    ahead_s: float
+
+
 class Sim:
     def __init__(self, cfg: SimConfig, steps: StepModel, wl: Workload):
         self.cfg, self.steps, self.wl = cfg, steps, wl
@@ -85,6 +99,7 @@ class Sim:
         self.requests: list[Request] = []
         self.finished: list[Request] = []
         self.chat_rng = random.Random(f"{wl.seed}-chat")
+        self._open: dict[int, _OpenStream] = {}  # layer-wise streams whose prefill is running, by rid
         self.prefill: list[Worker]
         self.decode: list[Worker]  # DecodeWorkers, or ColocatedWorkers that also prefill
         if cfg.mode == "disagg":
@@ -117,14 +132,78 @@ class Sim:
         if r.kind == "chat" and self.wl.streams and self.now < self.wl.duration:
             self.new_request("chat", self.now, self.chat_rng)  # closed loop: the user asks again
 
+    def open_kv_stream(self, r: Request, prefill_s: float) -> None:
+        """`r`'s prefill step starts and takes `prefill_s`. If its KV streams (pdserve's router
+        decides before the prefill, and reserves the decode worker then), pick that worker now and
+        note what its link already carries: the stream's groups queue behind it."""
+        if not self._streams(r, prefill_s):
+            return
+        dw = self._least_loaded_decode()
+        dw.inflight += 1
+        self._open[r.rid] = _OpenStream(dw, self.now, max(0.0, dw.link_free - self.now))
+
     def send_kv(self, r: Request) -> None:
+        """`r`'s prefill has just ended: its KV lands on a decode worker (whole after the prefill,
+        or what is left of its stream) and the request joins that worker's batch once it has."""
+        stream = self._open.pop(r.rid, None)
+        if stream is None:
+            dw = self._least_loaded_decode()
+            dw.inflight += 1
+            landed = self._pull_kv(r, dw)
+        else:
+            dw, landed = stream.worker, self._stream_kv(r, stream)
+        r.exposed_transfer_s = landed - self.now
+        self.at(landed + self.cfg.admit_s, dw.receive, r)
+
+    def _least_loaded_decode(self) -> DecodeWorker:
         dw = min(self.decode, key=lambda w: w.load)
         assert isinstance(dw, DecodeWorker)  # KV is only sent in disaggregated mode
-        start = max(self.now, dw.link_free)
+        return dw
+
+    def _pull_kv(self, r: Request, dw: DecodeWorker) -> float:
+        """Bulk: the whole KV crosses once the prefill has ended and the link is free."""
+        r.kv_transfer = "bulk"
         r.transfer_s = self.steps.transfer(r.prompt, self.cfg.link)
-        dw.link_free = start + r.transfer_s
-        dw.inflight += 1
-        self.at(dw.link_free + self.cfg.admit_s, dw.receive, r)
+        landed = max(self.now, dw.link_free) + r.transfer_s
+        self._charge_link(dw, landed - r.transfer_s, landed, r.transfer_s)
+        return landed
+
+    def _stream_kv(self, r: Request, stream: _OpenStream) -> float:
+        """Layer-wise: the groups crossed while the prefill ran, behind the link time ahead of
+        them; what is left now is the layer-wise recurrence's exposed part (costmodel/layerwise.py)."""
+        cfg = self.cfg
+        groups = cfg.kv_groups(self.steps.model)
+        kv, prefill_s = self.steps.kv_bytes(r.prompt), self._prefill_s(r)
+        exposed = layerwise_exposed_s(kv, prefill_s, groups, cfg.kv_link(), stream.ahead_s)
+        r.kv_transfer = "layerwise"
+        r.transfer_s = self.steps.transfer(r.prompt, cfg.link)  # its bytes' time on the link, as bulk's
+        landed = self.now + exposed
+        # its pulls and their overheads, spread over the prefill and the exposed part after it
+        self._charge_link(stream.worker, stream.start, landed, r.transfer_s + groups * cfg.kv_group_overhead_s)
+        return landed
+
+    def _charge_link(self, dw: DecodeWorker, since: float, landed: float, work_s: float) -> None:
+        """A pull of `work_s` seconds on `dw`'s link, spread evenly over [since, landed]: every
+        stream still prefilling toward `dw` has the part of it after its own start ahead of it."""
+        dw.link_free = max(dw.link_free, landed)
+        for s in self._open.values():
+            after = landed - max(since, s.start)
+            if s.worker is dw and after > 0:
+                s.ahead_s += work_s * after / (landed - since)
+
+    def _streams(self, r: Request, prefill_s: float) -> bool:
+        """Whether `r`'s KV streams: always under layerwise; under auto when the cost model says
+        streaming gains (the router's rule, with this link and this prompt's prefill known)."""
+        cfg = self.cfg
+        if cfg.kv_transfer != "auto":
+            return cfg.kv_transfer == "layerwise"
+        groups = cfg.kv_groups(self.steps.model)
+        return layerwise_gain_s(self.steps.kv_bytes(r.prompt), prefill_s, groups, cfg.kv_link()) > 0
+
+    def _prefill_s(self, r: Request) -> float:
+        """The prefill step that just ended for `r` (its groups were written over it)."""
+        assert r.prefill_start is not None
+        return self.now - r.prefill_start
 
     def run(self, horizon: float | None = None) -> Sim:
         """Run until every request is done, or until simulated time `horizon` (endless streams)."""

@@ -1,6 +1,7 @@
 """What the simulator simulates (costmodel/sim_engine.py runs it): a request and its token times,
 what each step costs (`StepModel`, from the cost model or a measured step fit), and the serving
-configuration (`SimConfig`: mode, pool sizes, chunk, batch limit, KV link).
+configuration (`SimConfig`: mode, pool sizes, chunk, batch limit, KV link, and how the KV crosses
+the link: whole after the prefill, or layer by layer while it runs, priced by costmodel/layerwise.py).
 """
 
 from __future__ import annotations
@@ -8,9 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from costmodel import cost_model as cm
+from costmodel.layerwise import DEFAULT_GROUP_OVERHEAD_S, LinkSpec, groups_of
 from costmodel.step_fit import StepCostFit, StepShape
 
 MODES = ("colocated", "chunked", "disagg")
+# As pdserve's --kv-transfer: "auto" streams a request when costmodel/layerwise.py says it gains.
+KV_TRANSFERS = ("bulk", "layerwise", "auto")
 
 
 @dataclass
@@ -22,16 +26,29 @@ class Request:
     output: int  # tokens to generate, the first (from prefill) included
     prefilled: int = 0
     token_times: list[float] = field(default_factory=list)
-    # disagg only: the KV pull's own time on the link, and when a decode worker's batch took the
-    # request in (what pdserve's timeline calls decode_admitted; decode wait = admitted - first
-    # token - transfer, the link's queue included)
+    # disagg only: the KV bytes' own time on the link (streamed or not), and when a decode
+    # worker's batch took the request in (what pdserve's timeline calls decode_admitted; decode
+    # wait = admitted - first token - the pull, the link's queue included: `decode_wait_s`)
     transfer_s: float | None = None
     admitted: float | None = None
     prefill_start: float | None = None  # when its first prefill step began
+    # disagg only: how its KV crossed ("bulk" or "layerwise"), and what of the crossing was left
+    # once its prefill had ended (the link's queue included), as pdserve's timeline says exposed_ms
+    kv_transfer: str | None = None
+    exposed_transfer_s: float | None = None
 
     @property
     def done(self) -> bool:
         return len(self.token_times) >= self.output
+
+    @property
+    def decode_wait_s(self) -> float | None:
+        """Prefill end to decode join, less the pull, as router/timeline.py counts it: a streamed
+        request's pulls overlapped the prefill, so only their exposed part is taken off."""
+        if self.admitted is None or not self.token_times:
+            return None
+        pull = self.exposed_transfer_s if self.kv_transfer == "layerwise" else self.transfer_s
+        return self.admitted - self.token_times[0] - (pull or 0.0)
 
     @property
     def ctx(self) -> int:
@@ -93,6 +110,9 @@ class StepModel:
     def transfer(self, tokens: int, link: cm.Link) -> float:
         return cm.kv_transfer_seconds(self.model, tokens, link, self.kv_dtype)
 
+    def kv_bytes(self, tokens: int) -> float:
+        return tokens * cm.kv_bytes_per_token(self.model, self.kv_dtype)
+
 
 @dataclass(frozen=True)
 class SimConfig:
@@ -110,12 +130,30 @@ class SimConfig:
     # disagg with both pools on one host's CPU cores: a decode step costs this many times its
     # price for the share of it during which a prefill step runs (1 on separate GPUs; measured)
     decode_slowdown: float = 1.0
+    # disagg: how the KV crosses the link (pdserve's --kv-transfer): "bulk" pulls it whole after
+    # the prefill; "layerwise" pulls `kv_stream_layers` layers at a time while the prefill runs,
+    # each pull costing `kv_group_overhead_s` beyond its bytes, so only what the link has not
+    # caught up with by the prefill's end is left; "auto" streams when that gains
+    kv_transfer: str = "bulk"
+    kv_stream_layers: int = 2
+    kv_group_overhead_s: float = DEFAULT_GROUP_OVERHEAD_S
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if min(self.workers, self.prefill_workers, self.decode_workers, self.chunk, self.max_batch) < 1:
             raise ValueError("workers, chunk and max_batch must be positive")
+        if self.kv_transfer not in KV_TRANSFERS:
+            raise ValueError(f"kv_transfer must be one of {KV_TRANSFERS}, got {self.kv_transfer!r}")
+        if self.kv_stream_layers < 1 or self.kv_group_overhead_s < 0:
+            raise ValueError("kv_stream_layers must be positive and kv_group_overhead_s non-negative")
+
+    def kv_link(self) -> LinkSpec:
+        """The link as costmodel/layerwise.py prices it: its rate, and each group's pull overhead."""
+        return cm.stream_link(self.link, self.kv_group_overhead_s)
+
+    def kv_groups(self, model: cm.ModelSpec) -> int:
+        return groups_of(model.num_layers, self.kv_stream_layers)
 
     @property
     def gpus(self) -> int:
@@ -124,5 +162,6 @@ class SimConfig:
     @property
     def label(self) -> str:
         if self.mode == "disagg":
-            return f"disagg {self.prefill_workers}P{self.decode_workers}D {self.link.name}"
+            streamed = "" if self.kv_transfer == "bulk" else f" {self.kv_transfer}/{self.kv_stream_layers}"
+            return f"disagg {self.prefill_workers}P{self.decode_workers}D {self.link.name}{streamed}"
         return f"chunked {self.chunk}" if self.mode == "chunked" else "colocated"

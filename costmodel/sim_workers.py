@@ -1,9 +1,9 @@
 """The simulated workers (costmodel/sim_engine.py drives them): each plans its next step from its
 queue and running batch, prices it with the `StepModel`, and at the step's end hands out tokens.
 `ColocatedWorker` prefills whole prompts (freezing the decode batch) or in chunks beside it;
-`PrefillWorker` runs whole prompts and sends the KV on; `DecodeWorker` takes requests in off its
-link and decodes. A worker sees the simulator only through `SimHost`, so this module does not
-import the simulator.
+`PrefillWorker` runs whole prompts and sends the KV on (streamed layer-wise, it opens the stream
+as the step starts); `DecodeWorker` takes requests in off its link and decodes. A worker sees the
+simulator only through `SimHost`, so this module does not import the simulator.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ class SimHost(Protocol):
     def at(self, t: float, fn: Callable, *args: Any) -> None: ...
 
     def finish(self, r: Request) -> None: ...
+
+    def open_kv_stream(self, r: Request, prefill_s: float) -> None: ...
 
     def send_kv(self, r: Request) -> None: ...
 
@@ -173,13 +175,16 @@ class PrefillWorker(Worker):
                     self.sim.send_kv(r)
 
         dur = steps.prefill_pool_step([r.prompt for r in prompts])
+        for r in prompts:
+            if r.output > 1:  # its KV crosses once this step ends (a 1-token request just finishes)
+                self.sim.open_kv_stream(r, dur)
         return dur, sum(r.prompt for r in prompts), 0, fin
 
 
 class DecodeWorker(Worker):
     def __init__(self, sim: SimHost, name: str):
         super().__init__(sim, name)
-        self.link_free = 0.0
+        self.link_free = 0.0  # when its link has carried every pull charged to it so far
         self.inflight = 0
 
     @property

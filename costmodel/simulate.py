@@ -3,6 +3,8 @@
 Default scenario is the article's: Llama-3.1-70B FP8 on H100 SXM at 40% MFU, 32 chat streams
 (closed loop), 4k-token documents arriving as a Poisson process. Every number it prints is
 *simulated*; `--calibration` swaps the datasheet for measured bandwidth/MFU/overheads.
+`--kv-transfer layerwise` streams the disaggregated KV while the prefill runs (only what the link
+has not caught up with is left before the second token; costmodel/layerwise.py).
 `--capacity` runs the article's capacity table through the simulator, beside the closed form.
 """
 
@@ -68,6 +70,10 @@ def summarize(sim: Sim, warmup: float, slo: dict[str, float | None]) -> dict[str
     ]
     itl = [(b - a) * 1e3 for r in done for a, b in zip(r.token_times, r.token_times[1:])]
     stalls = _doc_stalls([r for r in done if r.kind == "doc"], sim.requests)
+    # disagg: what of each KV crossing was left after its prefill, and when documents' second
+    # token came (the first one the crossing delays)
+    exposed = [r.exposed_transfer_s * 1e3 for r in done if r.exposed_transfer_s is not None]
+    ttst_doc = [(r.token_times[1] - r.arrival) * 1e3 for r in done if r.kind == "doc" and len(r.token_times) > 1]
     tokens = sum(
         bisect.bisect_left(r.token_times, end) - bisect.bisect_left(r.token_times, warmup) for r in sim.requests
     )
@@ -99,6 +105,10 @@ def summarize(sim: Sim, warmup: float, slo: dict[str, float | None]) -> dict[str
         "ttft_ms": percentiles(ttft["all"]),
         "ttft_chat_ms": percentiles(ttft["chat"]),
         "ttft_doc_ms": percentiles(ttft["doc"]),
+        "ttst_doc_ms": percentiles(ttst_doc),
+        "kv_transfer": sim.cfg.kv_transfer if sim.cfg.mode == "disagg" else None,
+        "kv_stream_layers": sim.cfg.kv_stream_layers if sim.cfg.mode == "disagg" else None,
+        "kv_exposed_ms": percentiles(exposed),
         "tpot_ms": percentiles(tpot),
         "itl_ms": percentiles(itl),
         "max_stall_ms": max(stalls) * 1e3 if stalls else None,
@@ -208,6 +218,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunk", type=int, default=512, help="prompt tokens per step, chunked mode")
     g.add_argument("--max-batch", type=int, default=256)
     g.add_argument("--link", default="nvlink", help=f"{', '.join(cm.LINKS)} or NAME=GBPS")
+    g.add_argument(
+        "--kv-transfer",
+        default="bulk",
+        choices=("bulk", "layerwise"),
+        help="disagg: how the KV crosses the link (as pdserve serve's flag). bulk: whole, after the "
+        "prefill, so all of it sits between the first and second token; layerwise: each group of "
+        "layers while the prompt still prefills, so only the last group's share (plus the backlog "
+        "of a link slower than the prefill) is left (default: bulk)",
+    )
+    g.add_argument(
+        "--kv-stream-layers",
+        type=int,
+        default=2,
+        metavar="N",
+        help="layers per streamed group under --kv-transfer layerwise: fewer leave less after the "
+        "prefill, more pay fewer per-group overheads (default: 2)",
+    )
     g = p.add_argument_group("workload")
     g.add_argument("--streams", type=int, default=32, help="closed-loop chat streams (0: use --chat-rate)")
     g.add_argument("--chat-rate", type=float, default=0.0, help="Poisson chat arrivals per second")
@@ -283,6 +310,22 @@ def render(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def render_kv(results: list[dict[str, Any]]) -> list[str]:
+    """One line per disaggregated result: the KV crossing left after the prefill, and when the
+    documents' second token came."""
+    lines = []
+    for r in results:
+        kv = r.get("kv_exposed_ms") or {}
+        if r.get("kv_transfer") is None or kv.get("p50") is None:
+            continue
+        how = "bulk" if r["kv_transfer"] == "bulk" else f"{r['kv_transfer']}, {r['kv_stream_layers']} layers a group"
+        lines.append(
+            f"{r['label']}: KV left after the prefill ({how}) p50 {kv['p50']:.1f} ms, p99 {kv['p99']:.1f} ms; "
+            f"documents' 2nd token p50 {_fmt(r['ttst_doc_ms']['p50'])} ms after arrival"
+        )
+    return lines
+
+
 def render_capacity(rows: list[dict[str, Any]]) -> str:
     lines = ["prefills/s  GPU on prefill (sim / closed)  decode seqs (sim / closed)"]
     for r in rows:
@@ -328,7 +371,17 @@ def main(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
         cfgs = [
-            SimConfig(m, args.workers, args.prefill_workers, args.decode_workers, args.chunk, args.max_batch, link)
+            SimConfig(
+                m,
+                args.workers,
+                args.prefill_workers,
+                args.decode_workers,
+                args.chunk,
+                args.max_batch,
+                link,
+                kv_transfer=args.kv_transfer,
+                kv_stream_layers=args.kv_stream_layers,
+            )
             for m in modes
         ]
     except ValueError as e:
@@ -349,5 +402,7 @@ def main(args: argparse.Namespace) -> int:
             f"documents {args.doc_prompt[0]:,} tokens at {args.doc_rate:g}/s for {args.duration:g} s"
         )
         print(render(results))
+        for line in render_kv(results):
+            print(line)
         print(f"result: {path}" + (f", plot: {payload['png']}" if "png" in payload else ""))
     return 0

@@ -44,6 +44,8 @@ class KVTransfer:
     start_ms: float | None = None
     overlap_ms: float | None = None
     exposed_ms: float | None = None
+    # layer-wise: each pull as (first layer, last layer + 1, start ms, end ms, bytes), in order
+    group_spans: list[tuple[int, int, float, float, int]] = field(default_factory=list)
 
     @classmethod
     def measured(cls, s: TransferStats, link_gbps: float | None) -> KVTransfer:
@@ -64,7 +66,8 @@ class KVTransfer:
         return t
 
     def place(self, s: TransferStats, tl: Timeline) -> None:
-        """Its start, overlap with the remote prefill and exposed part, on `tl`'s clock."""
+        """Its start, overlap with the remote prefill and exposed part, and its pulls, on `tl`'s clock."""
+        self.group_spans = [(a, b, tl.rel(t0), tl.rel(t1), n) for a, b, t0, t1, n in s.group_spans]
         if not s.start_unix or not s.end_unix:
             return
         start, end = tl.rel(s.start_unix), tl.rel(s.end_unix)
@@ -93,6 +96,8 @@ class KVTransfer:
         _put(d, "start_ms", self.start_ms)
         _put(d, "overlap_ms", self.overlap_ms)
         _put(d, "exposed_ms", self.exposed_ms)
+        if self.group_spans:
+            d["group_spans"] = [list(g) for g in self.group_spans]
         return d
 
     @classmethod
@@ -113,6 +118,7 @@ class KVTransfer:
             d.get("start_ms"),
             d.get("overlap_ms"),
             d.get("exposed_ms"),
+            [(int(a), int(b), float(t0), float(t1), int(n)) for a, b, t0, t1, n in d.get("group_spans") or []],
         )
 
 
@@ -147,6 +153,9 @@ class Timeline:
     # that worker's prefix-cache hit; JSON "prefill_cached_tokens" from a prefill worker and
     # "cached_tokens" from the decode worker (the names clients already parse)
     prefill_cached_tokens: int | None = None
+    # layer-wise, on a prefill worker: each group of layers as it was written and announced to the
+    # decode worker (first layer, last layer + 1, ms), in order, one per group per prefill chunk
+    prefill_groups: list[tuple[int, int, float]] = field(default_factory=list)
     local_max_gap_ms: float | None = None  # a local prefill: the longest gap the streams beside it saw
     # ---- tokens and the KV pull
     first_token_ms: float | None = None
@@ -181,6 +190,7 @@ class Timeline:
         self.prefill_end_ms = self.rel(t["prefill_end"])
         self.kv_blocks = len(result.handle.block_ids)
         self.prefill_cached_tokens = int(t.get("cached_tokens", 0))
+        self.prefill_groups = [(a, b, self.rel(at)) for a, b, at in result.stream_groups]
 
     def stamp_first_token(self, ev: StreamEvent) -> None:
         self.first_token_ms = self.rel(ev.t)
@@ -246,6 +256,8 @@ class Timeline:
             _put(d, "prefill_end_ms", self.prefill_end_ms)
             _put(d, "kv_blocks", self.kv_blocks)
             _put(d, "prefill_cached_tokens", self.prefill_cached_tokens)
+            if self.prefill_groups:
+                d["prefill_groups"] = [list(g) for g in self.prefill_groups]
         _put(d, "local_max_gap_ms", self.local_max_gap_ms)
         _put(d, "first_token_ms", self.first_token_ms)
         if not remote:  # the decode worker's figures arrive with the first token
@@ -291,6 +303,7 @@ class Timeline:
             prefill_end_ms=d.get("prefill_end_ms"),
             kv_blocks=d.get("kv_blocks"),
             prefill_cached_tokens=d.get("prefill_cached_tokens", d.get("cached_tokens")),
+            prefill_groups=[(int(a), int(b), float(at)) for a, b, at in d.get("prefill_groups") or []],
             local_max_gap_ms=d.get("local_max_gap_ms"),
             first_token_ms=d.get("first_token_ms"),
             last_token_ms=d.get("last_token_ms"),

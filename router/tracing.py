@@ -10,7 +10,11 @@ Off the hot path by construction: the request's root span is opened when the req
 and every other span is built after the request ended, from the timeline's stamps with explicit
 start and end times (router/trace_phases.py). The workers' phases (queue, prefill, KV transfer,
 decode) are therefore spans the router writes from the times the workers reported, not spans the
-workers emit: no trace context crosses the Ray calls, and a worker costs nothing per step.
+workers emit: no trace context crosses the Ray calls, and a worker costs nothing per step. With
+layer-wise KV transfer the workers' per-group stamps come back the same way (a few floats per group
+in the prefill's result and the decode admission's transfer stats): each group's forward pass is a
+child of the prefill span, and each group's pull a child of the request's span, overlapping the
+prefill.
 Spans leave through a BatchSpanProcessor (a bounded queue and a background thread): a collector
 that is down or slow costs only dropped spans, which `pdserve_trace_spans_dropped_total` counts.
 """
@@ -35,7 +39,9 @@ from router import trace_phases
 from router.timeline import Timeline
 
 log = logging.getLogger("pdserve.tracing")
-MAX_QUEUE_SPANS = 8192  # ~10 spans a request: the last ~800 requests wait here while a collector is slow
+# ~10 spans a request (layer-wise: two more per group of layers and prefill chunk): the last ~800
+# bulk requests wait here while a collector is slow
+MAX_QUEUE_SPANS = 8192
 _ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 TimelineIn = Timeline | Mapping[str, Any]  # a request's timeline, typed or as the API's JSON
 
@@ -182,17 +188,26 @@ class Tracing:
     def _children(self, root: Span, tl: TimelineIn, t0: int, t1: int, status: str, error: str | None) -> None:
         rt = trace_phases.build(tl, t0, t1, status, error, self.chunk_size)
         ctx = trace.set_span_in_context(root)
-        for p in [*rt.phases, *([rt.stream] if rt.stream else [])]:
-            span = self.tracer.start_span(p.name, ctx, attributes=p.attributes, start_time=p.start_ns)
-            if rt.error is not None and p is rt.phases[-1]:  # the phase the request ended in
-                span.set_status(Status(StatusCode.ERROR, rt.error))
-            span.end(end_time=p.end_ns)
+        for p in [*rt.phases, *([rt.stream] if rt.stream else []), *rt.overlapping]:
+            failed = rt.error if rt.error is not None and p is rt.phases[-1] else None  # the phase it ended in
+            self._span(p, ctx, failed)
         for name, t, attrs in rt.events:
             root.add_event(name, attrs, timestamp=t)
         root.set_attributes(rt.root)
         if rt.error is not None:
             kind = "aborted" if status == "aborted" else "error"
             root.add_event(kind, {"message": rt.error, "pdserve.died": "died" in rt.error}, timestamp=t1)
+
+    def _span(self, p: trace_phases.Phase, ctx: Context, error: str | None = None) -> None:
+        """Phase `p` as a span under `ctx`'s, its children under it, all with their own times."""
+        span = self.tracer.start_span(p.name, ctx, attributes=p.attributes, start_time=p.start_ns)
+        if p.children:
+            inner = trace.set_span_in_context(span)
+            for c in p.children:
+                self._span(c, inner)
+        if error is not None:
+            span.set_status(Status(StatusCode.ERROR, error))
+        span.end(end_time=p.end_ns)
 
     def shutdown(self) -> None:
         """Flush what is queued (bounded by the exporter's timeout) and stop the export thread."""

@@ -206,3 +206,27 @@ def test_the_simulator_slows_decode_steps_beside_a_prefill_and_admits_late():
     plain = predict("d", sim_config("disagg", None, 1, 1, 64, setup.link), setup, chats, None, None)
     gap = lambda p: p.records[0].chunk_times_s[1] - p.records[0].chunk_times_s[0]  # noqa: E731
     assert gap(first) == pytest.approx(gap(plain) + 0.2, abs=0.01)
+
+
+def test_a_layerwise_server_is_predicted_with_its_kv_streamed():
+    """bench compare passes the server's --kv-transfer and --kv-stream-layers to the simulator:
+    a layer-wise disaggregated server's document reaches its second token sooner, a colocated
+    one has no link to stream over."""
+    from benchmarks.compare_args import ModeSpec
+    from benchmarks.compare_prediction import sim_config_of
+    from costmodel.compare_predict import simulate_requests
+
+    # a link slow enough that the document's bulk pull is a sizeable share of its prefill
+    setup = setup_from_steps("tiny", TRUE, TRUE, 0.002, "test", 100)
+    specs = [RequestSpec("doc-0", "x", 512, 4, 0.0, "document")]
+    spec = ModeSpec("disagg-1P1D", "disagg")
+    assert sim_config_of(spec, 64, setup).kv_transfer == "bulk"  # today's prediction by default
+    streamed = sim_config_of(spec, 64, setup, kv_transfer="layerwise", kv_stream_layers=1)
+    assert (streamed.kv_transfer, streamed.kv_stream_layers) == ("layerwise", 1)
+    (bulk,) = simulate_requests(sim_config_of(spec, 64, setup), setup.steps, specs)
+    (lw,) = simulate_requests(streamed, setup.steps, specs)
+    assert lw.token_times[0] == bulk.token_times[0]
+    assert lw.exposed_transfer_s is not None and bulk.exposed_transfer_s is not None
+    assert lw.exposed_transfer_s < bulk.exposed_transfer_s and lw.token_times[1] < bulk.token_times[1]
+    colocated = sim_config("colocated", None, 1, 1, 64, setup.link, kv_transfer="layerwise")
+    assert colocated.kv_transfer == "bulk"

@@ -227,3 +227,22 @@ def test_cli_text_and_errors(capsys):
     assert "bf16" in capsys.readouterr().err
     out = _cli_json(["--hw", "a100", "--weight-dtype", "bf16", "--kv-dtype", "bf16"])
     assert out["kv_bytes_per_token"] == 320 * 1024
+
+
+def test_cli_json_layerwise_fields():
+    out = _cli_json([])
+    assert out["kv_stream_layers"] == 2 and out["kv_stream_groups"] == 40
+    assert out["kv_group_overhead_ms"] == 0.5 and out["kv_stream_open_ms"] == 4.0
+    rows = {row["link"]: row for row in out["link_table"]}
+    for row in rows.values():
+        assert {"layerwise_exposed_ms_predicted", "auto_threshold_tokens"} <= set(row)
+        assert row["layerwise_exposed_ms_predicted"] < row["ms"] + 0.5  # never above bulk's pull + one overhead
+    # 100G IB keeps up with the prefill: one group of 40 (53.7 / 40 ms) and its overhead are left
+    assert r(rows["ib-100g"]["layerwise_exposed_ms_predicted"], 2) == r(53.687 / 40 + 0.5, 2)
+    thresholds = [rows[k]["auto_threshold_tokens"] for k in ("nvlink", "ib-400g", "ib-100g")]
+    assert thresholds == sorted(thresholds, reverse=True) and thresholds[-1] == 314
+    whole = _cli_json(["--kv-stream-layers", "80", "--links", "ib-100g"])
+    assert whole["kv_stream_groups"] == 1
+    row = whole["link_table"][0]
+    assert row["layerwise_exposed_ms_predicted"] == pytest.approx(row["ms"] + 0.5)  # one group: nothing hidden
+    assert cli_main(["cost", "--kv-stream-layers", "0"]) == 2

@@ -40,6 +40,8 @@ SNAPSHOT = {
     ("--rss-growth-warn-mb",): ("rss_growth_warn_mb", "_StoreAction", None, "float", None, None, "MB", POOLS),
     ("--rss-warmup-steps",): ("rss_warmup_steps", "_StoreAction", None, "int", None, None, "N", POOLS),
     ("--transport",): ("transport", "_StoreAction", None, None, ("nixl", "local"), None, None, POOLS),
+    ("--kv-transfer",): ("kv_transfer", "_StoreAction", None, None, ("bulk", "layerwise", "auto"), None, None, POOLS),
+    ("--kv-stream-layers",): ("kv_stream_layers", "_StoreAction", None, "int", None, None, "N", POOLS),
     ("--lease-s",): ("lease_s", "_StoreAction", None, "float", None, None, None, POOLS),
     ("--transfer-timeout-s",): ("transfer_timeout_s", "_StoreAction", None, "float", None, None, None, POOLS),
     ("--prefill-resources",): ("prefill_resources", "_StoreAction", None, None, None, None, "JSON", POOLS),

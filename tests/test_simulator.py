@@ -179,3 +179,91 @@ def test_cli_json_and_png(tmp_path):
     saved = json.loads((tmp_path / "simulate.json").read_text())
     assert saved["provenance"]["git_commit"] and (tmp_path / "simulate.png").stat().st_size > 10_000
     assert cli_main(["simulate", "--link", "carrier-pigeon", "--out-dir", str(tmp_path)]) == 2
+
+
+# ----------------------------------------------------------------------------- layer-wise KV streaming
+
+DOCS = Workload(
+    streams=0,
+    chat_rate=8.0,
+    chat_prompt=(32, 512),
+    chat_output=(8, 32),
+    doc_rate=1.0,
+    doc_prompt=(1024, 8192),
+    doc_output=(4, 16),
+    duration=10.0,
+    seed=2,
+)  # open-loop: every request (and its rid) is the same whatever the KV transfer
+
+
+def _by_kv_transfer(link: cm.Link, **kw) -> dict[str, dict[int, object]]:
+    out = {}
+    for kv in ("bulk", "layerwise"):
+        cfg = SimConfig("disagg", prefill_workers=2, decode_workers=1, link=link, kv_transfer=kv, **kw)
+        out[kv] = {r.rid: r for r in simulate(cfg, STEPS, DOCS).requests}
+    return out
+
+
+def test_single_request_layerwise_leaves_the_last_group():
+    from costmodel.layerwise import layerwise_exposed_s
+
+    p, link = 4096, cm.LINKS["ib-100g"]
+    cfg = SimConfig("disagg", link=link, kv_transfer="layerwise")
+    r = _alone(cfg, p, 5)
+    prefill = cm.prefill(M, HW, p).time_s
+    left = layerwise_exposed_s(p * cm.kv_bytes_per_token(M), prefill, 40, cm.stream_link(link))
+    assert r.token_times[0] - 0.5 == pytest.approx(prefill)  # the first token is not delayed
+    assert r.kv_transfer == "layerwise" and r.exposed_transfer_s == pytest.approx(left)
+    assert r.token_times[1] - r.token_times[0] == pytest.approx(left + cm.decode_step_tokens(M, HW, 1, p + 1).time_s)
+    assert r.decode_wait_s == pytest.approx(0.0, abs=1e-12)  # alone: admitted as the last group lands
+    bulk = _alone(SimConfig("disagg", link=link), p, 5)
+    assert bulk.kv_transfer == "bulk" and bulk.exposed_transfer_s == pytest.approx(bulk.transfer_s)
+    assert left < bulk.exposed_transfer_s / 10  # 40 groups: about 1/40 of it, plus a pull's overhead
+
+
+def test_layerwise_never_leaves_documents_more_than_bulk():
+    runs = _by_kv_transfer(cm.LINKS["ib-100g"])
+    bulk, lw = runs["bulk"], runs["layerwise"]
+    docs = [rid for rid, r in bulk.items() if r.kind == "doc"]
+    assert len(docs) >= 5 and bulk.keys() == lw.keys()
+    for rid in docs:
+        b, s = bulk[rid], lw[rid]
+        assert s.token_times[0] == b.token_times[0]  # the prefill pool does not see the link
+        assert s.exposed_transfer_s <= b.exposed_transfer_s
+        assert s.token_times[1] <= b.token_times[1] + 1e-12  # time to second token
+    saved = [bulk[rid].token_times[1] - lw[rid].token_times[1] for rid in docs]
+    assert max(saved) > 0.03  # a 4k+ document's pull on 100G IB is 50+ ms, nearly all hidden
+    summary = {kv: summarize(simulate(
+        SimConfig("disagg", prefill_workers=2, link=cm.LINKS["ib-100g"], kv_transfer=kv), STEPS, DOCS
+    ), 1.0, NO_SLO) for kv in ("bulk", "layerwise")}  # fmt: skip
+    assert summary["layerwise"]["kv_exposed_ms"]["p99"] < summary["bulk"]["kv_exposed_ms"]["p99"]
+    assert summary["layerwise"]["ttst_doc_ms"]["p50"] < summary["bulk"]["ttst_doc_ms"]["p50"]
+
+
+def test_layerwise_equals_bulk_when_the_transfer_is_free():
+    free = cm.Link("free", "free", 1e18)
+    runs = _by_kv_transfer(free, kv_group_overhead_s=0.0)
+    for rid, b in runs["bulk"].items():
+        s = runs["layerwise"][rid]
+        assert s.exposed_transfer_s == pytest.approx(0.0, abs=1e-9)
+        assert s.token_times == pytest.approx(b.token_times, abs=1e-9)
+
+
+def test_auto_streams_documents_not_chats_on_a_slow_link():
+    cfg = SimConfig("disagg", prefill_workers=2, link=cm.LINKS["ib-100g"], kv_transfer="auto")
+    reqs = [r for r in simulate(cfg, STEPS, DOCS).requests if r.kv_transfer is not None]
+    assert {r.kv_transfer for r in reqs if r.kind == "doc"} == {"layerwise"}
+    assert {r.kv_transfer for r in reqs if r.kind == "chat" and r.prompt < 100} == {"bulk"}
+    with pytest.raises(ValueError, match="kv_transfer"):
+        SimConfig("disagg", kv_transfer="telepathy")
+
+
+def test_cli_kv_transfer_flags(tmp_path):
+    buf = io.StringIO()
+    argv = ["simulate", "--modes", "disagg", "--link", "ib-100g", "--duration", "4", "--warmup", "1"]
+    argv += ["--kv-transfer", "layerwise", "--kv-stream-layers", "4", "--no-png", "--out-dir", str(tmp_path), "--json"]
+    with contextlib.redirect_stdout(buf):
+        assert cli_main(argv) == 0
+    (r,) = json.loads(buf.getvalue())["results"]
+    assert r["kv_transfer"] == "layerwise" and r["kv_stream_layers"] == 4 and r["label"].endswith("layerwise/4")
+    assert r["kv_exposed_ms"]["p50"] is not None and set(r["ttst_doc_ms"]) == {"p50", "p90", "p99"}

@@ -38,11 +38,11 @@ def test_failed_step_fails_its_batch_and_the_worker_keeps_serving(monkeypatch):
         want = [e.token_id for e in _events(d, {"ref"})["ref"] if e.kind == "token"]
         real, calls = d.engine.runner.execute, []
 
-        def execute_failing_once(decode, items):
+        def execute_failing_once(decode, items, on_layer=None):
             calls.append(len(items))
             if len(calls) == 3:  # mid-decode of "victim"
                 raise RuntimeError("injected: NaN in the logits")
-            return real(decode, items)
+            return real(decode, items, on_layer)
 
         monkeypatch.setattr(d.engine.runner, "execute", execute_failing_once)
         d.submit_prompt(_req("victim", 40))
@@ -70,11 +70,11 @@ def test_failed_prefill_step_fails_its_prompt_and_the_worker_keeps_serving(monke
         p.release("ref")
         real, calls = p.engine.runner.execute, []
 
-        def execute_failing_once(decode, items):
+        def execute_failing_once(decode, items, on_layer=None):
             calls.append(len(items))
             if len(calls) == 1:
                 raise RuntimeError("injected: a kernel error")
-            return real(decode, items)
+            return real(decode, items, on_layer)
 
         monkeypatch.setattr(p.engine.runner, "execute", execute_failing_once)
         with pytest.raises(WorkerError, match="prefill step failed: .*a kernel error"):

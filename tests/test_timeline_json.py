@@ -50,6 +50,8 @@ AUTO_REMOTE_KEYS = [*AUTO_HEAD, *REMOTE_PREFILL, "first_token_ms", "last_token_m
 TRANSFER_KEYS = ["backend", "bytes", "descriptors", "ms", "gbytes_per_s", "link_ms", "gbits_per_s"]
 LINK_KEYS = ["link_gbits_per_s", "link_nominal_ms", "rate_vs_link"]  # with a nominal --link-gbps
 PLACE_KEYS = ["mode", "groups", "start_ms", "overlap_ms", "exposed_ms"]  # bulk or layer-wise, when
+# layer-wise only: when each group was announced (after prefill_cached_tokens), each pull (transfer's last)
+LAYERWISE_KEYS = [k for x in DISAGG_KEYS for k in ([x, "prefill_groups"] if x == "prefill_cached_tokens" else [x])]
 DISPATCH_KEYS = ["decision", "reason", "streams_in_flight", "prompt_tokens", "cached_tokens", "local", "remote"]
 
 # the JSON type of every value (int and float apart: a client may format them differently)
@@ -74,6 +76,7 @@ TYPES = {
     "prefill_end_ms": float,
     "kv_blocks": int,
     "prefill_cached_tokens": int,
+    "prefill_groups": list,
     "cached_tokens": int,
     "first_token_ms": float,
     "last_token_ms": float,
@@ -119,8 +122,8 @@ def _check_types(tl: dict) -> None:
     assert all(type(t) is int for t in tl["token_ids"]) and all(type(t) is float for t in tl["token_ms"])
 
 
-def _check_transfer(tr: dict, link: bool) -> None:
-    assert list(tr) == TRANSFER_KEYS + (LINK_KEYS if link else []) + PLACE_KEYS
+def _check_transfer(tr: dict, link: bool, layerwise: bool = False) -> None:
+    assert list(tr) == TRANSFER_KEYS + (LINK_KEYS if link else []) + PLACE_KEYS + (["group_spans"] if layerwise else [])
     assert type(tr["bytes"]) is int and type(tr["descriptors"]) is int and type(tr["backend"]) is str
     assert type(tr["mode"]) is str and type(tr["groups"]) is int
     assert all(type(tr[k]) is float for k in ("ms", "gbytes_per_s", "gbits_per_s", "start_ms", "exposed_ms"))
@@ -176,18 +179,21 @@ def test_disaggregated_timeline_json(workers):
 
 
 def test_layerwise_timeline_json(workers):
-    """A layer-wise request's timeline: the same keys, its pulls started before the prefill ended
-    (they overlap it) and what was exposed after it is at most the whole transfer."""
+    """A layer-wise request's timeline: the same keys and when each group was announced and pulled,
+    its pulls started before the prefill ended (they overlap it) and what was exposed after it is
+    at most the whole transfer."""
     p, d = workers("prefill"), workers("decode")
     policy = KVTransferPolicy("layerwise", 1, PRESETS["tiny"].num_layers, 1.0)
     orch = Orchestrator(
         "disagg", PRESETS["tiny"], _handles("prefill", [p]), _handles("decode", [d]), "prefix", kv_policy=policy
     )
     (tl,) = _serve(orch, ["l1"])
-    assert list(tl) == DISAGG_KEYS
+    assert list(tl) == LAYERWISE_KEYS
     _check_types(tl)
     tr = tl["transfer"]
-    _check_transfer(tr, link=False)
+    _check_transfer(tr, link=False, layerwise=True)
+    assert len(tr["group_spans"]) == tr["groups"] and sum(g[4] for g in tr["group_spans"]) == tr["bytes"]
+    assert all(type(a) is int and type(b) is int and type(t) is float for a, b, t in tl["prefill_groups"])
     assert tl["kv_transfer"] == tr["mode"] == "layerwise" and tr["groups"] == PRESETS["tiny"].num_layers
     assert tr["start_ms"] < tl["prefill_end_ms"] and tr["overlap_ms"] > 0
     assert tr["exposed_ms"] >= 0 and tl["decode_admitted_ms"] >= tl["prefill_end_ms"]

@@ -91,7 +91,7 @@ def test_prefill_loop_death_fails_waiting_callers_and_ping():
     w = PrefillWorker(_cfg(), f"lc-prefill-{next(_names)}")
     try:
 
-        def boom():
+        def boom(on_layer=None):
             raise RuntimeError("kernel exploded")
 
         w.engine.step = boom
@@ -146,7 +146,7 @@ def test_decode_death_in_disagg_leaves_the_prefill_pool_clean(make_pair):
     p, d = make_pair({"lease_s": 2.0}, {})
     real_step, calls, armed = d.engine.step, itertools.count(), threading.Event()
 
-    def step_then_die():
+    def step_then_die(on_layer=None):
         if armed.is_set() and next(calls) >= 3:  # both admitted first: the death hits running streams
             raise RuntimeError("decode kernel exploded")
         return real_step()
@@ -406,8 +406,8 @@ def test_orchestrator_failed_transfer_is_an_error_and_frees_both_pools(make_pair
 
 
 def _slowed(step, seconds: float):
-    def slow():
+    def slow(on_layer=None):
         time.sleep(seconds)
-        return step()
+        return step(on_layer)
 
     return slow

@@ -1,0 +1,310 @@
+"""`pdserve bench layerwise`: what layer-wise KV streaming takes off the critical path, A/B on one server.
+
+Sends documents of `--doc-words` words (slices of the article) one at a time to a disaggregated
+pdserve server, each document twice in a row, once pulled whole after its prefill (`bulk`) and
+once streamed group by group while it prefills (`layerwise`), alternating which goes first; the
+request body's `kv_transfer` field picks the mode, so both run on the same workers in one run.
+The server should run with `--no-prefix-cache` (the second copy would otherwise hit the caches).
+
+Per request, from the client's stream and the server's timeline:
+- TTFT, and the gap between the first and second token;
+- exposed transfer = that gap minus one decode step (the median gap between later tokens): what
+  of the KV hand-off the user waits for (transfer, plus the hand-off's own costs);
+- the timeline's own `transfer.exposed_ms` (end of the last pull minus the end of the prefill);
+- the cost model's prediction of the exposed transfer (costmodel/layerwise.py) at `--link-gbps`
+  (default: the pull rate this run measured on bulk pulls), from the request's measured prefill
+  time and KV bytes, labelled predicted.
+
+On the cluster rehearsal (docs/cluster.md), e.g. at 1 Gbit/s:
+
+    pdserve cluster up --nodes 3 --link-gbps 1
+    pdserve cluster exec 0 -- pdserve serve --ray-address 198.18.K.1:6379 --host 198.18.K.1 \\
+        --prefill-resources '{"node1": 1}' --decode-resources '{"node2": 1}' --link-gbps 1 --no-prefix-cache
+    pdserve bench layerwise --base-url http://198.18.K.1:8000 --link-gbps 1
+
+`benchmarks/layerwise_cluster.sh` runs that at 0.1, 1 and 10 Gbit/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from costmodel.layerwise import DEFAULT_GROUP_OVERHEAD_S, LinkSpec, bulk_exposed_s, layerwise_exposed_s
+from costmodel.provenance import OUT_DIR_HELP, write_result
+
+ARTICLE = Path(__file__).resolve().parent / "data" / "article.md"
+MODES = ("bulk", "layerwise")
+
+
+@dataclass
+class Shot:
+    """One request: a document in one mode."""
+
+    doc: int
+    mode: str
+    ttft_ms: float = 0.0
+    gap12_ms: float = 0.0  # first to second token, at the client
+    step_ms: float = 0.0  # median gap between later tokens: one decode step
+    exposed_ms: float = 0.0  # gap12 - step
+    prompt_tokens: int = 0
+    prefill_ms: float = 0.0  # on the prefill worker
+    kv_bytes: int = 0
+    groups: int = 0
+    transfer_ms: float = 0.0  # the pulls' own time (layer-wise: their sum)
+    timeline_exposed_ms: float | None = None  # last pull's end - prefill end
+    overlap_ms: float | None = None
+    decode_wait_ms: float | None = None
+    predicted_exposed_ms: float | None = None  # filled in after the run
+    token_ids: list[int] = field(default_factory=list)
+    error: str | None = None
+
+
+def documents(n: int, words: int) -> list[str]:
+    """`n` distinct documents of `words` words each: consecutive slices of the article."""
+    text = ARTICLE.read_text().split()
+    return [" ".join((text * (1 + (i + 1) * words // len(text)))[i * words : (i + 1) * words]) for i in range(n)]
+
+
+async def send(client: Any, model: str, doc_index: int, text: str, mode: str, output_len: int) -> Shot:
+    shot = Shot(doc_index, mode)
+    times: list[float] = []
+    t0 = time.perf_counter()
+    try:
+        stream = await client.completions.create(
+            model=model,
+            prompt=f"Summarize this document.\n\n{text}\n\nSummary:",
+            max_tokens=output_len,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True, "kv_transfer": mode},
+        )
+        timeline: dict[str, Any] = {}
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                times.append(time.perf_counter())
+            extra = chunk.model_extra or {}
+            if extra.get("pdserve"):
+                timeline = extra["pdserve"].get("timeline") or timeline
+    except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
+        shot.error = f"{type(e).__name__}: {e}"
+        return shot
+    if len(times) < 3 or not timeline:
+        shot.error = f"only {len(times)} tokens streamed" if timeline else "no timeline in the response"
+        return shot
+    gaps = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+    shot.ttft_ms = (times[0] - t0) * 1e3
+    shot.gap12_ms = gaps[0]
+    shot.step_ms = statistics.median(gaps[1:])
+    shot.exposed_ms = shot.gap12_ms - shot.step_ms
+    tr = timeline.get("transfer") or {}
+    shot.prompt_tokens = int(timeline.get("prompt_tokens", 0))
+    shot.prefill_ms = float(timeline.get("prefill_ms") or 0.0)
+    shot.kv_bytes = int(tr.get("bytes", 0))
+    shot.groups = int(tr.get("groups", 0))
+    shot.transfer_ms = float(tr.get("ms", 0.0))
+    shot.timeline_exposed_ms = tr.get("exposed_ms")
+    shot.overlap_ms = tr.get("overlap_ms")
+    shot.decode_wait_ms = timeline.get("decode_wait_ms")
+    shot.token_ids = list(timeline.get("token_ids", []))
+    if tr.get("mode") != mode:
+        shot.error = f"asked for {mode}, the server used {tr.get('mode') or timeline.get('kv_transfer')}"
+    return shot
+
+
+def predict(shots: list[Shot], link: LinkSpec) -> None:
+    """Each shot's exposed transfer by the cost model, from its own measured prefill and bytes."""
+    for s in shots:
+        if s.error is not None:
+            continue
+        if s.mode == "bulk":
+            s.predicted_exposed_ms = bulk_exposed_s(s.kv_bytes, link) * 1e3
+        else:
+            groups = max(1, s.groups)
+            s.predicted_exposed_ms = layerwise_exposed_s(s.kv_bytes, s.prefill_ms / 1e3, groups, link) * 1e3
+
+
+def measured_link(shots: list[Shot]) -> LinkSpec | None:
+    """The rate the bulk pulls of this run reached (one pull each, so their bytes over their time)."""
+    bulk = [s for s in shots if s.mode == "bulk" and s.error is None and s.transfer_ms > 0]
+    if not bulk:
+        return None
+    return LinkSpec(sum(s.kv_bytes for s in bulk) / (sum(s.transfer_ms for s in bulk) / 1e3))
+
+
+def summarize(shots: list[Shot]) -> dict[str, Any]:
+    """Medians per mode and the layer-wise/bulk ratios (all from this one run)."""
+    out: dict[str, Any] = {}
+    for mode in MODES:
+        ok = [s for s in shots if s.mode == mode and s.error is None]
+        if not ok:
+            continue
+
+        def med(key: str, rows: list[Shot] = ok) -> float | None:
+            vals = [getattr(s, key) for s in rows if getattr(s, key) is not None]
+            return round(statistics.median(vals), 3) if vals else None
+
+        out[mode] = {
+            k: med(k)
+            for k in (
+                "ttft_ms",
+                "gap12_ms",
+                "step_ms",
+                "exposed_ms",
+                "timeline_exposed_ms",
+                "predicted_exposed_ms",
+                "overlap_ms",
+                "transfer_ms",
+                "prefill_ms",
+                "kv_bytes",
+                "prompt_tokens",
+                "groups",
+            )
+        }
+        out[mode]["requests"] = len(ok)
+    if "bulk" in out and "layerwise" in out:
+        b, lw = out["bulk"], out["layerwise"]
+        out["exposed_bulk_over_layerwise"] = (
+            round(b["exposed_ms"] / lw["exposed_ms"], 2) if lw["exposed_ms"] and lw["exposed_ms"] > 0 else None
+        )
+        out["ttft_layerwise_over_bulk"] = round(lw["ttft_ms"] / b["ttft_ms"], 3)
+        for mode in MODES:
+            m = out[mode]
+            if m["predicted_exposed_ms"] and m["exposed_ms"]:
+                m["prediction_error"] = round(m["predicted_exposed_ms"] / m["exposed_ms"] - 1, 3)
+            if m["predicted_exposed_ms"] and m["timeline_exposed_ms"]:
+                m["prediction_error_vs_timeline"] = round(m["predicted_exposed_ms"] / m["timeline_exposed_ms"] - 1, 3)
+        same = [
+            a.token_ids == b2.token_ids
+            for a in shots
+            for b2 in shots
+            if a.doc == b2.doc and a.mode == "bulk" and b2.mode == "layerwise" and not a.error and not b2.error
+        ]
+        out["greedy_tokens_equal"] = bool(same) and all(same)
+    return out
+
+
+def print_table(shots: list[Shot], summary: dict[str, Any], link_note: str) -> None:
+    from benchmarks.bench_cli import table  # noqa: PLC0415 - torch, only to print
+
+    rows = []
+    for mode in MODES:
+        m = summary.get(mode)
+        if not m:
+            continue
+        rows.append(
+            [
+                mode,
+                str(m["requests"]),
+                f"{m['ttft_ms']:.1f}",
+                f"{m['gap12_ms']:.1f}",
+                f"{m['step_ms']:.1f}",
+                f"{m['exposed_ms']:.1f}",
+                f"{m['timeline_exposed_ms']:.1f}" if m["timeline_exposed_ms"] is not None else "-",
+                f"{m['predicted_exposed_ms']:.1f}" if m["predicted_exposed_ms"] is not None else "-",
+                f"{m['overlap_ms']:.1f}" if m["overlap_ms"] is not None else "-",
+                f"{m['kv_bytes'] / 1e6:.2f}",
+            ]
+        )
+    heads = ["mode", "n", "TTFT", "1st->2nd", "step", "exposed", "tl exposed", "predicted", "overlap", "KV MB"]
+    print(table(heads, rows))
+    print(
+        f"median ms per request; exposed = 1st->2nd gap - one decode step; tl exposed = last pull end - prefill "
+        f"end (timeline); predicted = cost model (costmodel/layerwise.py) at {link_note}"
+    )
+    if "exposed_bulk_over_layerwise" in summary:
+        print(
+            f"exposed transfer bulk/layer-wise: {summary['exposed_bulk_over_layerwise']}x; "
+            f"TTFT layer-wise/bulk: {summary['ttft_layerwise_over_bulk']}; greedy tokens equal: "
+            f"{summary['greedy_tokens_equal']}"
+        )
+    errors = [s for s in shots if s.error]
+    for s in errors[:5]:
+        print(f"doc {s.doc} {s.mode}: {s.error}", file=sys.stderr)
+
+
+async def run(args: argparse.Namespace) -> list[Shot]:
+    from openai import AsyncOpenAI  # noqa: PLC0415
+
+    client = AsyncOpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key=args.api_key or "none", timeout=600)
+    model = args.model or (await client.models.list()).data[0].id
+    docs = documents(args.warmup + args.docs, args.doc_words)
+    shots: list[Shot] = []
+    for i, text in enumerate(docs):
+        order = MODES if i % 2 == 0 else MODES[::-1]
+        for mode in order:
+            shot = await send(client, model, i, text, mode, args.output_len)
+            if i >= args.warmup:
+                shots.append(shot)
+            if not args.no_progress:
+                what = "warm-up" if i < args.warmup else f"doc {i - args.warmup + 1}/{args.docs}"
+                note = shot.error or f"TTFT {shot.ttft_ms:.0f} ms, exposed {shot.exposed_ms:.1f} ms"
+                print(f"{what} {mode}: {note}", file=sys.stderr)
+    return shots
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__.split("\n\n")[0] if __doc__ else None
+    p.add_argument("--base-url", required=True, help="a disaggregated pdserve server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    p.add_argument("--docs", type=int, default=6, help="documents measured, each in both modes (default 6)")
+    p.add_argument("--warmup", type=int, default=1, help="documents sent first and not measured (default 1)")
+    p.add_argument("--doc-words", type=int, default=1024, help="words per document (default 1024)")
+    p.add_argument("--output-len", type=int, default=16, help="tokens generated per request (default 16)")
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        default=None,
+        help="the link's rate for the predictions (default: the rate this run's bulk pulls measured)",
+    )
+    p.add_argument(
+        "--group-overhead-ms",
+        type=float,
+        default=DEFAULT_GROUP_OVERHEAD_S * 1e3,
+        help="per-pull fixed cost in the predictions (default: costmodel.layerwise's measured figure)",
+    )
+    p.add_argument("--out", default=None, help="result name (default layerwise-<link>)")
+    p.add_argument("--out-dir", default=None, help=OUT_DIR_HELP)
+    p.add_argument("--json", action="store_true", help="print the result as one JSON document instead of the table")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def main(args: argparse.Namespace) -> int:
+    from cli import CliError  # noqa: PLC0415
+
+    if args.docs < 1 or args.doc_words < 16 or args.output_len < 3:
+        raise CliError("--docs must be >= 1, --doc-words >= 16 and --output-len >= 3")
+    shots = asyncio.run(run(args))
+    per_pull = args.group_overhead_ms / 1e3
+    if args.link_gbps:
+        link, note = LinkSpec.gbits(args.link_gbps, per_pull), f"{args.link_gbps:g} Gbit/s (--link-gbps)"
+    else:
+        measured = measured_link(shots)
+        link = LinkSpec(measured.bytes_per_s, per_pull) if measured else LinkSpec.gbits(1.0, per_pull)
+        note = f"{link.bytes_per_s * 8 / 1e9:.2f} Gbit/s (measured on this run's bulk pulls)"
+    predict(shots, link)
+    summary = summarize(shots)
+    summary["link_for_predictions_gbps"] = round(link.bytes_per_s * 8 / 1e9, 4)
+    name = args.out or (f"layerwise-{args.link_gbps:g}g" if args.link_gbps else "layerwise")
+    config = {k: v for k, v in vars(args).items() if k not in ("api_key", "func")}
+    path = write_result(
+        name,
+        {"summary": summary, "requests": [asdict(s) for s in shots]},
+        config,
+        Path(args.out_dir) if args.out_dir else None,
+    )
+    if args.json:
+        print(json.dumps({"summary": summary, "result_file": str(path)}))
+    else:
+        print_table(shots, summary, note)
+        print(f"wrote {path}")
+    return 0 if all(s.error is None for s in shots) else 1
