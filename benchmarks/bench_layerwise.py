@@ -41,7 +41,7 @@ from costmodel.layerwise import DEFAULT_GROUP_OVERHEAD_S, LinkSpec, bulk_exposed
 from costmodel.provenance import OUT_DIR_HELP, write_result
 
 ARTICLE = Path(__file__).resolve().parent / "data" / "article.md"
-MODES = ("bulk", "layerwise")
+MODES = ("bulk", "layerwise", "auto")
 
 
 @dataclass
@@ -49,7 +49,8 @@ class Shot:
     """One request: a document in one mode."""
 
     doc: int
-    mode: str
+    mode: str  # what the request asked for
+    used: str = ""  # what the server did (under auto: bulk or layerwise)
     ttft_ms: float = 0.0
     gap12_ms: float = 0.0  # first to second token, at the client
     step_ms: float = 0.0  # median gap between later tokens: one decode step
@@ -62,6 +63,8 @@ class Shot:
     timeline_exposed_ms: float | None = None  # last pull's end - prefill end
     overlap_ms: float | None = None
     decode_wait_ms: float | None = None
+    tail_ms: float | None = None  # layer-wise: prefill end - the last group's announcement
+    open_ms: float | None = None  # layer-wise: the router's open_stream call
     predicted_exposed_ms: float | None = None  # filled in after the run
     token_ids: list[int] = field(default_factory=list)
     error: str | None = None
@@ -110,12 +113,17 @@ async def send(client: Any, model: str, doc_index: int, text: str, mode: str, ou
     shot.prefill_ms = float(timeline.get("prefill_ms") or 0.0)
     shot.kv_bytes = int(tr.get("bytes", 0))
     shot.groups = int(tr.get("groups", 0))
+    shot.used = str(tr.get("mode", ""))
     shot.transfer_ms = float(tr.get("ms", 0.0))
     shot.timeline_exposed_ms = tr.get("exposed_ms")
     shot.overlap_ms = tr.get("overlap_ms")
     shot.decode_wait_ms = timeline.get("decode_wait_ms")
+    shot.open_ms = timeline.get("kv_stream_open_ms")
+    announced = timeline.get("prefill_groups") or []
+    if announced and timeline.get("prefill_end_ms") is not None:
+        shot.tail_ms = float(timeline["prefill_end_ms"]) - float(announced[-1][2])
     shot.token_ids = list(timeline.get("token_ids", []))
-    if tr.get("mode") != mode:
+    if mode != "auto" and tr.get("mode") != mode:
         shot.error = f"asked for {mode}, the server used {tr.get('mode') or timeline.get('kv_transfer')}"
     return shot
 
@@ -125,11 +133,12 @@ def predict(shots: list[Shot], link: LinkSpec) -> None:
     for s in shots:
         if s.error is not None:
             continue
-        if s.mode == "bulk":
+        if s.used == "bulk":
             s.predicted_exposed_ms = bulk_exposed_s(s.kv_bytes, link) * 1e3
         else:
-            groups = max(1, s.groups)
-            s.predicted_exposed_ms = layerwise_exposed_s(s.kv_bytes, s.prefill_ms / 1e3, groups, link) * 1e3
+            groups, tail = max(1, s.groups), (s.tail_ms or 0.0) / 1e3
+            exposed = layerwise_exposed_s(s.kv_bytes, s.prefill_ms / 1e3, groups, link, tail_s=tail)
+            s.predicted_exposed_ms = exposed * 1e3
 
 
 def measured_link(shots: list[Shot]) -> LinkSpec | None:
@@ -140,10 +149,10 @@ def measured_link(shots: list[Shot]) -> LinkSpec | None:
     return LinkSpec(sum(s.kv_bytes for s in bulk) / (sum(s.transfer_ms for s in bulk) / 1e3))
 
 
-def summarize(shots: list[Shot]) -> dict[str, Any]:
-    """Medians per mode and the layer-wise/bulk ratios (all from this one run)."""
+def summarize(shots: list[Shot], modes: tuple[str, str]) -> dict[str, Any]:
+    """Medians per mode and the ratios of the second mode to bulk (all from this one run)."""
     out: dict[str, Any] = {}
-    for mode in MODES:
+    for mode in modes:
         ok = [s for s in shots if s.mode == mode and s.error is None]
         if not ok:
             continue
@@ -167,16 +176,26 @@ def summarize(shots: list[Shot]) -> dict[str, Any]:
                 "kv_bytes",
                 "prompt_tokens",
                 "groups",
+                "tail_ms",
+                "open_ms",
             )
         }
         out[mode]["requests"] = len(ok)
-    if "bulk" in out and "layerwise" in out:
-        b, lw = out["bulk"], out["layerwise"]
-        out["exposed_bulk_over_layerwise"] = (
+    other = modes[1]
+    if "bulk" in out and other in out:
+        b, lw = out["bulk"], out[other]
+        out[f"exposed_bulk_over_{other}"] = (
             round(b["exposed_ms"] / lw["exposed_ms"], 2) if lw["exposed_ms"] and lw["exposed_ms"] > 0 else None
         )
-        out["ttft_layerwise_over_bulk"] = round(lw["ttft_ms"] / b["ttft_ms"], 3)
-        for mode in MODES:
+        out[f"ttft_{other}_over_bulk"] = round(lw["ttft_ms"] / b["ttft_ms"], 3)
+        out[f"second_token_{other}_over_bulk"] = round(
+            (lw["ttft_ms"] + lw["gap12_ms"]) / (b["ttft_ms"] + b["gap12_ms"]), 3
+        )
+        # the fixed cost of one layer-wise pull: what the groups' pulls took beyond one bulk pull
+        # of the same bytes, per pull (the cost model's per-group overhead)
+        if lw["groups"] and lw["groups"] > 1 and lw["transfer_ms"] and b["transfer_ms"]:
+            out["per_pull_overhead_ms"] = round((lw["transfer_ms"] - b["transfer_ms"]) / (lw["groups"] - 1), 3)
+        for mode in modes:
             m = out[mode]
             if m["predicted_exposed_ms"] and m["exposed_ms"]:
                 m["prediction_error"] = round(m["predicted_exposed_ms"] / m["exposed_ms"] - 1, 3)
@@ -186,17 +205,17 @@ def summarize(shots: list[Shot]) -> dict[str, Any]:
             a.token_ids == b2.token_ids
             for a in shots
             for b2 in shots
-            if a.doc == b2.doc and a.mode == "bulk" and b2.mode == "layerwise" and not a.error and not b2.error
+            if a.doc == b2.doc and a.mode == "bulk" and b2.mode == other and not a.error and not b2.error
         ]
         out["greedy_tokens_equal"] = bool(same) and all(same)
     return out
 
 
-def print_table(shots: list[Shot], summary: dict[str, Any], link_note: str) -> None:
+def print_table(shots: list[Shot], summary: dict[str, Any], link_note: str, modes: tuple[str, str]) -> None:
     from benchmarks.bench_cli import table  # noqa: PLC0415 - torch, only to print
 
     rows = []
-    for mode in MODES:
+    for mode in modes:
         m = summary.get(mode)
         if not m:
             continue
@@ -220,11 +239,12 @@ def print_table(shots: list[Shot], summary: dict[str, Any], link_note: str) -> N
         f"median ms per request; exposed = 1st->2nd gap - one decode step; tl exposed = last pull end - prefill "
         f"end (timeline); predicted = cost model (costmodel/layerwise.py) at {link_note}"
     )
-    if "exposed_bulk_over_layerwise" in summary:
+    other = modes[1]
+    if f"ttft_{other}_over_bulk" in summary:
         print(
-            f"exposed transfer bulk/layer-wise: {summary['exposed_bulk_over_layerwise']}x; "
-            f"TTFT layer-wise/bulk: {summary['ttft_layerwise_over_bulk']}; greedy tokens equal: "
-            f"{summary['greedy_tokens_equal']}"
+            f"exposed transfer bulk/{other}: {summary[f'exposed_bulk_over_{other}']}x; TTFT {other}/bulk: "
+            f"{summary[f'ttft_{other}_over_bulk']}; second token {other}/bulk: "
+            f"{summary[f'second_token_{other}_over_bulk']}; greedy tokens equal: {summary['greedy_tokens_equal']}"
         )
     errors = [s for s in shots if s.error]
     for s in errors[:5]:
@@ -239,7 +259,7 @@ async def run(args: argparse.Namespace) -> list[Shot]:
     docs = documents(args.warmup + args.docs, args.doc_words)
     shots: list[Shot] = []
     for i, text in enumerate(docs):
-        order = MODES if i % 2 == 0 else MODES[::-1]
+        order = args.modes if i % 2 == 0 else args.modes[::-1]
         for mode in order:
             shot = await send(client, model, i, text, mode, args.output_len)
             if i >= args.warmup:
@@ -260,6 +280,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1, help="documents sent first and not measured (default 1)")
     p.add_argument("--doc-words", type=int, default=1024, help="words per document (default 1024)")
     p.add_argument("--output-len", type=int, default=16, help="tokens generated per request (default 16)")
+    p.add_argument(
+        "--modes",
+        default="bulk,layerwise",
+        help="the two kv_transfer modes compared, bulk first (default bulk,layerwise; bulk,auto checks the auto rule)",
+    )
     p.add_argument(
         "--link-gbps",
         type=float,
@@ -283,6 +308,10 @@ def main(args: argparse.Namespace) -> int:
 
     if args.docs < 1 or args.doc_words < 16 or args.output_len < 3:
         raise CliError("--docs must be >= 1, --doc-words >= 16 and --output-len >= 3")
+    modes = tuple(m.strip() for m in args.modes.split(","))
+    if len(modes) != 2 or modes[0] != "bulk" or modes[1] not in MODES[1:]:
+        raise CliError(f"--modes: expected bulk,layerwise or bulk,auto, got {args.modes!r}")
+    args.modes = modes
     shots = asyncio.run(run(args))
     per_pull = args.group_overhead_ms / 1e3
     if args.link_gbps:
@@ -292,7 +321,7 @@ def main(args: argparse.Namespace) -> int:
         link = LinkSpec(measured.bytes_per_s, per_pull) if measured else LinkSpec.gbits(1.0, per_pull)
         note = f"{link.bytes_per_s * 8 / 1e9:.2f} Gbit/s (measured on this run's bulk pulls)"
     predict(shots, link)
-    summary = summarize(shots)
+    summary = summarize(shots, args.modes)
     summary["link_for_predictions_gbps"] = round(link.bytes_per_s * 8 / 1e9, 4)
     name = args.out or (f"layerwise-{args.link_gbps:g}g" if args.link_gbps else "layerwise")
     config = {k: v for k, v in vars(args).items() if k not in ("api_key", "func")}
@@ -305,6 +334,6 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"summary": summary, "result_file": str(path)}))
     else:
-        print_table(shots, summary, note)
+        print_table(shots, summary, note, args.modes)
         print(f"wrote {path}")
     return 0 if all(s.error is None for s in shots) else 1

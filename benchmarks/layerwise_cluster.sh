@@ -10,7 +10,8 @@ cd "$(dirname "$0")/.."
 RATES=${1:-"0.1 1 10"}
 OUT=${2:-benchmarks/results/local}
 shift 2 2>/dev/null || shift $#
-PDS=${PDS:-.venv/bin/pdserve}
+export PATH="$PWD/.venv/bin:$PATH"  # `cluster exec` runs `pdserve` inside the node's namespace
+PDS=${PDS:-pdserve}
 MODEL=${MODEL:-smollm2-135m-instruct}
 NAME=${NAME:-lw}
 PORT=8000

@@ -56,19 +56,26 @@ def bulk_exposed_s(kv_bytes: float, link: LinkSpec) -> float:
     return kv_bytes / link.bytes_per_s + link.per_pull_s
 
 
-def layerwise_finish_s(kv_bytes: float, prefill_s: float, groups: int, link: LinkSpec, busy_s: float = 0.0) -> float:
+def layerwise_finish_s(
+    kv_bytes: float, prefill_s: float, groups: int, link: LinkSpec, busy_s: float = 0.0, tail_s: float = 0.0
+) -> float:
     """When the last group lands, from the prefill's start (the recurrence above); `busy_s`: how
-    long after the prefill's start the link is still taken by earlier pulls."""
+    long after the prefill's start the link is still taken by earlier pulls; `tail_s`: the
+    prefill's last stretch after its last layer wrote its KV (final norm, lm_head, sampling), so
+    group i is ready at (prefill_s - tail_s) * i / groups."""
     share = kv_bytes / groups / link.bytes_per_s + link.per_pull_s
+    layers_s = max(0.0, prefill_s - tail_s)
     finish = max(0.0, busy_s)
     for i in range(1, groups + 1):
-        finish = max(finish, prefill_s * i / groups) + share
+        finish = max(finish, layers_s * i / groups) + share
     return finish
 
 
-def layerwise_exposed_s(kv_bytes: float, prefill_s: float, groups: int, link: LinkSpec, busy_s: float = 0.0) -> float:
+def layerwise_exposed_s(
+    kv_bytes: float, prefill_s: float, groups: int, link: LinkSpec, busy_s: float = 0.0, tail_s: float = 0.0
+) -> float:
     """What of the transfer is left once the prefill has ended."""
-    return max(0.0, layerwise_finish_s(kv_bytes, prefill_s, groups, link, busy_s) - prefill_s)
+    return max(0.0, layerwise_finish_s(kv_bytes, prefill_s, groups, link, busy_s, tail_s) - prefill_s)
 
 
 def layerwise_gain_s(

@@ -153,8 +153,10 @@ class Orchestrator:
                 state.phase = "prefill"
                 stream = None
                 if self.kv_policy is not None and self.kv_policy.streams(len(req.prompt_ids), req.kv_transfer):
+                    t_open = time.time()
                     source = await prefill.peer_info()
                     stream = await decode.open_stream(req, source, self.kv_policy.layers_per_group)
+                    tl.kv_stream_open_ms = round((time.time() - t_open) * 1e3, 3)
                 tl.kv_transfer = "layerwise" if stream is not None else "bulk"
                 result: PrefillResult = await prefill.prefill(req, stream)
                 if self.kv_policy is not None:

@@ -164,6 +164,7 @@ class Timeline:
     decode_cached_tokens: int | None = None  # the decode side's prefix-cache hit (not pulled)
     kv_blocks_pulled: int | None = None
     kv_transfer: str | None = None  # remote prefills: "bulk" or "layerwise" (--kv-transfer)
+    kv_stream_open_ms: float | None = None  # layer-wise: the router's open_stream call (before the prefill)
     transfer: KVTransfer | None = None
     decode_wait_ms: float | None = None  # prefill end to decode join, less the pull
     preemptions: int = 0  # KV taken back under memory pressure (recomputed, not re-sent)
@@ -269,6 +270,7 @@ class Timeline:
         _put(d, "decode_cached_tokens", self.decode_cached_tokens)
         _put(d, "kv_blocks_pulled", self.kv_blocks_pulled)
         _put(d, "kv_transfer", self.kv_transfer)
+        _put(d, "kv_stream_open_ms", self.kv_stream_open_ms)
         _put(d, "transfer", self.transfer.to_dict() if self.transfer is not None else None)
         _put(d, "decode_wait_ms", self.decode_wait_ms)
         if self.preemptions:
@@ -311,6 +313,7 @@ class Timeline:
             decode_cached_tokens=d.get("decode_cached_tokens"),
             kv_blocks_pulled=d.get("kv_blocks_pulled"),
             kv_transfer=d.get("kv_transfer"),
+            kv_stream_open_ms=d.get("kv_stream_open_ms"),
             transfer=KVTransfer.from_dict(tr) if tr and "ms" in tr else None,
             decode_wait_ms=d.get("decode_wait_ms"),
             preemptions=int(d.get("preemptions", 0)),

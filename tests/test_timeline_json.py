@@ -51,7 +51,8 @@ TRANSFER_KEYS = ["backend", "bytes", "descriptors", "ms", "gbytes_per_s", "link_
 LINK_KEYS = ["link_gbits_per_s", "link_nominal_ms", "rate_vs_link"]  # with a nominal --link-gbps
 PLACE_KEYS = ["mode", "groups", "start_ms", "overlap_ms", "exposed_ms"]  # bulk or layer-wise, when
 # layer-wise only: when each group was announced (after prefill_cached_tokens), each pull (transfer's last)
-LAYERWISE_KEYS = [k for x in DISAGG_KEYS for k in ([x, "prefill_groups"] if x == "prefill_cached_tokens" else [x])]
+_AFTER = {"prefill_cached_tokens": ["prefill_groups"], "kv_transfer": ["kv_stream_open_ms"]}  # layer-wise only
+LAYERWISE_KEYS = [k for x in DISAGG_KEYS for k in [x, *_AFTER.get(x, [])]]
 DISPATCH_KEYS = ["decision", "reason", "streams_in_flight", "prompt_tokens", "cached_tokens", "local", "remote"]
 
 # the JSON type of every value (int and float apart: a client may format them differently)
@@ -84,6 +85,7 @@ TYPES = {
     "decode_cached_tokens": int,
     "kv_blocks_pulled": int,
     "kv_transfer": str,
+    "kv_stream_open_ms": float,
     "transfer": dict,
     "decode_wait_ms": float,
     "finish_reason": str,
