@@ -48,7 +48,7 @@ def served_prompt_lengths(specs: list[RequestSpec], records: list[Any] | None) -
 
 
 def sim_config_of(
-    spec: ModeSpec, max_num_seqs: int, setup: PredictionSetup, kv_transfer: str = "bulk", kv_stream_layers: int = 2
+    spec: ModeSpec, max_num_seqs: int, setup: PredictionSetup, kv_transfer: str = "bulk", kv_stream_layers: int = 1
 ) -> Any:
     """The simulator's view of `spec`; `kv_transfer`, `kv_stream_layers`: the server's own flags,
     so a layer-wise server is predicted with its KV crossing while the prefill runs."""
@@ -71,7 +71,7 @@ def with_admission(
     specs: list[RequestSpec],
     max_num_seqs: int,
     kv_transfer: str = "bulk",
-    kv_stream_layers: int = 2,
+    kv_stream_layers: int = 1,
 ) -> PredictionSetup:
     """Disagg: `setup` with the decode admission delay the simulator lacks, fitted on the warm-up:
     the median measured decode wait (prefill end to decode join, less the pull) minus the median
@@ -101,7 +101,7 @@ def warmup_errors(
     specs: list[RequestSpec],
     max_num_seqs: int,
     kv_transfer: str = "bulk",
-    kv_stream_layers: int = 2,
+    kv_stream_layers: int = 1,
 ) -> dict[str, float | None]:
     """`setup`'s relative error on each SCORED figure of the mode's warm-up."""
     if run.warmup is None:
@@ -135,7 +135,7 @@ def choose(
     specs: list[RequestSpec],
     max_num_seqs: int,
     kv_transfer: str = "bulk",
-    kv_stream_layers: int = 2,
+    kv_stream_layers: int = 1,
 ) -> Choice:
     """The device model that predicts this mode, and the record of why (the report's basis);
     `kv_transfer`, `kv_stream_layers`: the server's, for the warm-up predictions that choose it."""

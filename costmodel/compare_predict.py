@@ -168,7 +168,7 @@ def sim_config(
     admit_s: float = 0.0,
     decode_slowdown: float = 1.0,
     kv_transfer: str = "bulk",
-    kv_stream_layers: int = 2,
+    kv_stream_layers: int = 1,
 ) -> SimConfig:
     """The simulator's view of one pdserve mode ("colocated" whole or chunked, or "disagg"; the
     KV transfer settings only matter to "disagg": nothing crosses a link otherwise)."""

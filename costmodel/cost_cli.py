@@ -58,10 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-stream-layers",
         type=int,
-        default=2,
+        default=1,
         metavar="N",
         help="layers per group when the KV streams layer by layer (as pdserve serve's flag): the "
-        "transfer table's layer-wise column and auto threshold (default 2)",
+        "transfer table's layer-wise column and auto threshold (default 1)",
     )
     p.add_argument("--crossover-ctx", type=int, default=512, help="context of the crossover batch (default 512)")
     p.add_argument("--weight-dtype", default="fp8", choices=["fp8", "bf16", "fp16", "fp32"])

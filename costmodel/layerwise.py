@@ -27,12 +27,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# Measured per-group cost of a layer-wise pull on the 2-core CPU VM (NIXL, host memory): one
-# progress message, one READ posted and waited for. See docs/results.md (layer-wise section).
-DEFAULT_GROUP_OVERHEAD_S = 0.0005
-# Measured cost of opening a stream (the router's extra call to the decode worker before the
-# prefill starts): paid by every layer-wise request, on its TTFT.
-DEFAULT_OPEN_S = 0.004
+# The fixed cost of one layer-wise pull beyond its bytes (a progress message, a READ posted and
+# waited for, the receiver's poll): what 30 one-layer pulls of a SmolLM2 document took beyond one
+# bulk pull of the same 21.3 MB, per pull: 3.3 ms (`pdserve bench layerwise` on the cluster
+# rehearsal at 1 Gbit/s over TCP, 2-core CPU VM, 2026-12-03; 1.3 ms with two-layer groups).
+DEFAULT_GROUP_OVERHEAD_S = 0.0033
+# The cost of opening a stream (the router's open_stream call to the decode worker before the
+# prefill starts), paid on the TTFT of every layer-wise request: median 9.9 ms in the same run
+# (the timeline's kv_stream_open_ms).
+DEFAULT_OPEN_S = 0.010
+DEFAULT_LAYERS_PER_GROUP = 1  # the best measured on CPU: every pull hidden at 1 Gbit/s (docs/results.md)
 
 
 @dataclass(frozen=True)

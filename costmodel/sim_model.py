@@ -135,7 +135,7 @@ class SimConfig:
     # each pull costing `kv_group_overhead_s` beyond its bytes, so only what the link has not
     # caught up with by the prefill's end is left; "auto" streams when that gains
     kv_transfer: str = "bulk"
-    kv_stream_layers: int = 2
+    kv_stream_layers: int = 1
     kv_group_overhead_s: float = DEFAULT_GROUP_OVERHEAD_S
 
     def __post_init__(self) -> None:

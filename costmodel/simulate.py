@@ -230,10 +230,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-stream-layers",
         type=int,
-        default=2,
+        default=1,
         metavar="N",
         help="layers per streamed group under --kv-transfer layerwise: fewer leave less after the "
-        "prefill, more pay fewer per-group overheads (default: 2)",
+        "prefill, more pay fewer per-group overheads (default: 1)",
     )
     g = p.add_argument_group("workload")
     g.add_argument("--streams", type=int, default=32, help="closed-loop chat streams (0: use --chat-rate)")

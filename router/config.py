@@ -141,7 +141,7 @@ class ServeConfig:
         ),
     )
     kv_stream_layers: int = field(
-        default=2,
+        default=1,
         metadata=cli_flag(
             "pools",
             "layers announced and pulled together under --kv-transfer layerwise/auto: fewer leave less "

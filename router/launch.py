@@ -209,7 +209,7 @@ def kv_transfer_policy(cfg: Any) -> KVTransferPolicy | None:
     layout = KVLayout.build(model_cfg, CacheConfig(block_size=cfg.block_size, num_blocks=1, kv_dtype=cfg.kv_dtype))
     return KVTransferPolicy(
         getattr(cfg, "kv_transfer", "bulk"),
-        getattr(cfg, "kv_stream_layers", 2),
+        getattr(cfg, "kv_stream_layers", 1),
         layout.num_layers,
         layout.bytes_per_token,
         getattr(cfg, "link_gbps", None),

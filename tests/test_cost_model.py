@@ -16,6 +16,7 @@ import pytest
 
 from cli import main as cli_main
 from costmodel import cost_model as cm
+from costmodel.layerwise import DEFAULT_GROUP_OVERHEAD_S, DEFAULT_OPEN_S
 from engine.config import PRESETS
 
 M, HW = cm.ARTICLE_MODEL, cm.ARTICLE_HW
@@ -231,8 +232,11 @@ def test_cli_text_and_errors(capsys):
 
 def test_cli_json_layerwise_fields():
     out = _cli_json([])
-    assert out["kv_stream_layers"] == 2 and out["kv_stream_groups"] == 40
-    assert out["kv_group_overhead_ms"] == 0.5 and out["kv_stream_open_ms"] == 4.0
+    assert out["kv_stream_layers"] == 1 and out["kv_stream_groups"] == 80
+    assert (
+        out["kv_group_overhead_ms"] == DEFAULT_GROUP_OVERHEAD_S * 1e3
+        and out["kv_stream_open_ms"] == DEFAULT_OPEN_S * 1e3
+    )
     rows = {row["link"]: row for row in out["link_table"]}
     for row in rows.values():
         assert {"layerwise_exposed_ms_predicted", "auto_threshold_tokens"} <= set(row)

@@ -7,6 +7,7 @@ import pytest
 
 from costmodel import cost_model as cm
 from costmodel.layerwise import (
+    DEFAULT_GROUP_OVERHEAD_S,
     DEFAULT_OPEN_S,
     LinkSpec,
     bulk_exposed_s,
@@ -17,7 +18,7 @@ from costmodel.layerwise import (
 )
 
 M, HW = cm.ARTICLE_MODEL, cm.ARTICLE_HW
-OVERHEAD = 0.0005  # per-group overhead of the links below
+OVERHEAD = DEFAULT_GROUP_OVERHEAD_S  # per-group overhead of the links below
 
 
 def test_groups_of():
@@ -85,4 +86,8 @@ def test_cost_model_feeds_the_model_into_it():
     assert whole == pytest.approx(cm.kv_transfer_seconds(M, 4096, link) + OVERHEAD)
     # a link so fast that the stream's opening always costs more than it hides: auto never streams
     assert cm.layerwise_threshold(M, HW, cm.Link("ideal", "ideal", 1e18)) is None
-    assert cm.layerwise_threshold(M, HW, link) == 314
+    n = cm.layerwise_threshold(M, HW, link)
+    assert n is not None  # the stream's fixed costs are paid back from n tokens on, not before
+    per_token, kvb, g = cm.prefill(M, HW, 4096).time_s / 4096, cm.kv_bytes_per_token(M), groups_of(80, 1)
+    assert layerwise_gain_s(n * kvb, n * per_token, g, cm.stream_link(link)) > 0
+    assert layerwise_gain_s((n - 1) * kvb, (n - 1) * per_token, g, cm.stream_link(link)) <= 0

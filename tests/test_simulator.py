@@ -196,8 +196,15 @@ DOCS = Workload(
 )  # open-loop: every request (and its rid) is the same whatever the KV transfer
 
 
+# An RDMA-like fixed cost per pull and two-layer groups for the article's 70B on 100G IB (an
+# assumption of these tests: the 3.3 ms default was measured over TCP on a CPU VM, where 80 pulls
+# of a 70B document would cost more than they hide; the model says so, see the default's test).
+RDMA = {"kv_group_overhead_s": 0.0005, "kv_stream_layers": 2}
+
+
 def _by_kv_transfer(link: cm.Link, **kw) -> dict[str, dict[int, object]]:
     out = {}
+    kw = {**RDMA, **kw}
     for kv in ("bulk", "layerwise"):
         cfg = SimConfig("disagg", prefill_workers=2, decode_workers=1, link=link, kv_transfer=kv, **kw)
         out[kv] = {r.rid: r for r in simulate(cfg, STEPS, DOCS).requests}
@@ -208,10 +215,10 @@ def test_single_request_layerwise_leaves_the_last_group():
     from costmodel.layerwise import layerwise_exposed_s
 
     p, link = 4096, cm.LINKS["ib-100g"]
-    cfg = SimConfig("disagg", link=link, kv_transfer="layerwise")
+    cfg = SimConfig("disagg", link=link, kv_transfer="layerwise", **RDMA)
     r = _alone(cfg, p, 5)
     prefill = cm.prefill(M, HW, p).time_s
-    left = layerwise_exposed_s(p * cm.kv_bytes_per_token(M), prefill, 40, cm.stream_link(link))
+    left = layerwise_exposed_s(p * cm.kv_bytes_per_token(M), prefill, 40, cm.stream_link(link, 0.0005))
     assert r.token_times[0] - 0.5 == pytest.approx(prefill)  # the first token is not delayed
     assert r.kv_transfer == "layerwise" and r.exposed_transfer_s == pytest.approx(left)
     assert r.token_times[1] - r.token_times[0] == pytest.approx(left + cm.decode_step_tokens(M, HW, 1, p + 1).time_s)
@@ -234,7 +241,7 @@ def test_layerwise_never_leaves_documents_more_than_bulk():
     saved = [bulk[rid].token_times[1] - lw[rid].token_times[1] for rid in docs]
     assert max(saved) > 0.03  # a 4k+ document's pull on 100G IB is 50+ ms, nearly all hidden
     summary = {kv: summarize(simulate(
-        SimConfig("disagg", prefill_workers=2, link=cm.LINKS["ib-100g"], kv_transfer=kv), STEPS, DOCS
+        SimConfig("disagg", prefill_workers=2, link=cm.LINKS["ib-100g"], kv_transfer=kv, **RDMA), STEPS, DOCS
     ), 1.0, NO_SLO) for kv in ("bulk", "layerwise")}  # fmt: skip
     assert summary["layerwise"]["kv_exposed_ms"]["p99"] < summary["bulk"]["kv_exposed_ms"]["p99"]
     assert summary["layerwise"]["ttst_doc_ms"]["p50"] < summary["bulk"]["ttst_doc_ms"]["p50"]
@@ -250,7 +257,7 @@ def test_layerwise_equals_bulk_when_the_transfer_is_free():
 
 
 def test_auto_streams_documents_not_chats_on_a_slow_link():
-    cfg = SimConfig("disagg", prefill_workers=2, link=cm.LINKS["ib-100g"], kv_transfer="auto")
+    cfg = SimConfig("disagg", prefill_workers=2, link=cm.LINKS["ib-100g"], kv_transfer="auto", **RDMA)
     reqs = [r for r in simulate(cfg, STEPS, DOCS).requests if r.kv_transfer is not None]
     assert {r.kv_transfer for r in reqs if r.kind == "doc"} == {"layerwise"}
     assert {r.kv_transfer for r in reqs if r.kind == "chat" and r.prompt < 100} == {"bulk"}
