@@ -63,6 +63,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="layers per group when the KV streams layer by layer (as pdserve serve's flag): the "
         "transfer table's layer-wise column and auto threshold (default 1)",
     )
+    p.add_argument(
+        "--kv-group-overhead-ms",
+        type=float,
+        default=DEFAULT_GROUP_OVERHEAD_S * 1e3,
+        metavar="MS",
+        help="fixed cost of one layer-wise pull beyond its bytes (default: the 3.3 ms measured over TCP on "
+        "the CPU cluster rehearsal; RDMA's is far smaller, so set yours)",
+    )
     p.add_argument("--crossover-ctx", type=int, default=512, help="context of the crossover batch (default 512)")
     p.add_argument("--weight-dtype", default="fp8", choices=["fp8", "bf16", "fp16", "fp32"])
     p.add_argument("--kv-dtype", default="fp8", choices=["fp8", "bf16", "fp32"])
@@ -86,7 +94,7 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
     mfu = args.mfu if args.mfu is not None else (cal.effective_mfu(hw, cm.ARTICLE_MFU) if cal else cm.ARTICLE_MFU)
     if not 0 < mfu <= 1:
         raise CliError(f"--mfu must be in (0, 1], got {mfu}")
-    if args.ctx < 1 or args.batch < 1 or args.kv_stream_layers < 1:
+    if args.ctx < 1 or args.batch < 1 or args.kv_stream_layers < 1 or args.kv_group_overhead_ms < 0:
         raise CliError("--ctx, --batch and --kv-stream-layers must be positive")
     dt = dict(weight_dtype=args.weight_dtype)
     kdt = dict(dt, kv_dtype=args.kv_dtype)
@@ -173,7 +181,7 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
         ],
         "kv_stream_layers": args.kv_stream_layers,
         "kv_stream_groups": groups_of(model.num_layers, args.kv_stream_layers),
-        "kv_group_overhead_ms": DEFAULT_GROUP_OVERHEAD_S * 1e3,
+        "kv_group_overhead_ms": args.kv_group_overhead_ms,
         "kv_stream_open_ms": DEFAULT_OPEN_S * 1e3,
         "step_fit": _step_fit(cal, args),
     }
@@ -184,11 +192,11 @@ def _layerwise_row(
 ) -> dict[str, Any]:
     """Predicted: the document's KV left after its prefill when streamed, and the shortest prompt
     `--kv-transfer auto` streams on this link (None: no prompt up to ~1M tokens gains)."""
-    layers, wdt, kdt = args.kv_stream_layers, args.weight_dtype, args.kv_dtype
-    exposed = cm.layerwise_kv_exposed_seconds(model, hw, args.ctx, link, layers, mfu, wdt, kdt)
+    layers, wdt, kdt, o = args.kv_stream_layers, args.weight_dtype, args.kv_dtype, args.kv_group_overhead_ms / 1e3
+    exposed = cm.layerwise_kv_exposed_seconds(model, hw, args.ctx, link, layers, mfu, wdt, kdt, o)
     return {
         "layerwise_exposed_ms_predicted": exposed * 1e3,
-        "auto_threshold_tokens": cm.layerwise_threshold(model, hw, link, layers, args.ctx, mfu, wdt, kdt),
+        "auto_threshold_tokens": cm.layerwise_threshold(model, hw, link, layers, args.ctx, mfu, wdt, kdt, o),
     }
 
 

@@ -317,8 +317,9 @@ MANY = [PROMPT, list(b"short prompt"), HIT_PROMPT, list(TEXT), PROMPT[:64], list
 
 @pytest.mark.parametrize("transport", ["local", "nixl"])
 def test_2p2d_requests_at_once_decode_the_bulk_tokens(workers, transport):
-    """Six prompts (12 to 300 tokens) at once over 2P2D, streamed and (on other workers) pulled
-    whole: the same tokens for each, every request streamed, both pools used, no block left."""
+    """Six prompts (12 to 300 tokens, two sharing 10 blocks) at once over 2P2D, streamed and (on
+    other workers) pulled whole: the same tokens for each, every request streamed and moving what
+    its decode worker lacked, both workers of each pool used, no block left."""
     reqs = [_req(f"r{i}", prompt) for i, prompt in enumerate(MANY)]
     bulk = _generate_all(_orchestrator(workers, transport, "bulk"), reqs)
     layerwise = _generate_all(_orchestrator(workers, transport, "layerwise"), reqs)
@@ -327,7 +328,9 @@ def test_2p2d_requests_at_once_decode_the_bulk_tokens(workers, transport):
         assert lw["token_ids"] == b["token_ids"] and len(lw["token_ids"]) == MAX_TOKENS, r.request_id
         assert (lw["kv_transfer"], lw["transfer"]["mode"]) == ("layerwise", "layerwise")
         assert (b["kv_transfer"], b["transfer"]["mode"]) == ("bulk", "bulk")
-        assert lw["transfer"]["bytes"] == b["transfer"]["bytes"] == -(-len(r.prompt_ids) // BS) * BLOCK_BYTES
+        for tl in (lw, b):  # what the decode worker lacked (HIT_PROMPT may find PROMPT's blocks there)
+            assert tl["kv_blocks_pulled"] == tl["kv_blocks"] - tl["decode_cached_tokens"] // BS
+            assert tl["transfer"]["bytes"] == tl["kv_blocks_pulled"] * BLOCK_BYTES > 0
         assert lw["finish_reason"] == "length"
     for key in ("prefill_worker", "decode_worker"):
         assert len({tl[key] for tl in layerwise.values()}) == 2, key  # round robin used both of each pool
