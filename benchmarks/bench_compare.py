@@ -163,6 +163,8 @@ def _run_modes(
             log(f"[{i}/{len(modes)}] {m.label}: starting a fresh pdserve server")
             workers = m.decode if m.mode == "colocated" else m.prefill + m.decode
             kw = dict(cfg_kw, gpus_per_worker=gpus if gpus is not None else min(1.0, gpu_count() / workers))
+            if m.mode != "colocated":  # the KV crosses pools only there
+                kw.update(kv_transfer=args.kv_transfer, kv_stream_layers=args.kv_stream_layers)
             if m.mode == "auto":  # decides under the benchmark's SLO pair, with the calibration file
                 ttft, tpot = args.slo_ttft_ms, args.slo_tpot_ms
                 if (ttft is None or tpot is None) and file_setup is not None:  # it must decide before any step ran
@@ -192,7 +194,17 @@ def _choose_setups(
     for r in runs:
         if not isinstance(r.spec, ModeSpec) or r.bench is None or r.spec.mode == "auto":
             continue  # the simulator has no auto mode: the router's own predictions stand
-        choice = pc.choose(args.model, r, file_setup, file_error, bool(args.calibration), specs, args.max_num_seqs)
+        choice = pc.choose(
+            args.model,
+            r,
+            file_setup,
+            file_error,
+            bool(args.calibration),
+            specs,
+            args.max_num_seqs,
+            kv_transfer=args.kv_transfer,
+            kv_stream_layers=args.kv_stream_layers,
+        )
         r.prediction_basis = choice.basis
         if choice.setup is not None:
             setups[r.spec.label] = _with_link(args, choice.setup)
@@ -242,7 +254,7 @@ def _predict(
         setup = setups.get(r.spec.label)
         if setup is None:
             continue
-        sc = pc.sim_config_of(r.spec, args.max_num_seqs, setup)
+        sc = pc.sim_config_of(r.spec, args.max_num_seqs, setup, args.kv_transfer, args.kv_stream_layers)
         predictions[r.spec.label] = cp.predict(
             r.spec.label, sc, setup, sim_specs, slo["ttft_ms"], slo["tpot_ms"], pc.hop_s(r)
         )

@@ -182,6 +182,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="turn automatic prefix caching off in every pool (the simulator has no cache: with it on, "
         "a document sent again is neither prefilled nor pulled in full)",
     )
+    g.add_argument(
+        "--kv-transfer",
+        default="bulk",
+        choices=("bulk", "layerwise", "auto"),
+        help="the disaggregated (and auto) servers' KV transfer, as `pdserve serve --kv-transfer`; "
+        "the predictions model the same (default bulk)",
+    )
+    g.add_argument("--kv-stream-layers", type=int, default=1, metavar="N", help="as `pdserve serve --kv-stream-layers`")
     g.add_argument("--startup-timeout-s", type=float, default=300.0)
     e = p.add_argument_group("servers pdserve did not start (vLLM, SGLang, ...; recipes in docs/external.md)")
     e.add_argument(

@@ -330,7 +330,7 @@ def test_2p2d_requests_at_once_decode_the_bulk_tokens(workers, transport):
         assert (b["kv_transfer"], b["transfer"]["mode"]) == ("bulk", "bulk")
         for tl in (lw, b):  # what the decode worker lacked (HIT_PROMPT may find PROMPT's blocks there)
             assert tl["kv_blocks_pulled"] == tl["kv_blocks"] - tl["decode_cached_tokens"] // BS
-            assert tl["transfer"]["bytes"] == tl["kv_blocks_pulled"] * BLOCK_BYTES > 0
+            assert tl["transfer"]["bytes"] == tl["kv_blocks_pulled"] * BLOCK_BYTES, (r.request_id, tl)
         assert lw["finish_reason"] == "length"
     for key in ("prefill_worker", "decode_worker"):
         assert len({tl[key] for tl in layerwise.values()}) == 2, key  # round robin used both of each pool
