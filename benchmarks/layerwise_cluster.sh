@@ -5,6 +5,8 @@
 # then `pdserve bench layerwise` from the host, A/B on that one server (issue 39's targets).
 #   sudo benchmarks/layerwise_cluster.sh [RATES] [OUT_DIR] [EXTRA BENCH FLAGS...]
 #   e.g. benchmarks/layerwise_cluster.sh "0.1 1 10" benchmarks/results --docs 6
+# AUTO_WORDS=N also checks `--kv-transfer auto` on short prompts (bulk vs auto, N-word documents)
+# on the same server; SERVE_FLAGS adds `pdserve serve` flags (e.g. "--kv-stream-layers 2").
 set -u
 cd "$(dirname "$0")/.."
 RATES=${1:-"0.1 1 10"}
@@ -28,6 +30,10 @@ for rate in $RATES; do
   echo "load at start: $(cut -d' ' -f1 /proc/loadavg)" >&2
   $PDS bench layerwise --base-url "http://$host:$PORT" --link-gbps "$rate" --out "layerwise-${rate}g" \
     --out-dir "$OUT" "$@"
+  if [ -n "${AUTO_WORDS:-}" ]; then
+    $PDS bench layerwise --base-url "http://$host:$PORT" --link-gbps "$rate" --modes bulk,auto \
+      --doc-words "$AUTO_WORDS" --out "layerwise-auto-${AUTO_WORDS}w-${rate}g" --out-dir "$OUT" "$@"
+  fi
   $PDS cluster down --name "$NAME" > /dev/null 2>&1
   wait
 done

@@ -27,6 +27,7 @@ from transport.wire import KVHandle, PeerInfo, StreamProgress, TransferStats
 
 log = logging.getLogger("pdserve.decode")
 POLL_S = 0.0005  # between polls of the transport while streams are open (idle: wait for one)
+ORPHAN_FACTOR = 10  # a stream that never heard from its prefill worker lives this many timeouts
 
 
 @dataclass
@@ -39,6 +40,7 @@ class IncomingStream:
     hashes: list[int]  # hashes of the leading blocks the local prefix cache had (not pulled)
     num_layers: int
     last_heard: float = field(default_factory=time.monotonic)
+    heard: bool = False  # a first message came (until then the prompt may still be queued for prefill)
     pulled: list[int] = field(default_factory=list)  # per layer: blocks [0, pulled[l]) are here
     first_token: int | None = None
     lease_deadline: float = 0.0
@@ -155,7 +157,7 @@ class StreamReceiver:
             s = self._streams.get(m.request_id)
             if s is None:  # cancelled, failed or finished already: nothing to do
                 return
-            s.last_heard = time.monotonic()
+            s.last_heard, s.heard = time.monotonic(), True
             if m.kind == "group":
                 s.busy = True
         if m.kind == "done":
@@ -231,14 +233,21 @@ class StreamReceiver:
             self._on_fail(s, None if s.cancelled else error)
 
     def _expire_silent(self) -> None:
-        """Streams whose prefill side has said nothing for `timeout_s` (it died, or its messages
-        are lost) fail, so their blocks come back."""
+        """Streams whose prefill side went silent fail, so their blocks come back: `timeout_s`
+        after its last message (it died, or its messages are lost; groups come a layer's compute
+        apart), or ORPHAN_FACTOR x `timeout_s` with no message at all (the prompt may wait that
+        long in the prefill queue; a prefill that fails before its first group is the router's to
+        abort, so this only catches a stream whose router went away)."""
         now = time.monotonic()
+
+        def silent_for(s: IncomingStream) -> float:
+            return self.timeout_s if s.heard else ORPHAN_FACTOR * self.timeout_s
+
         with self._lock:
-            late = [s for s in self._streams.values() if not s.busy and now - s.last_heard > self.timeout_s]
+            late = [s for s in self._streams.values() if not s.busy and now - s.last_heard > silent_for(s)]
         for s in late:
             self._finish(
                 s,
-                f"KV transfer failed: no progress from {s.source.agent} for {self.timeout_s:g} s "
+                f"KV transfer failed: no progress from {s.source.agent} for {silent_for(s):g} s "
                 "(prefill worker dead or unreachable?)",
             )

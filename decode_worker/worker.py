@@ -113,7 +113,10 @@ class DecodeWorker(EngineLoop):
         if self.transport is None or self.receiver is None:
             raise WorkerError(f"{self.name} is colocated: it has no KV transport")
         self.engine.check_fits(len(req.prompt_ids), req.params.max_tokens)
-        self.transport.connect(source)  # here, not on the loop thread: a handshake
+        try:
+            self.transport.connect(source)  # here, not on the loop thread: a handshake
+        except TransportError as e:  # the router fails the request and checks both workers' health
+            raise WorkerError(f"KV transfer failed: {self.name} cannot reach {source.agent}: {e}") from None
 
         def reserve() -> tuple[list[int], list[int]] | None:
             if self._refuse_aborted(req.request_id):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -357,6 +358,45 @@ def test_request_override_and_a_one_token_stream(workers):
     _clean(*workers.made)
 
 
+def test_no_room_on_the_decode_side_falls_back_to_bulk(workers, monkeypatch):
+    """Two 300-token prompts at once on a decode worker with room for one: the first to open its
+    stream reserves 19 of the 24 blocks, the other finds no room (the prefill is held until both
+    asked), so it is prefilled without a stream and pulled whole once the first has finished.
+    Both decode their bulk tokens."""
+    other = list((b"An unrelated prompt of the same length, sharing no block with the first one. " * 4)[:300])
+    reqs = [_req("a", PROMPT), _req("b", other)]
+    p, d = workers.prefill(), workers.decode(num_blocks=24)
+    _, go = _gate(monkeypatch, p, at_call=1)
+    real_open, opened = d.open_stream, []
+
+    def open_stream(req: GenerateRequest, source: Any, layers_per_group: int) -> Any:
+        target = real_open(req, source, layers_per_group)
+        opened.append(target)
+        if len(opened) == len(reqs):
+            go.set()
+        return target
+
+    monkeypatch.setattr(d, "open_stream", open_stream)
+    orch = Orchestrator(
+        "disagg",
+        TINY,
+        [WorkerHandle(p.name, "prefill", p, is_ray=False)],
+        [WorkerHandle(d.name, "decode", d, is_ray=False)],
+        kv_policy=KVTransferPolicy("layerwise", 1, LAYERS, LAYOUT.bytes_per_token),
+    )
+    try:
+        tls = _generate_all(orch, reqs)
+    finally:
+        go.set()
+    assert sum(t is None for t in opened) == 1
+    assert sorted(tl["kv_transfer"] for tl in tls.values()) == ["bulk", "layerwise"]
+    for tl in tls.values():
+        assert tl["transfer"]["mode"] == tl["kv_transfer"] and tl["finish_reason"] == "length"
+    ref = {r.request_id: _serve(*workers.pair(enable_prefix_caching=False), r, None).tokens for r in reqs}
+    assert {rid: tl["token_ids"] for rid, tl in tls.items()} == ref
+    _clean(*workers.made)
+
+
 # ---- (3) faults mid-stream ------------------------------------------------------------------------
 @pytest.mark.parametrize("transport", ["local", "nixl"])
 def test_prefill_step_failure_after_the_first_chunk(workers, monkeypatch, transport):
@@ -644,6 +684,9 @@ def test_server_serves_bulk_and_layerwise_per_request(ray_cluster):
 
 
 # ---- (5) the policy and the configuration (fast) --------------------------------------------------
+LONG = 32_768  # prompt tokens whose streaming gains clearly on a 1 Gbit/s link (whatever the measured costs)
+
+
 def _policy(mode: str, link_gbps: float | None = None, layers_per_group: int = 1) -> KVTransferPolicy:
     return KVTransferPolicy(mode, layers_per_group, LAYERS, LAYOUT.bytes_per_token, link_gbps)
 
@@ -660,18 +703,18 @@ def test_policy_bulk_and_layerwise_are_fixed():
 
 def test_policy_auto_pulls_whole_until_it_knows_a_prefill_and_a_link():
     auto = _policy("auto")
-    assert auto.gain_s(4096) is None and not auto.streams(4096)  # nothing known
+    assert auto.gain_s(LONG) is None and not auto.streams(LONG)  # nothing known
     auto.observe_pull(10_000_000, 0.08)  # a link rate (1 Gbit/s), measured
-    assert auto.gain_s(4096) is None and not auto.streams(4096)  # no prefill measured yet
+    assert auto.gain_s(LONG) is None and not auto.streams(LONG)  # no prefill measured yet
     auto.observe_prefill(0, 1.0)  # nothing learnt from an empty or instant prefill
     auto.observe_prefill(100, 0.0)
-    assert not auto.streams(4096)
+    assert not auto.streams(LONG)
     auto.observe_prefill(1000, 1.0)  # 1 ms a token
-    assert auto.gain_s(4096) is not None and auto.streams(4096)
+    assert auto.gain_s(LONG) is not None and auto.streams(LONG)
     nominal = _policy("auto", link_gbps=1.0)  # a nominal link: still needs a prefill
-    assert not nominal.streams(4096)
+    assert not nominal.streams(LONG)
     nominal.observe_prefill(1000, 1.0)
-    assert nominal.streams(4096)
+    assert nominal.streams(LONG)
 
 
 def test_policy_auto_streams_long_prompts_not_tiny_ones_on_a_slow_link():
@@ -679,15 +722,15 @@ def test_policy_auto_streams_long_prompts_not_tiny_ones_on_a_slow_link():
 
     slow = _policy("auto", link_gbps=1.0)
     slow.observe_prefill(1000, 1.0)  # 1 ms a token
-    assert slow.streams(4096) and slow.gain_s(4096) > 0
+    assert slow.streams(LONG) and slow.gain_s(LONG) > 0
     assert not slow.streams(16) and slow.gain_s(16) < 0  # the stream's opening costs more than it hides
     # the boundary is the cost model's threshold, to the token
     t = layerwise_threshold_tokens(LAYOUT.bytes_per_token, 1e-3, slow.groups, LinkSpec.gbits(1.0))
-    assert 16 < t < 4096 and slow.streams(t) and not slow.streams(t - 1)
+    assert 16 < t < LONG and slow.streams(t) and not slow.streams(t - 1)
     # a link that is fast for this KV hides almost nothing: the opening is not worth it
     fast = _policy("auto", link_gbps=1000.0)
     fast.observe_prefill(1000, 1.0)
-    assert not fast.streams(4096)
+    assert not fast.streams(LONG)
 
 
 def test_policy_request_override_wins():
@@ -697,10 +740,10 @@ def test_policy_request_override_wins():
         assert p.streams(300, "bulk") is False
         assert p.streams(300, None) is (server == "layerwise")  # the server's own
     lw = _policy("layerwise")
-    assert lw.streams(4096, "auto") is False  # auto asked: decided by auto (nothing known yet)
+    assert lw.streams(LONG, "auto") is False  # auto asked: decided by auto (nothing known yet)
     lw.observe_prefill(1000, 1.0)
     lw.link_gbps = 1.0
-    assert lw.streams(4096, "auto") is True and lw.streams(16, "auto") is False
+    assert lw.streams(LONG, "auto") is True and lw.streams(16, "auto") is False
 
 
 def test_serve_config_checks_kv_transfer_flags():
@@ -730,3 +773,51 @@ def test_serve_config_checks_kv_transfer_flags():
         config_from_args(parser.parse_args("--mode colocated --model tiny --kv-transfer layerwise".split()))
     with pytest.raises(CliError, match="--kv-stream-layers 0: must be >= 1"):
         config_from_args(parser.parse_args("--mode disagg --model tiny --kv-stream-layers 0".split()))
+
+
+def test_request_body_kv_transfer_is_checked_and_carried():
+    """The body field `kv_transfer` (completions and chat): one of bulk, layerwise, auto, carried to
+    the orchestrator's request; anything else is a 400 naming the field; absent: the server's."""
+    from engine.tokenizer import ByteTokenizer
+    from router import openai_protocol as oa
+
+    tok, lim = ByteTokenizer(), oa.Limits("tiny", frozenset({"tiny"}), 256, 320, 32)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    for mode in ("bulk", "layerwise", "auto"):
+        assert oa.prepare_completion({"prompt": "hi", "kv_transfer": mode}, tok, lim).kv_transfer == mode
+        assert oa.prepare_chat({**chat, "kv_transfer": mode}, tok, lim).kv_transfer == mode
+    assert oa.prepare_completion({"prompt": "hi"}, tok, lim).kv_transfer is None
+    for bad in ("fast", "LAYERWISE", 1):
+        with pytest.raises(oa.OpenAIError) as e:
+            oa.prepare_completion({"prompt": "hi", "kv_transfer": bad}, tok, lim)
+        assert e.value.status == 400 and e.value.body()["error"]["param"] == "kv_transfer", bad
+
+
+def test_a_prompt_queued_longer_than_the_transfer_timeout_still_streams(workers, monkeypatch):
+    """The decode side's silence timeout runs from the prefill side's first message: a prompt may
+    wait in the prefill queue (here: a slow first step) longer than --transfer-timeout-s and still
+    stream, as a bulk pull of it would."""
+    p, d = workers.pair(transfer_timeout_s=1.0)
+    real = p.engine.runner.execute
+
+    def slow(decode, items, on_layer=None):
+        time.sleep(1.5)
+        return real(decode, items, on_layer)
+
+    monkeypatch.setattr(p.engine.runner, "execute", slow)
+    streamed = _serve(p, d, _req("slow-lw"), layers_per_group=1)
+    monkeypatch.setattr(p.engine.runner, "execute", real)
+    assert streamed.transfer.mode == "layerwise"
+    assert streamed.tokens == _serve(p, d, _req("slow-bulk"), None).tokens
+    _clean(p, d)
+
+
+def test_a_prefill_worker_the_decode_side_cannot_reach_is_a_worker_error(workers):
+    """open_stream to a prefill worker that is gone: a WorkerError naming both (the router then
+    fails the request and checks both workers' health), not a bare transport error (a 500)."""
+    p, d = workers.pair()
+    source = p.describe()
+    p.shutdown()
+    with pytest.raises(WorkerError, match=f"{d.name} cannot reach {p.name}"):
+        d.open_stream(_req("gone"), source, 1)
+    _clean(d)
