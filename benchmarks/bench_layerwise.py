@@ -11,9 +11,10 @@ Per request, from the client's stream and the server's timeline:
 - exposed transfer = that gap minus one decode step (the median gap between later tokens): what
   of the KV hand-off the user waits for (transfer, plus the hand-off's own costs);
 - the timeline's own `transfer.exposed_ms` (end of the last pull minus the end of the prefill);
-- the cost model's prediction of the exposed transfer (costmodel/layerwise.py) at `--link-gbps`
-  (default: the pull rate this run measured on bulk pulls), from the request's measured prefill
-  time and KV bytes, labelled predicted.
+- the cost model's prediction of the exposed transfer (costmodel/layerwise.py), with the link
+  calibrated on the last warm-up document (its bulk pull's rate, its layer-wise pulls' per-pull
+  cost; never on a measured document), from the request's measured prefill time, tail after the
+  last layer and KV bytes, labelled predicted.
 
 On the cluster rehearsal (docs/cluster.md), e.g. at 1 Gbit/s:
 
@@ -63,10 +64,12 @@ class Shot:
     timeline_exposed_ms: float | None = None  # last pull's end - prefill end
     overlap_ms: float | None = None
     decode_wait_ms: float | None = None
+    handoff_ms: float | None = None  # on the servers: prefill end -> decode admission (transfer and waits)
     tail_ms: float | None = None  # layer-wise: prefill end - the last group's announcement
     open_ms: float | None = None  # layer-wise: the router's open_stream call
     predicted_exposed_ms: float | None = None  # filled in after the run
     token_ids: list[int] = field(default_factory=list)
+    timeline: dict[str, Any] = field(default_factory=dict)  # the server's, as it sent it
     error: str | None = None
 
 
@@ -119,6 +122,9 @@ async def send(client: Any, model: str, doc_index: int, text: str, mode: str, ou
     shot.overlap_ms = tr.get("overlap_ms")
     shot.decode_wait_ms = timeline.get("decode_wait_ms")
     shot.open_ms = timeline.get("kv_stream_open_ms")
+    shot.timeline = timeline
+    if timeline.get("decode_admitted_ms") is not None and timeline.get("prefill_end_ms") is not None:
+        shot.handoff_ms = float(timeline["decode_admitted_ms"]) - float(timeline["prefill_end_ms"])
     announced = timeline.get("prefill_groups") or []
     if announced and timeline.get("prefill_end_ms") is not None:
         shot.tail_ms = float(timeline["prefill_end_ms"]) - float(announced[-1][2])
@@ -141,12 +147,22 @@ def predict(shots: list[Shot], link: LinkSpec) -> None:
             s.predicted_exposed_ms = exposed * 1e3
 
 
-def measured_link(shots: list[Shot]) -> LinkSpec | None:
-    """The rate the bulk pulls of this run reached (one pull each, so their bytes over their time)."""
-    bulk = [s for s in shots if s.mode == "bulk" and s.error is None and s.transfer_ms > 0]
-    if not bulk:
+def calibrated_link(warm: list[Shot], default_per_pull_s: float) -> tuple[LinkSpec, str] | None:
+    """The link as the last warm-up document measured it (never a measured document: the
+    predictions are not replayed): its bulk pull's rate, and the per-pull cost its layer-wise
+    pulls took beyond that pull's time (the default when it was not streamed). The first document
+    is no calibration: its pull opens the UCX connection (seconds over TCP)."""
+    last = max((s.doc for s in warm), default=-1)
+    bulk = next((s for s in warm if s.doc == last and s.used == "bulk" and not s.error and s.transfer_ms > 0), None)
+    if bulk is None:
         return None
-    return LinkSpec(sum(s.kv_bytes for s in bulk) / (sum(s.transfer_ms for s in bulk) / 1e3))
+    rate = bulk.kv_bytes / (bulk.transfer_ms / 1e3)
+    lw = next((s for s in warm if s.doc == last and s.used == "layerwise" and not s.error and s.groups > 1), None)
+    per_pull = default_per_pull_s
+    if lw is not None and lw.transfer_ms > bulk.transfer_ms:
+        per_pull = (lw.transfer_ms - bulk.transfer_ms) / 1e3 / (lw.groups - 1)
+    note = f"{rate * 8 / 1e9:.2f} Gbit/s and {per_pull * 1e3:.2f} ms a pull, calibrated on warm-up document {last + 1}"
+    return LinkSpec(rate, per_pull), note
 
 
 def summarize(shots: list[Shot], modes: tuple[str, str]) -> dict[str, Any]:
@@ -168,6 +184,7 @@ def summarize(shots: list[Shot], modes: tuple[str, str]) -> dict[str, Any]:
                 "gap12_ms",
                 "step_ms",
                 "exposed_ms",
+                "handoff_ms",
                 "timeline_exposed_ms",
                 "predicted_exposed_ms",
                 "overlap_ms",
@@ -187,6 +204,8 @@ def summarize(shots: list[Shot], modes: tuple[str, str]) -> dict[str, Any]:
         out[f"exposed_bulk_over_{other}"] = (
             round(b["exposed_ms"] / lw["exposed_ms"], 2) if lw["exposed_ms"] and lw["exposed_ms"] > 0 else None
         )
+        if b["handoff_ms"] and lw["handoff_ms"] and lw["handoff_ms"] > 0:
+            out[f"handoff_bulk_over_{other}"] = round(b["handoff_ms"] / lw["handoff_ms"], 2)
         out[f"ttft_{other}_over_bulk"] = round(lw["ttft_ms"] / b["ttft_ms"], 3)
         out[f"second_token_{other}_over_bulk"] = round(
             (lw["ttft_ms"] + lw["gap12_ms"]) / (b["ttft_ms"] + b["gap12_ms"]), 3
@@ -201,6 +220,9 @@ def summarize(shots: list[Shot], modes: tuple[str, str]) -> dict[str, Any]:
                 m["prediction_error"] = round(m["predicted_exposed_ms"] / m["exposed_ms"] - 1, 3)
             if m["predicted_exposed_ms"] and m["timeline_exposed_ms"]:
                 m["prediction_error_vs_timeline"] = round(m["predicted_exposed_ms"] / m["timeline_exposed_ms"] - 1, 3)
+            if m["predicted_exposed_ms"] is not None and m["timeline_exposed_ms"] is not None:
+                # near 0 ms (a hidden transfer) a ratio means nothing: the difference does
+                m["prediction_minus_timeline_ms"] = round(m["predicted_exposed_ms"] - m["timeline_exposed_ms"], 3)
         same = [
             a.token_ids == b2.token_ids
             for a in shots
@@ -227,17 +249,31 @@ def print_table(shots: list[Shot], summary: dict[str, Any], link_note: str, mode
                 f"{m['gap12_ms']:.1f}",
                 f"{m['step_ms']:.1f}",
                 f"{m['exposed_ms']:.1f}",
+                f"{m['handoff_ms']:.1f}" if m["handoff_ms"] is not None else "-",
                 f"{m['timeline_exposed_ms']:.1f}" if m["timeline_exposed_ms"] is not None else "-",
                 f"{m['predicted_exposed_ms']:.1f}" if m["predicted_exposed_ms"] is not None else "-",
                 f"{m['overlap_ms']:.1f}" if m["overlap_ms"] is not None else "-",
                 f"{m['kv_bytes'] / 1e6:.2f}",
             ]
         )
-    heads = ["mode", "n", "TTFT", "1st->2nd", "step", "exposed", "tl exposed", "predicted", "overlap", "KV MB"]
+    heads = [
+        "mode",
+        "n",
+        "TTFT",
+        "1st->2nd",
+        "step",
+        "exposed",
+        "hand-off",
+        "tl exposed",
+        "predicted",
+        "overlap",
+        "KV MB",
+    ]
     print(table(heads, rows))
     print(
-        f"median ms per request; exposed = 1st->2nd gap - one decode step; tl exposed = last pull end - prefill "
-        f"end (timeline); predicted = cost model (costmodel/layerwise.py) at {link_note}"
+        f"median ms per request; exposed = 1st->2nd gap - one decode step (client); hand-off = prefill end -> decode "
+        f"admission (servers); tl exposed = last pull end - prefill end (timeline); predicted = cost model "
+        f"(costmodel/layerwise.py) at {link_note}"
     )
     other = modes[1]
     if f"ttft_{other}_over_bulk" in summary:
@@ -251,24 +287,25 @@ def print_table(shots: list[Shot], summary: dict[str, Any], link_note: str, mode
         print(f"doc {s.doc} {s.mode}: {s.error}", file=sys.stderr)
 
 
-async def run(args: argparse.Namespace) -> list[Shot]:
+async def run(args: argparse.Namespace) -> tuple[list[Shot], list[Shot]]:
+    """(warm-up shots, measured shots)."""
     from openai import AsyncOpenAI  # noqa: PLC0415
 
     client = AsyncOpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key=args.api_key or "none", timeout=600)
     model = args.model or (await client.models.list()).data[0].id
     docs = documents(args.warmup + args.docs, args.doc_words)
     shots: list[Shot] = []
+    warm: list[Shot] = []
     for i, text in enumerate(docs):
         order = args.modes if i % 2 == 0 else args.modes[::-1]
         for mode in order:
             shot = await send(client, model, i, text, mode, args.output_len)
-            if i >= args.warmup:
-                shots.append(shot)
+            (shots if i >= args.warmup else warm).append(shot)
             if not args.no_progress:
                 what = "warm-up" if i < args.warmup else f"doc {i - args.warmup + 1}/{args.docs}"
                 note = shot.error or f"TTFT {shot.ttft_ms:.0f} ms, exposed {shot.exposed_ms:.1f} ms"
                 print(f"{what} {mode}: {note}", file=sys.stderr)
-    return shots
+    return warm, shots
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -277,7 +314,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     p.add_argument("--docs", type=int, default=6, help="documents measured, each in both modes (default 6)")
-    p.add_argument("--warmup", type=int, default=1, help="documents sent first and not measured (default 1)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="documents sent first and not measured (default 2: the first opens the connections, the last "
+        "calibrates the predictions' link rate and per-pull cost)",
+    )
     p.add_argument("--doc-words", type=int, default=1024, help="words per document (default 1024)")
     p.add_argument("--output-len", type=int, default=16, help="tokens generated per request (default 16)")
     p.add_argument(
@@ -289,13 +332,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--link-gbps",
         type=float,
         default=None,
-        help="the link's rate for the predictions (default: the rate this run's bulk pulls measured)",
+        help="the link's nominal rate (recorded; predictions use it with --predict-at-nominal)",
+    )
+    p.add_argument(
+        "--predict-at-nominal",
+        action="store_true",
+        help="predict at --link-gbps instead of the rate the last warm-up document measured",
     )
     p.add_argument(
         "--group-overhead-ms",
         type=float,
         default=DEFAULT_GROUP_OVERHEAD_S * 1e3,
-        help="per-pull fixed cost in the predictions (default: costmodel.layerwise's measured figure)",
+        help="per-pull fixed cost in the predictions when the warm-up did not stream (default: "
+        "costmodel.layerwise's measured figure)",
     )
     p.add_argument("--out", default=None, help="result name (default layerwise-<link>)")
     p.add_argument("--out-dir", default=None, help=OUT_DIR_HELP)
@@ -312,17 +361,20 @@ def main(args: argparse.Namespace) -> int:
     if len(modes) != 2 or modes[0] != "bulk" or modes[1] not in MODES[1:]:
         raise CliError(f"--modes: expected bulk,layerwise or bulk,auto, got {args.modes!r}")
     args.modes = modes
-    shots = asyncio.run(run(args))
+    warm, shots = asyncio.run(run(args))
     per_pull = args.group_overhead_ms / 1e3
-    if args.link_gbps:
-        link, note = LinkSpec.gbits(args.link_gbps, per_pull), f"{args.link_gbps:g} Gbit/s (--link-gbps)"
+    calibrated = calibrated_link(warm, per_pull) if not args.predict_at_nominal else None
+    if calibrated is not None:
+        link, note = calibrated
+    elif args.link_gbps:
+        link, note = LinkSpec.gbits(args.link_gbps, per_pull), f"{args.link_gbps:g} Gbit/s (--link-gbps, nominal)"
     else:
-        measured = measured_link(shots)
-        link = LinkSpec(measured.bytes_per_s, per_pull) if measured else LinkSpec.gbits(1.0, per_pull)
-        note = f"{link.bytes_per_s * 8 / 1e9:.2f} Gbit/s (measured on this run's bulk pulls)"
+        raise CliError("no warm-up bulk pull to calibrate the link on: give --link-gbps or --warmup 2")
     predict(shots, link)
     summary = summarize(shots, args.modes)
     summary["link_for_predictions_gbps"] = round(link.bytes_per_s * 8 / 1e9, 4)
+    summary["per_pull_s_for_predictions"] = link.per_pull_s
+    summary["predictions_calibrated_on"] = note
     name = args.out or (f"layerwise-{args.link_gbps:g}g" if args.link_gbps else "layerwise")
     config = {k: v for k, v in vars(args).items() if k not in ("api_key", "func")}
     path = write_result(

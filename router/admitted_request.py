@@ -171,7 +171,7 @@ class AdmittedRequest:
         status = "ok" if self.finish_reason and not self.failed else "error" if self.failed else "aborted"
         t, end_ns = self.token_times, time.time_ns()
         orch = self.st.orchestrator
-        tl = orch.timeline(self.rid) if orch is not None else None
+        tl = orch.typed_timeline(self.rid) if orch is not None else None
         self.st.metrics.observe_request(
             status,
             t[0] - self.t0 if t else None,

@@ -45,10 +45,12 @@ from typing import Any
 
 from contracts.worker import WorkerStats
 from costmodel import cost_model as cm
+from costmodel.layerwise import LinkSpec, layerwise_exposed_s
 from costmodel.step_fit import OnlineStepFit, StepCostFit
 from router.dispatch_replay import MAX_PREFILL_TOKENS, MAX_REPLAY_STEPS, NO_SLOWDOWN, Job, Slowdown, WorkerQueue
 from router.dispatch_stats import ERROR_BUCKETS, WITHIN, ErrorHist, ReplayCost, rel_error
 from router.dispatch_types import Decision, Prediction, Stream
+from router.kv_transfer_policy import KVTransferPolicy
 from router.shared_cores import SharedCores
 from router.timeline import Timeline
 
@@ -97,6 +99,7 @@ class AutoDispatcher:
         self.kv_bytes_per_token = cm.kv_bytes_per_token(model, kv_dtype)
         gbps = next(iter(calibration.links_gbps.values()), None) or calibration.mem_bandwidth_gbps or 1.0
         self.link_bps = gbps * cm.GB  # refined from measured transfers
+        self.kv_policy: KVTransferPolicy | None = None  # the server's --kv-transfer (the orchestrator sets it)
         self.chunk = chunk_size or DEFAULT_CHUNK
         self.slo_ttft_s, self.slo_itl_s = slo_ttft_s, slo_itl_s
         self.cores = SharedCores(self.fits)  # the slowdown of a step run beside the other pool's
@@ -117,6 +120,16 @@ class AutoDispatcher:
         """Fold the steps each worker ran since the last look into its pool's fit (steps run
         alone) or its sharing factor (steps run beside the other pool's)."""
         self.cores.observe(stats, time.time() if now is None else now)
+
+    def _transfer_s(self, prompt: int, prefill_s: float) -> float:
+        """The KV transfer a remote prefill leaves after it: all of it (bulk), or, when the
+        server's --kv-transfer streams this prompt, what the last group leaves (costmodel/layerwise.py)."""
+        kv = prompt * self.kv_bytes_per_token
+        policy = self.kv_policy
+        if policy is not None and policy.streams(prompt):
+            link = LinkSpec(self.link_bps)
+            return layerwise_exposed_s(kv, prefill_s, policy.groups, link)
+        return kv / self.link_bps
 
     def observe_transfer(self, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0:  # exponentially weighted link rate
@@ -188,7 +201,8 @@ class AutoDispatcher:
         at = now + self.hop_in_s["remote"]
         r = q.replay(fp, [], Job(rid or "?", at, min(cached, prompt - 1), prompt), now, scale)
         ttft = r.finish - now + self.hop_out_s["remote"]
-        transfer = prompt * self.kv_bytes_per_token / self.link_bps
+        compute = max(0.0, r.finish - r.started)
+        transfer = self._transfer_s(prompt, compute)
         ctxs = [s.context for s in streams]
         # the streams' step while this prefill runs beside them (shared cores: k times slower, so
         # each stream loses 1 - 1/k of the prefill's time), and the admission step after it
@@ -196,7 +210,6 @@ class AutoDispatcher:
         admission = self.fits["decode"].current.decode_seconds(ctxs) if ctxs else 0.0
         ok = ttft * (1 + self.ttft_abs_error["remote"]) <= self.slo_ttft_s
         queue = max(0.0, r.started - now)
-        compute = max(0.0, r.finish - r.started)
         stall = compute * (1 - 1 / k) if ctxs and k > 1 else 0.0
         cost = ttft + transfer + admission + len(streams) * stall
         pred = Prediction(ttft, stall, transfer + admission, cost, ok, queue)

@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from contracts.worker import WorkerStats
+from router.timeline import Timeline
 
 log = logging.getLogger("pdserve.metrics")
 
@@ -226,6 +227,14 @@ class ServeMetrics:
             buckets=TRANSFER_BYTES_BUCKETS,
             registry=r,
         )
+        self.transfer_exposed = Histogram(
+            "pdserve_kv_transfer_exposed_seconds",
+            "What of a KV transfer was left once its prefill had ended (mode = bulk or layerwise; "
+            "layer-wise pulls run during the prefill, so most of theirs is hidden)",
+            ["mode", "link"],
+            buckets=TRANSFER_BUCKETS,
+            registry=r,
+        )
         self.stall = Histogram(
             "pdserve_stall_seconds",
             "Per prompt prefilled on a decode worker (colocated, auto local): the longest token gap of the "
@@ -252,26 +261,29 @@ class ServeMetrics:
         itls_s: list[float],
         e2e_s: float | None,
         completion_tokens: int,
-        timeline: dict[str, Any] | None = None,
+        timeline: Timeline | None = None,
     ) -> None:
         """Called once per admitted request when it ends, whatever the outcome."""
         self.requests.labels(status).inc()
         self.generation_tokens.inc(completion_tokens)
-        tl = timeline or {}
-        tr = tl.get("transfer")
-        if tr and "ms" in tr:  # a pull that happened is counted whatever became of the request
-            link = f"{tl.get('prefill_worker')}->{tl.get('decode_worker')}"
-            self.transfer_seconds.labels(tr.get("backend", ""), link).observe(tr["ms"] / 1e3)
-            self.transfer_bytes.labels(tr.get("backend", ""), link).observe(tr["bytes"])
-        if "local_max_gap_ms" in tl:
-            self.stall.labels(tl.get("decode_worker", "")).observe(tl["local_max_gap_ms"] / 1e3)
+        tl = timeline
+        tr = tl.transfer if tl is not None else None
+        if tl is not None and tr is not None:  # a pull that happened is counted whatever became of the request
+            link = f"{tl.prefill_worker}->{tl.decode_worker}"
+            self.transfer_seconds.labels(tr.backend, link).observe(tr.ms / 1e3)
+            self.transfer_bytes.labels(tr.backend, link).observe(tr.bytes)
+            if tr.exposed_ms is not None:
+                self.transfer_exposed.labels(tr.mode, link).observe(tr.exposed_ms / 1e3)
+        if tl is not None and tl.local_max_gap_ms is not None:
+            self.stall.labels(tl.decode_worker or "").observe(tl.local_max_gap_ms / 1e3)
         if status != "ok":
             return  # latencies of aborted/failed requests would pollute the distributions
-        for key, figure in (("queue", "queue_ms"), ("prefill", "prefill_ms"), ("decode_wait", "decode_wait_ms")):
-            if figure in tl:
-                self.phases[key].observe(max(0.0, tl[figure]) / 1e3)
-        if "first_token_ms" in tl and "last_token_ms" in tl:
-            self.phases["decode"].observe(max(0.0, tl["last_token_ms"] - tl["first_token_ms"]) / 1e3)
+        if tl is not None:
+            for key, ms in (("queue", tl.queue_ms), ("prefill", tl.prefill_ms), ("decode_wait", tl.decode_wait_ms)):
+                if ms is not None:
+                    self.phases[key].observe(max(0.0, ms) / 1e3)
+            if tl.first_token_ms is not None and tl.last_token_ms is not None:
+                self.phases["decode"].observe(max(0.0, tl.last_token_ms - tl.first_token_ms) / 1e3)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
         for gap in itls_s:

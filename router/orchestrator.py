@@ -77,6 +77,8 @@ class Orchestrator:
         self.dispatcher = dispatcher
         self.block_size = block_size
         self.kv_policy = kv_policy  # None: every remote prefill is pulled whole (bulk)
+        if dispatcher is not None:  # auto prices a remote prefill's transfer the way it will move
+            dispatcher.kv_policy = kv_policy
         self._live: dict[str, RequestState] = {}  # the requests in flight, by id
         self._timelines: OrderedDict[str, Timeline] = OrderedDict()  # the last TIMELINES_KEPT, by id
         self._decode_streams = DecodeStreams(self._live)
@@ -139,6 +141,10 @@ class Orchestrator:
         """The request's timeline as the API returns it (`pdserve.timeline`)."""
         tl = self._timelines.get(request_id)
         return tl.to_dict() if tl is not None else None
+
+    def typed_timeline(self, request_id: str) -> Timeline | None:
+        """The request's timeline itself (metrics and traces read its fields, not its JSON)."""
+        return self._timelines.get(request_id)
 
     async def stats(self) -> list[WorkerStats]:
         """Every worker's stats, read now (a dead worker found this way is replaced)."""
