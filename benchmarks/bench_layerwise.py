@@ -147,7 +147,7 @@ def predict(shots: list[Shot], link: LinkSpec) -> None:
             s.predicted_exposed_ms = exposed * 1e3
 
 
-def calibrated_link(warm: list[Shot], default_per_pull_s: float) -> tuple[LinkSpec, str] | None:
+def calibrated_link(warm: list[Shot], default_per_pull_s: float, burst: float) -> tuple[LinkSpec, str] | None:
     """The link as the last warm-up document measured it (never a measured document: the
     predictions are not replayed): its bulk pull's rate, and the per-pull cost its layer-wise
     pulls took beyond that pull's time (the default when it was not streamed). The first document
@@ -156,13 +156,13 @@ def calibrated_link(warm: list[Shot], default_per_pull_s: float) -> tuple[LinkSp
     bulk = next((s for s in warm if s.doc == last and s.used == "bulk" and not s.error and s.transfer_ms > 0), None)
     if bulk is None:
         return None
-    rate = bulk.kv_bytes / (bulk.transfer_ms / 1e3)
+    rate = max(1.0, bulk.kv_bytes - burst) / (bulk.transfer_ms / 1e3)  # the burst went at line rate
     lw = next((s for s in warm if s.doc == last and s.used == "layerwise" and not s.error and s.groups > 1), None)
     per_pull = default_per_pull_s
     if lw is not None and lw.transfer_ms > bulk.transfer_ms:
         per_pull = (lw.transfer_ms - bulk.transfer_ms) / 1e3 / (lw.groups - 1)
     note = f"{rate * 8 / 1e9:.2f} Gbit/s and {per_pull * 1e3:.2f} ms a pull, calibrated on warm-up document {last + 1}"
-    return LinkSpec(rate, per_pull), note
+    return LinkSpec(rate, per_pull, burst), note
 
 
 def summarize(shots: list[Shot], modes: tuple[str, str]) -> dict[str, Any]:
@@ -335,6 +335,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the link's nominal rate (recorded; predictions use it with --predict-at-nominal)",
     )
     p.add_argument(
+        "--link-burst-kib",
+        type=float,
+        default=0.0,
+        help="a shaped link's token-bucket burst, in the predictions (the cluster rehearsal's `tc tbf`: "
+        "max(256 KiB, 1 ms of traffic); benchmarks/layerwise_cluster.sh passes it); default 0",
+    )
+    p.add_argument(
         "--predict-at-nominal",
         action="store_true",
         help="predict at --link-gbps instead of the rate the last warm-up document measured",
@@ -363,11 +370,13 @@ def main(args: argparse.Namespace) -> int:
     args.modes = modes
     warm, shots = asyncio.run(run(args))
     per_pull = args.group_overhead_ms / 1e3
-    calibrated = calibrated_link(warm, per_pull) if not args.predict_at_nominal else None
+    burst = args.link_burst_kib * 1024
+    calibrated = calibrated_link(warm, per_pull, burst) if not args.predict_at_nominal else None
     if calibrated is not None:
         link, note = calibrated
     elif args.link_gbps:
-        link, note = LinkSpec.gbits(args.link_gbps, per_pull), f"{args.link_gbps:g} Gbit/s (--link-gbps, nominal)"
+        link = LinkSpec.gbits(args.link_gbps, per_pull, burst)
+        note = f"{args.link_gbps:g} Gbit/s (--link-gbps, nominal)"
     else:
         raise CliError("no warm-up bulk pull to calibrate the link on: give --link-gbps or --warmup 2")
     predict(shots, link)

@@ -28,10 +28,14 @@ for rate in $RATES; do
     --no-prefix-cache ${SERVE_FLAGS:-} > "$OUT/layerwise-$rate-serve.log" 2>&1 &
   for _ in $(seq 150); do curl -sf "http://$host:$PORT/health" > /dev/null && break; sleep 2; done
   echo "load at start: $(cut -d' ' -f1 /proc/loadavg)" >&2
-  $PDS bench layerwise --base-url "http://$host:$PORT" --link-gbps "$rate" --out "layerwise-${rate}g" \
+  # the rehearsal's tbf burst (cluster/netns.py tbf_args): the predictions' token bucket
+  burst_kib=$(python3 -c "print(max(256, $rate * 1e9 / 8 * 1e-3 / 1024))")
+  $PDS bench layerwise --base-url "http://$host:$PORT" --link-gbps "$rate" --link-burst-kib "$burst_kib" \
+    --out "layerwise-${rate}g" \
     --out-dir "$OUT" "$@"
   if [ -n "${AUTO_WORDS:-}" ]; then
-    $PDS bench layerwise --base-url "http://$host:$PORT" --link-gbps "$rate" --modes bulk,auto \
+    $PDS bench layerwise --base-url "http://$host:$PORT" --link-gbps "$rate" --link-burst-kib "$burst_kib" \
+      --modes bulk,auto \
       --doc-words "$AUTO_WORDS" --out "layerwise-auto-${AUTO_WORDS}w-${rate}g" --out-dir "$OUT" "$@"
   fi
   $PDS cluster down --name "$NAME" > /dev/null 2>&1

@@ -41,14 +41,22 @@ DEFAULT_LAYERS_PER_GROUP = 1  # the best measured on CPU: every pull hidden at 1
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """A link between the pools: sustained bytes/s and a fixed cost per pull."""
+    """A link between the pools: sustained bytes/s, a fixed cost per pull, and the burst a token
+    bucket shaper lets through at line rate after an idle spell (`tc tbf`'s burst: the cluster
+    rehearsal's links have one; a plain NIC or NVLink has none)."""
 
     bytes_per_s: float
     per_pull_s: float = DEFAULT_GROUP_OVERHEAD_S
+    burst_bytes: float = 0.0
 
     @classmethod
-    def gbits(cls, gbps: float, per_pull_s: float = DEFAULT_GROUP_OVERHEAD_S) -> LinkSpec:
-        return cls(gbps * 1e9 / 8, per_pull_s)
+    def gbits(cls, gbps: float, per_pull_s: float = DEFAULT_GROUP_OVERHEAD_S, burst_bytes: float = 0.0) -> LinkSpec:
+        return cls(gbps * 1e9 / 8, per_pull_s, burst_bytes)
+
+    def pull_s(self, nbytes: float, tokens: float) -> tuple[float, float]:
+        """(seconds, bucket left) for a pull of `nbytes` that finds `tokens` bytes in the bucket."""
+        free = min(nbytes, tokens)
+        return (nbytes - free) / self.bytes_per_s + self.per_pull_s, tokens - free
 
 
 def groups_of(num_layers: int, layers_per_group: int) -> int:
@@ -56,8 +64,8 @@ def groups_of(num_layers: int, layers_per_group: int) -> int:
 
 
 def bulk_exposed_s(kv_bytes: float, link: LinkSpec) -> float:
-    """The whole transfer, after the prefill."""
-    return kv_bytes / link.bytes_per_s + link.per_pull_s
+    """The whole transfer, after the prefill (the bucket full: the link was idle)."""
+    return link.pull_s(kv_bytes, link.burst_bytes)[0]
 
 
 def layerwise_finish_s(
@@ -67,11 +75,15 @@ def layerwise_finish_s(
     long after the prefill's start the link is still taken by earlier pulls; `tail_s`: the
     prefill's last stretch after its last layer wrote its KV (final norm, lm_head, sampling), so
     group i is ready at (prefill_s - tail_s) * i / groups."""
-    share = kv_bytes / groups / link.bytes_per_s + link.per_pull_s
+    share = kv_bytes / groups
     layers_s = max(0.0, prefill_s - tail_s)
     finish = max(0.0, busy_s)
+    tokens = link.burst_bytes if busy_s <= 0 else 0.0
     for i in range(1, groups + 1):
-        finish = max(finish, layers_s * i / groups) + share
+        start = max(finish, layers_s * i / groups)
+        tokens = min(link.burst_bytes, tokens + (start - finish) * link.bytes_per_s)  # refilled while idle
+        seconds, tokens = link.pull_s(share, tokens)
+        finish = start + seconds
     return finish
 
 
