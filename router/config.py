@@ -129,14 +129,18 @@ class ServeConfig:
     lease_s: float = field(
         default=30.0, metadata=cli_flag("pools", "seconds prefill keeps KV that decode has not pulled")
     )
+    # auto by default: on the cluster rehearsal it was never slower than bulk and hid 20-90x more of
+    # the transfer on long prompts (docs/results.md, layer-wise section); streaming every prompt
+    # pays the stream-opening call where a fast link leaves nothing to hide
     kv_transfer: str = field(
-        default="bulk",
+        default="auto",
         metadata=cli_flag(
             "pools",
             "how the KV crosses from prefill to decode: bulk pulls it whole once the prefill has ended; "
             "layerwise streams each group of layers while the prompt is still prefilling (only the last "
-            "group's share stays between the first and second token); auto streams the prompts long "
-            "enough to gain, by the cost model, at --link-gbps or the pull rate measured so far",
+            "group's share stays between the first and second token); auto (the default) streams the "
+            "prompts long enough to gain, by the cost model, at --link-gbps or the pull rate measured so far "
+            "(bulk until a pull and a prefill were measured)",
             choices=("bulk", "layerwise", "auto"),
         ),
     )
