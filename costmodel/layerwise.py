@@ -36,6 +36,13 @@ DEFAULT_GROUP_OVERHEAD_S = 0.0033
 # prefill starts), paid on the TTFT of every layer-wise request: median 9.9 ms in the same run
 # (the timeline's kv_stream_open_ms).
 DEFAULT_OPEN_S = 0.010
+# What streaming costs the prefill itself when the transfer's CPU work (TCP, the shaper, NIXL's
+# progress and the decode side's receiver) shares the cores with a CPU prefill: paired per
+# document, layer-wise TTFT over bulk, medians 1.035 at 1 Gbit/s and 1.029 at 10 Gbit/s
+# (`pdserve bench layerwise` on the 2-core rehearsal, 2026-12-03 16:49-17:00 UTC): about 3% of the
+# prefill, which at 1 Gbit/s is as long as the 184 ms the stream hides. A GPU prefill does not
+# share its compute with the transfer: 0 there.
+CPU_OVERLAP_COST = 0.03
 DEFAULT_LAYERS_PER_GROUP = 1  # the best measured on CPU: every pull hidden at 1 Gbit/s (docs/results.md)
 
 
@@ -95,11 +102,19 @@ def layerwise_exposed_s(
 
 
 def layerwise_gain_s(
-    kv_bytes: float, prefill_s: float, groups: int, link: LinkSpec, open_s: float = DEFAULT_OPEN_S
+    kv_bytes: float,
+    prefill_s: float,
+    groups: int,
+    link: LinkSpec,
+    open_s: float = DEFAULT_OPEN_S,
+    overlap_cost: float = 0.0,
 ) -> float:
     """Time to the second token saved by streaming (negative: streaming costs more than it hides).
-    The stream's opening call is paid before the prefill, so it counts against the gain."""
-    return bulk_exposed_s(kv_bytes, link) - layerwise_exposed_s(kv_bytes, prefill_s, groups, link) - open_s
+    The stream's opening call is paid before the prefill, and on shared cores the prefill runs
+    `overlap_cost` (a fraction, CPU_OVERLAP_COST on a CPU host) longer beside its own transfer:
+    both count against the gain."""
+    hidden = bulk_exposed_s(kv_bytes, link) - layerwise_exposed_s(kv_bytes, prefill_s, groups, link)
+    return hidden - open_s - overlap_cost * prefill_s
 
 
 def layerwise_threshold_tokens(
@@ -109,13 +124,14 @@ def layerwise_threshold_tokens(
     link: LinkSpec,
     open_s: float = DEFAULT_OPEN_S,
     max_tokens: int = 1 << 20,
+    overlap_cost: float = 0.0,
 ) -> int:
     """The shortest prompt that gains from streaming (`--kv-transfer auto` streams prompts at
     least this long); `max_tokens` when none up to it does. The gain grows with the prompt, so a
     bisection finds it."""
 
     def gains(n: int) -> bool:
-        return layerwise_gain_s(n * bytes_per_token, n * prefill_s_per_token, groups, link, open_s) > 0
+        return layerwise_gain_s(n * bytes_per_token, n * prefill_s_per_token, groups, link, open_s, overlap_cost) > 0
 
     if not gains(max_tokens):
         return max_tokens

@@ -5,7 +5,8 @@ sits between the first and second token). layerwise: every remote prefill stream
 (prefill_worker/kv_stream.py, decode_worker/kv_stream.py). auto: a prompt streams when the cost
 model (costmodel/layerwise.py) says it gains: its bulk pull is longer than what streaming leaves
 exposed (the last group, or the backlog on a link slower than the prefill) plus the stream's
-fixed cost. The link rate is `--link-gbps` when given, else the rate measured on this server's
+fixed cost and, on a CPU host, the prefill's own slowdown beside its transfer (about 3% measured
+on 2 cores: at 1 Gbit/s that is as much as a 1.7k-token document's transfer). The link rate is `--link-gbps` when given, else the rate measured on this server's
 pulls so far; the prefill rate is measured on its prefills. Until both are known auto pulls whole.
 """
 
@@ -26,6 +27,8 @@ class KVTransferPolicy:
     bytes_per_token: float  # KV bytes per prompt token (the KV layout's)
     link_gbps: float | None = None  # nominal link rate between the pools, if known
     open_s: float = DEFAULT_OPEN_S
+    # the prefill's slowdown beside its own transfer, a fraction (CPU_OVERLAP_COST on a CPU host)
+    overlap_cost: float = 0.0
     # what this server measured: pulls (bytes, seconds) and remote prefills (tokens, seconds)
     pulled_bytes: float = 0.0
     pulled_s: float = 0.0
@@ -63,7 +66,7 @@ class KVTransferPolicy:
             return None
         per_token = self.prefill_s / self.prefilled_tokens
         kv = prompt_tokens * self.bytes_per_token
-        return layerwise_gain_s(kv, prompt_tokens * per_token, self.groups, link, self.open_s)
+        return layerwise_gain_s(kv, prompt_tokens * per_token, self.groups, link, self.open_s, self.overlap_cost)
 
     def streams(self, prompt_tokens: int, requested: str | None = None) -> bool:
         """Whether this prompt streams; `requested`: the request's own mode, over the server's."""

@@ -20,6 +20,7 @@ from typing import Any
 
 from contracts.worker import WorkerConfig
 from costmodel.cost_model import Calibration, ModelSpec
+from costmodel.layerwise import CPU_OVERLAP_COST
 from engine.config import CacheConfig, is_checkpoint_dir, read_generation_eos, resolve_model_config
 from engine.kv_layout import KVLayout
 from router.dispatch import DEFAULT_CHUNK, AutoDispatcher
@@ -213,6 +214,7 @@ def kv_transfer_policy(cfg: Any) -> KVTransferPolicy | None:
         layout.num_layers,
         layout.bytes_per_token,
         getattr(cfg, "link_gbps", None),
+        overlap_cost=CPU_OVERLAP_COST if cfg.device == "cpu" else 0.0,  # a CPU prefill shares its cores
     )
 
 

@@ -91,3 +91,15 @@ def test_cost_model_feeds_the_model_into_it():
     per_token, kvb, g = cm.prefill(M, HW, 4096).time_s / 4096, cm.kv_bytes_per_token(M), groups_of(80, 1)
     assert layerwise_gain_s(n * kvb, n * per_token, g, cm.stream_link(link)) > 0
     assert layerwise_gain_s((n - 1) * kvb, (n - 1) * per_token, g, cm.stream_link(link)) <= 0
+
+
+def test_a_cpu_prefill_slowed_by_its_own_transfer_can_make_streaming_lose():
+    """On shared cores the prefill runs ~3% longer beside its transfer (CPU_OVERLAP_COST): a 1.7k-token
+    SmolLM2 document (21.3 MB, 7.5 s of CPU prefill) gains at 0.1 Gbit/s, not at 1 Gbit/s, as measured."""
+    from costmodel.layerwise import CPU_OVERLAP_COST  # noqa: PLC0415
+
+    kv, prefill, groups = 21.35e6, 7.5, 30
+    slow, fast = LinkSpec.gbits(0.1, 0.0033), LinkSpec.gbits(1.0, 0.0033)
+    assert layerwise_gain_s(kv, prefill, groups, fast) > 0  # without the slowdown it would stream
+    assert layerwise_gain_s(kv, prefill, groups, fast, overlap_cost=CPU_OVERLAP_COST) < 0
+    assert layerwise_gain_s(kv, prefill, groups, slow, overlap_cost=CPU_OVERLAP_COST) > 1.0
