@@ -6,7 +6,7 @@
 #   sudo benchmarks/layerwise_cluster.sh [RATES] [OUT_DIR] [EXTRA BENCH FLAGS...]
 #   e.g. benchmarks/layerwise_cluster.sh "0.1 1 10" benchmarks/results --docs 6
 # AUTO_WORDS=N also checks `--kv-transfer auto` on short prompts (bulk vs auto, N-word documents)
-# on the same server; SERVE_FLAGS adds `pdserve serve` flags (e.g. "--kv-stream-layers 2").
+# on the same server (ONLY_AUTO=1: that check alone); SERVE_FLAGS adds `pdserve serve` flags.
 set -u
 cd "$(dirname "$0")/.."
 RATES=${1:-"0.1 1 10"}
@@ -30,9 +30,10 @@ for rate in $RATES; do
   echo "load at start: $(cut -d' ' -f1 /proc/loadavg)" >&2
   # the rehearsal's tbf burst (cluster/netns.py tbf_args): the predictions' token bucket
   burst_kib=$(python3 -c "print(max(256, $rate * 1e9 / 8 * 1e-3 / 1024))")
-  $PDS bench layerwise --base-url "http://$host:$PORT" --link-gbps "$rate" --link-burst-kib "$burst_kib" \
-    --out "layerwise-${rate}g" \
-    --out-dir "$OUT" "$@"
+  if [ -z "${ONLY_AUTO:-}" ]; then
+    $PDS bench layerwise --base-url "http://$host:$PORT" --link-gbps "$rate" --link-burst-kib "$burst_kib" \
+      --out "layerwise-${rate}g" --out-dir "$OUT" "$@"
+  fi
   if [ -n "${AUTO_WORDS:-}" ]; then
     $PDS bench layerwise --base-url "http://$host:$PORT" --link-gbps "$rate" --link-burst-kib "$burst_kib" \
       --modes bulk,auto \
