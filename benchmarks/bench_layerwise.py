@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cli.output import emit_json
 from costmodel.layerwise import DEFAULT_GROUP_OVERHEAD_S, LinkSpec, bulk_exposed_s, layerwise_exposed_s
 from costmodel.provenance import OUT_DIR_HELP, write_result
 
@@ -355,7 +356,7 @@ async def run(args: argparse.Namespace) -> tuple[list[Shot], list[Shot]]:
     return warm, shots
 
 
-def resummarize(path: Path, modes: tuple[str, str]) -> int:
+def resummarize(path: Path, modes: tuple[str, str], out: Path | None = None, as_json: bool = False) -> int:
     """A saved run summarized again (the derived figures; each request keeps its run's prediction), in place."""
     doc = json.loads(path.read_text())
     names = {f for f in Shot.__dataclass_fields__}
@@ -370,9 +371,13 @@ def resummarize(path: Path, modes: tuple[str, str]) -> int:
     summary["bulk_start_s_for_predictions"] = old.get("bulk_start_s_for_predictions", 0.0)
     summary["resummarized"] = f"summary recomputed from the saved requests by {' '.join(sys.argv)}"
     doc.update(summary=summary, requests=[asdict(s) for s in shots])
-    path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    print_table(shots, summary, old["predictions_calibrated_on"], modes)
-    print(f"rewrote {path}")
+    target = out or path
+    target.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    if as_json:
+        emit_json({"summary": summary, "result_file": str(target)})
+    else:
+        print_table(shots, summary, old["predictions_calibrated_on"], modes)
+        print(f"wrote {target}")
     return 0
 
 
@@ -383,7 +388,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--from-json",
         default=None,
         metavar="FILE",
-        help="summarize a saved run again (this benchmark's JSON) instead of sending anything",
+        help="summarize a saved run again (this benchmark's JSON; rewritten in place, or to --out-dir) "
+        "instead of sending anything",
     )
     p.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
@@ -445,7 +451,11 @@ def main(args: argparse.Namespace) -> int:
     if not args.from_json and not args.base_url:
         raise CliError("--base-url is required (or --from-json FILE)")
     if args.from_json:
-        return resummarize(Path(args.from_json), args.modes)
+        src = Path(args.from_json)
+        if not src.is_file():
+            raise CliError(f"--from-json {args.from_json!r}: no such file")
+        out = Path(args.out_dir) / f"{args.out or src.stem}.json" if args.out_dir else None
+        return resummarize(src, args.modes, out, args.json)
     warm, shots = asyncio.run(run(args))
     per_pull = args.group_overhead_ms / 1e3
     burst = args.link_burst_kib * 1024
@@ -473,7 +483,7 @@ def main(args: argparse.Namespace) -> int:
         Path(args.out_dir) if args.out_dir else None,
     )
     if args.json:
-        print(json.dumps({"summary": summary, "result_file": str(path)}))
+        emit_json({"summary": summary, "result_file": str(path)})
     else:
         print_table(shots, summary, note, args.modes)
         print(f"wrote {path}")

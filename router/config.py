@@ -306,7 +306,7 @@ class ServeConfig:
             raise bad("--kv-transfer", f"must be one of {', '.join(KV_TRANSFERS)}")
         if self.kv_stream_layers < 1:
             raise bad("--kv-stream-layers", "must be >= 1")
-        if self.kv_transfer != "bulk" and self.mode == "colocated":
+        if self.kv_transfer == "layerwise" and self.mode == "colocated":  # auto: nothing to stream there
             raise bad("--kv-transfer", "streams KV between pools: it needs --mode disagg or auto")
         if self.lease_s <= 0:
             raise bad("--lease-s", "must be > 0 seconds")

@@ -4,10 +4,11 @@ bulk: the decode worker pulls a prompt's KV whole once its prefill has ended (al
 sits between the first and second token). layerwise: every remote prefill streams
 (prefill_worker/kv_stream.py, decode_worker/kv_stream.py). auto: a prompt streams when the cost
 model (costmodel/layerwise.py) says it gains: its bulk pull is longer than what streaming leaves
-exposed (the last group, or the backlog on a link slower than the prefill) plus the stream's
-fixed cost and, on a CPU host, the prefill's own slowdown beside its transfer (about 3% measured
-on 2 cores: at 1 Gbit/s that is as much as a 1.7k-token document's transfer). The link rate is `--link-gbps` when given, else the rate measured on this server's
-pulls so far; the prefill rate is measured on its prefills. Until both are known auto pulls whole.
+exposed (the last group, or the backlog on a link slower than the prefill) plus the stream's fixed
+cost and, on a CPU host, the prefill's own slowdown beside its transfer (about 3% measured on 2
+cores: at 1 Gbit/s that is as much as a 1.7k-token document's transfer). The link rate is
+`--link-gbps` when given, else the rate measured on this server's pulls so far; the prefill rate is
+measured on its prefills. Until both are known auto pulls whole.
 """
 
 from __future__ import annotations

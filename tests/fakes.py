@@ -159,6 +159,7 @@ class FakeCompletionsServer:
 
 from contracts.worker import GenerateRequest, StreamEvent, WorkerError, WorkerStats  # noqa: E402
 from engine.config import PRESETS, ModelConfig  # noqa: E402
+from router.timeline import Timeline  # noqa: E402
 
 
 def echo_script(prompt_ids: list[int], max_tokens: int) -> list[int]:
@@ -228,6 +229,10 @@ class FakeOrchestrator:
 
     def timeline(self, request_id: str) -> dict | None:
         return self.timelines.get(request_id)
+
+    def typed_timeline(self, request_id: str) -> Timeline | None:
+        d = self.timelines.get(request_id)
+        return Timeline.from_dict({"arrival": 0.0, **d}) if d is not None else None  # its arrival: unstamped
 
     async def stats(self) -> list[WorkerStats]:
         n = len(self.active)

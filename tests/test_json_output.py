@@ -27,7 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_COMPARE = ROOT / "benchmarks/results/compare-tiny-cpu.json"
 ENGINE = ["--model", "tiny", "--device", "cpu", "--no-progress", "--threads", "1"]
 
-# command words -> extra arguments (a tiny, fast configuration); {tmp} is a scratch directory
+REPO = Path(__file__).resolve().parent.parent
+# command words -> extra arguments (a tiny, fast configuration); {tmp} is a scratch directory, {repo}
+# the checkout
 CASES: dict[tuple[str, ...], list[str]] = {
     ("cost",): ["--config", "llama-3.1-70b"],
     ("simulate",): ["--duration", "6", "--warmup", "1", "--doc-rate", "0.5", "--no-png", "--out-dir", "{tmp}"],
@@ -134,6 +136,8 @@ CASES: dict[tuple[str, ...], list[str]] = {
     ],
     # the real model (pulled once per machine), one setting, a few tokens, no transformers reference
     ("bench", "quality"): ["--tokens", "16", "--settings", "fp32", "--no-transformers", "--out-dir", "{tmp}"],
+    # a saved run summarized again (the live benchmark needs a disaggregated server)
+    ("bench", "layerwise"): ["--from-json", "{repo}/benchmarks/results/layerwise-1g.json", "--out-dir", "{tmp}"],
     # a real server for 12 s of load, no fault (its faults are tests/test_faults.py's)
     ("bench", "soak"): [
         "--minutes",
@@ -203,7 +207,7 @@ def _pdserve() -> list[str]:
 def test_json_stdout_is_one_document(words, tmp_path, server):
     """Cost: each case is a real `pdserve ... --json` child process (Python, torch, the command's own short
     run): stdout is the thing tested."""
-    args = [a.format(tmp=tmp_path, server=server.base_url) for a in CASES[words]]
+    args = [a.format(tmp=tmp_path, server=server.base_url, repo=REPO) for a in CASES[words]]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [*_pdserve(), *words, *args, "--json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=170

@@ -108,8 +108,8 @@ def test_block_corrupted_mid_pull_fails_only_that_request(monkeypatch):
         assert isinstance(d.transport, NixlTransport)
         real = d.transport._read_group
 
-        def corrupting(peer, runs, deadline, request_id):  # the copy lands, then a bit flips in flight
-            real(peer, runs, deadline, request_id)
+        def corrupting(peer, runs, deadline, request_id, yielding=False):  # the copy lands, then a bit flips
+            real(peer, runs, deadline, request_id, yielding)
             if request_id == "corrupt":
                 d.transport._pool.view(-1)[runs[0].local_offset + 100] ^= 0x01
 
