@@ -29,7 +29,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.server]
 
 @pytest.fixture(scope="module")
 def server(ray_cluster):
-    with ServerThread(ServeConfig(model="tiny", num_blocks=512), startup_timeout_s=180) as srv:
+    # bulk pulls: the probe's prefix-cache check compares two ~0.2 s TTFTs, and auto streaming one of
+    # them (its opening call) but not the other would move one by its own few ms
+    with ServerThread(ServeConfig(model="tiny", num_blocks=512, kv_transfer="bulk"), startup_timeout_s=180) as srv:
         yield srv
 
 
