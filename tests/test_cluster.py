@@ -210,6 +210,8 @@ def test_2p1d_across_nodes_greedy_and_pull_rate(cluster):
         "--decode-resources",
         '{"node2": 1}',
         "--no-prefix-cache",  # the same prompt each time: with the cache, later pulls would move nothing
+        "--kv-transfer",  # one timed pull per request (auto may stream it as 4 groups: their sum is no link rate)
+        "bulk",
     )
     try:
         prompt = "A long document about disaggregated serving over a shaped link. " * 46  # 2990 bytes

@@ -106,7 +106,19 @@ def receiver():
 
 @pytest.fixture(scope="module")
 def server(receiver, tmp_path_factory):
-    args = ["--model", "tiny", "--mode", "disagg", "--num-blocks", "128", "--log-format", "json"]
+    # bulk pulls: these traces pin the bulk phases (layer-wise ones: tests/test_trace_layerwise.py)
+    args = [
+        "--model",
+        "tiny",
+        "--mode",
+        "disagg",
+        "--num-blocks",
+        "128",
+        "--log-format",
+        "json",
+        "--kv-transfer",
+        "bulk",
+    ]
     args += ["--log-level", "debug", "--otlp-endpoint", receiver.url]
     proc = ServeProcess(args, tmp_path_factory.mktemp("obs") / "serve.log")
     _stream(proc.url, {**BODY, "max_tokens": 2, "stream": True})  # warm: the first request pays for imports
