@@ -65,7 +65,7 @@ def test_quick_probe_of_pdserve_agrees_with_the_servers_own_timeline(server, cap
     resp = client.completions.create(model="tiny", prompt=[65] * 16, max_tokens=32, extra_body={"ignore_eos": True})
     tl = resp.model_extra["pdserve"]["timeline"]
     server_step = (tl["last_token_ms"] - tl["first_token_ms"]) / (tl["output_tokens"] - 1) / 1e3
-    assert 1 / 3 < step1 / server_step < 3, (step1, server_step)
+    assert 1 / 4 < step1 / server_step < 4, (step1, server_step)  # 3.3x seen once in CI, under load
     # the four files, and a calibration `bench compare` and `simulate` accept
     files = d["files"]
     for key in ("result", "markdown", "calibration", "plot"):
