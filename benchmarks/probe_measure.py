@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from statistics import median
 
 from benchmarks.probe_client import ProbeClient, ProbeError, checked
+from benchmarks.serve_client import StreamRecord
 from costmodel.probe_fit import DecodePoint
 from costmodel.serve_metrics import RequestRecord, document_stall
 
@@ -69,7 +70,10 @@ class PrefixCache:
     tokens: int
     first_ttft_s: float
     second_ttft_s: float
-    cached: bool  # the second prefill (TTFT less the request overhead) took under half the first
+    # the server's usage said so (prompt_tokens_details.cached_tokens > 0 on the second), or, where
+    # it reports no count, the second prefill (TTFT less the request overhead) took under half the first
+    cached: bool
+    reported_cached_tokens: int | None = None  # the second request's usage count, where the server gives one
 
 
 async def overhead(c: ProbeClient, repeats: int) -> Overhead:
@@ -247,9 +251,11 @@ def _pace(times: list[float]) -> float:
 
 
 async def prefix_cache(c: ProbeClient, tokens: int, http_overhead_s: float, pairs: int = 2) -> PrefixCache:
-    """The same fresh prompt twice, `pairs` times; the pair whose second TTFT fell most decides
-    (one pair can be hit by another job's burst on a shared machine). Cached: the second's
-    prefill (TTFT less the request overhead) under half the first's."""
+    """The same fresh prompt twice, `pairs` times. A server that reports
+    `usage.prompt_tokens_details.cached_tokens` (OpenAI, vLLM, SGLang, pdserve) says itself whether
+    the second hit its cache. Otherwise timing decides: the pair whose second TTFT fell most (one
+    pair can be hit by another job's burst on a shared machine), cached when its second prefill
+    (TTFT less the request overhead) took under half the first's."""
     runs = []
     for _ in range(pairs):
         prompt, n = c.prompt(tokens)
@@ -258,6 +264,9 @@ async def prefix_cache(c: ProbeClient, tokens: int, http_overhead_s: float, pair
         ratio = max(0.0, second.ttft_s - http_overhead_s) / max(1e-9, first.ttft_s - http_overhead_s)
         runs.append((ratio, first, second))
     ratio, first, second = min(runs, key=lambda x: x[0])
+    told = [s.cached_tokens for _, _, s in runs if isinstance(s, StreamRecord) and s.cached_tokens is not None]
+    if told:
+        return PrefixCache(first.n_in, first.ttft_s, second.ttft_s, max(told) > 0, max(told))
     return PrefixCache(first.n_in, first.ttft_s, second.ttft_s, ratio < 0.5)
 
 

@@ -201,8 +201,10 @@ def render(d: dict[str, Any], md: bool = False) -> str:
     out += _article_mix(t["article_mix"], md)
     pc = d["prefix"]
     if pc:
+        told = pc.get("reported_cached_tokens")
+        how = "inferred" if told is None else f"reported: {told} cached tokens"
         out.append(
-            f"prefix caching (inferred): {'yes' if pc['cached'] else 'not seen'}: the same {pc['tokens']}-token "
+            f"prefix caching ({how}): {'yes' if pc['cached'] else 'not seen'}: the same {pc['tokens']}-token "
             f"prompt twice, TTFT {_ms(pc['first_ttft_s'])} then {_ms(pc['second_ttft_s'])} ms"
         )
     out += [

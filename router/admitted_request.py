@@ -157,8 +157,13 @@ class AdmittedRequest:
     def completion_tokens(self) -> int:
         return len(self.token_times)
 
-    def usage(self) -> dict[str, int]:
-        return oar.usage(len(self.p.prompt_ids), self.completion_tokens)
+    def usage(self) -> dict[str, Any]:
+        # the prefix hit where the prompt was computed (a prefill worker, or the decode worker that
+        # prefilled it): what the request did not pay for
+        orch = self.st.orchestrator
+        tl = orch.typed_timeline(self.rid) if orch is not None else None
+        cached = tl.prefill_cached_tokens if tl is not None else None
+        return oar.usage(len(self.p.prompt_ids), self.completion_tokens, cached)
 
     def close(self) -> None:
         """Exactly once, however the request ended: free the slot, abort if needed, record metrics."""

@@ -74,12 +74,17 @@ def json_safe(x: Any) -> Any:
     return x
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens` (the prompt tokens served from
+    the prefix cache, not computed) where the server knows it, as OpenAI and vLLM report it."""
+    use: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        use["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return use
 
 
 def _head(p: Prepared, rid: str, created: int, chunk: bool) -> dict[str, Any]:
