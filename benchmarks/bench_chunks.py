@@ -201,6 +201,7 @@ def run_sweep(args: argparse.Namespace, h: eb.Harness, chunks: list[int]) -> dic
         prefill_overhead_ms=overhead_s * 1e3,
         source=f"pdserve bench chunks ({h.cfg.name}, batch {B} @ {C} ctx, prompt {P})",
         step_fit=step_fit.to_dict(),
+        torch_threads=torch.get_num_threads(),  # this process's, which timed every step above
     )
     hw_cal = cal.apply(spec)
     mfu_cal = cal.effective_mfu(hw_cal, args.mfu)

@@ -70,10 +70,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode graphs (default: graphs)")
     g.add_argument(
         "--threads",
-        type=int,
         default=None,
-        help="torch CPU threads, the same for both engines (default 1 on CPU: on the shared 2-core VM "
-        "two OpenMP threads spin against other processes and turn steps into 10-50x outliers)",
+        help="torch CPU threads, comma-separated to compare side by side (e.g. 1,2), the same for "
+        "transformers (default 1 on CPU: on the shared 2-core VM two OpenMP threads spin against "
+        "other processes and turn steps into 10-50x outliers; all cores on CUDA)",
+    )
+    g.add_argument(
+        "--cpu-gemm",
+        default="auto",
+        help="dtypes CPU GEMMs multiply in, comma-separated to compare side by side (auto, fp32, bf16; "
+        "default auto: bf16 for FP8 weights where the CPU has native bf16 dot products; engine/linear.py)",
     )
     g.add_argument("--seed", type=int, default=0, help="prompts and random weights")
     w = p.add_argument_group("workload")
@@ -139,6 +145,30 @@ def run_engine(runner: Any, prompts: list[list[int]], new_tokens: int) -> dict[s
     }
 
 
+@torch.inference_mode()
+def torch_stack_ms(shapes: list[tuple[int, int]], rows: int, repeats: int = 3) -> float:
+    """Plain PyTorch on the step's GEMM shapes: `F.linear` of `rows` fp32 rows through an fp32
+    weight of every projection and the lm_head, no attention, no fusion (the median of `repeats`).
+    What an eager model with no packing, no bf16 and no epilogues pays for its projections."""
+    weights = [torch.randn(o, i) * 0.02 for o, i in shapes]
+    xs = [torch.randn(rows, i) for _, i in shapes]
+    times = []
+    for _ in range(repeats + 1):  # the first pass warms the allocator and MKL
+        t0 = time.perf_counter()
+        for x, w in zip(xs, weights):
+            torch.nn.functional.linear(x, w)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) * 1e3
+
+
+def gemm_shapes(model: Any) -> list[tuple[int, int]]:
+    """(out, in) of every projection a decode step multiplies by, and the lm_head."""
+    from engine.linear import DenseLinear, Fp8Linear  # noqa: PLC0415
+
+    lin = [(m.out_features, m.in_features) for m in model.modules() if isinstance(m, (Fp8Linear, DenseLinear))]
+    return lin + [(model.cfg.vocab_size, model.cfg.hidden_size)]
+
+
 def _floor(step_ms: float, weight_bytes: int, copy_bps: float, copy_bytes: int) -> dict[str, Any]:
     """The decode step against the weight-read floor: weight bytes / measured copy bandwidth."""
     floor_ms = weight_bytes / copy_bps * 1e3
@@ -192,11 +222,15 @@ def render(r: dict[str, Any]) -> str:
         rows.append(
             [
                 x["attention"],
+                x["cpu_gemm"],
+                str(x["threads"]),
                 str(x["batch"]),
                 f"{x['decode_step_ms']:.2f}",
                 f"{x['decode_step_vs_first_batch']:.2f}x",
                 f"{x['floor_ms']:.2f}",
                 f"{x['decode_step_over_floor']:.2f}x",
+                f"{x['torch_stack_ms']:.2f}" if "torch_stack_ms" in x else "-",
+                f"{x['prefill_tokens_per_s']:.0f}",
                 f"{x['host_ms']:.3f}",
                 f"{x['forward_ms']:.2f}",
                 f"{x['schedule_ms']:.3f}/{x['sample_ms']:.3f}/{x['output_ms']:.3f}",
@@ -209,17 +243,23 @@ def render(r: dict[str, Any]) -> str:
         )
     head = (
         f"bench step: {r['model']} ({r['dtype']} weights, {r['kv_dtype']} KV) on {r['device']}, "
-        f"{r['prompt_len']}-token prompts, {r['new_tokens']} new tokens, {r['torch_threads']} torch threads\n"
-        f"floor = {r['weight_bytes_per_step'] / 1e6:.0f} MB of weights per decode step / the (read + write) "
-        f"bandwidth of a {r['rows'][0]['copy_bytes'] / 2**20:.0f} MiB tensor copy measured before each row"
+        f"{r['prompt_len']}-token prompts, {r['new_tokens']} new tokens\n"
+        "floor = the weight bytes a decode step reads in its GEMMs' layout / the (read + write) bandwidth "
+        f"of a {r['rows'][0]['copy_bytes'] / 2**20:.0f} MiB tensor copy measured before each row; torch stack = "
+        "plain F.linear over the same projections and lm_head in fp32, same rows and threads, measured before "
+        "each row"
     )
     headers = [
         "attention",
+        "gemm",
+        "threads",
         "batch",
         "decode step ms",
         "vs first batch",
         "floor ms",
         "step/floor",
+        "torch stack ms",
+        "prefill tok/s",
         "host ms",
         "forward ms",
         "sched/sample/out ms",
@@ -235,6 +275,7 @@ def render(r: dict[str, Any]) -> str:
 def main(args: argparse.Namespace) -> int:
     from engine.attention_registry import BACKENDS, backend_by_name  # noqa: PLC0415
     from engine.config import PRESETS, CacheConfig, is_checkpoint_dir, resolve_model_config  # noqa: PLC0415
+    from engine.linear import resolve_host_gemm, set_host_gemm  # noqa: PLC0415
     from engine.model_registry import PullError  # noqa: PLC0415
     from engine.model_registry import resolve as resolve_model  # noqa: PLC0415
     from engine.model_runner import ModelRunner  # noqa: PLC0415
@@ -248,11 +289,21 @@ def main(args: argparse.Namespace) -> int:
         raise CliError(f"--attention: choose from {', '.join(BACKENDS)} (got {args.attention!r})")
     if args.prompt_len < 1 or args.new_tokens < 1:
         raise CliError("--prompt-len and --new-tokens must be >= 1")
-    if args.threads is not None and args.threads < 1:
-        raise CliError("--threads must be >= 1")
+    threads_list = (
+        eb.parse_ints(args.threads, "--threads")
+        if args.threads
+        else [1 if device.type == "cpu" else os.cpu_count() or 1]
+    )
+    gemms = [g.strip() for g in args.cpu_gemm.split(",") if g.strip()]
+    try:
+        resolved = [resolve_host_gemm(g, args.dtype, device) for g in gemms]
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    if not gemms:
+        raise CliError("--cpu-gemm: give at least one of auto, fp32, bf16")
     # Both engines run with the same explicit thread count (the ratio is only fair if both see the
     # same pool); 1 on CPU because a 2-thread pool on the shared 2-core VM oversubscribes.
-    torch.set_num_threads(args.threads or (1 if device.type == "cpu" else os.cpu_count() or 1))
+    torch.set_num_threads(threads_list[0])
     try:
         model = resolve_model(args.model, progress=not args.no_progress)
     except PullError as e:
@@ -279,34 +330,50 @@ def main(args: argparse.Namespace) -> int:
     hf = load_hf(model, device) if ckpt and hf_batches else None
     log = (lambda *a: None) if args.no_progress else (lambda *a: print("bench step:", *a, file=sys.stderr))
     rows: list[dict[str, Any]] = []
-    weight_bytes = runner.model.decode_weight_bytes()
-    for name in backends:
-        runner.backend = backend_by_name(name, device)
-        run_engine(runner, prompts[:2], 2)  # warm-up: allocator, kernels, first-call paths
-        for B in batches:
-            runner.graph_steps = 0
-            row: dict[str, Any] = {"attention": name, "backend": type(runner.backend).__name__, "batch": B}
-            copy_bps, copy_bytes = eb.copy_bandwidth(device)  # this row's bandwidth: the VM is shared
-            row.update(run_engine(runner, prompts[:B], args.new_tokens))
-            row.update(_floor(row["decode_step_ms"], weight_bytes, copy_bps, copy_bytes))
-            # KV a median decode step reads: every row's context (prompt + about half the new tokens)
-            row["kv_bytes_per_step"] = B * (args.prompt_len + args.new_tokens // 2) * runner.layout.bytes_per_token
-            if hf is not None and B in hf_batches:
-                if not rows or "transformers" not in rows[0]:
-                    run_hf(hf, prompts[:1], 2, device)  # warm-up
-                h = run_hf(hf, prompts[:B], args.new_tokens, device)
-                row["transformers"] = {k: v for k, v in h.items() if not k.startswith("_")}
-                row["speedup_vs_transformers"] = h["e2e_s"] / row["e2e_s"]
-                row["greedy_equal_transformers"] = h["_ids"] == row["_ids"]
-                row["greedy_equal_rows"] = sum(a == b for a, b in zip(h["_ids"], row["_ids"]))
-            row.pop("_ids")
-            first = next(x for x in rows + [row] if x["attention"] == name)
-            row["decode_step_vs_first_batch"] = row["decode_step_ms"] / first["decode_step_ms"]
-            rows.append(row)
-            log(
-                f"{name} batch {B}: decode step {row['decode_step_ms']:.2f} ms, host {row['host_ms']:.3f} ms, "
-                f"floor {row['floor_ms']:.2f} ms ({row['copy_GBps']:.1f} GB/s copy)"
-            )
+    shapes = gemm_shapes(runner.model)
+    variants = [(g, t) for g in dict.fromkeys(resolved) for t in threads_list]
+    for gemm, threads in variants:
+        set_host_gemm(gemm)
+        torch.set_num_threads(threads)
+        weight_bytes = runner.model.decode_weight_bytes()
+        for name in backends:
+            runner.backend = backend_by_name(name, device)
+            run_engine(runner, prompts[:2], 2)  # warm-up: allocator, kernels, first-call paths, layouts
+            for B in batches:
+                runner.graph_steps = 0
+                row: dict[str, Any] = {
+                    "attention": name,
+                    "backend": type(runner.backend).__name__,
+                    "cpu_gemm": gemm,
+                    "threads": threads,
+                    "batch": B,
+                }
+                copy_bps, copy_bytes = eb.copy_bandwidth(device)  # this row's bandwidth: the VM is shared
+                if device.type == "cpu":  # plain PyTorch on the same shapes, threads and rows, just before
+                    row["torch_stack_ms"] = torch_stack_ms(shapes, B)
+                row.update(run_engine(runner, prompts[:B], args.new_tokens))
+                row.update(_floor(row["decode_step_ms"], weight_bytes, copy_bps, copy_bytes))
+                row["prefill_tokens_per_s"] = B * args.prompt_len / row["prefill_steps_s"]
+                # KV a median decode step reads: every row's context (prompt + about half the new tokens)
+                row["kv_bytes_per_step"] = B * (args.prompt_len + args.new_tokens // 2) * runner.layout.bytes_per_token
+                if hf is not None and B in hf_batches:
+                    if not any("transformers" in x for x in rows):
+                        run_hf(hf, prompts[:1], 2, device)  # warm-up
+                    h = run_hf(hf, prompts[:B], args.new_tokens, device)
+                    row["transformers"] = {k: v for k, v in h.items() if not k.startswith("_")}
+                    row["speedup_vs_transformers"] = h["e2e_s"] / row["e2e_s"]
+                    row["greedy_equal_transformers"] = h["_ids"] == row["_ids"]
+                    row["greedy_equal_rows"] = sum(a == b for a, b in zip(h["_ids"], row["_ids"]))
+                row.pop("_ids")
+                same = [
+                    x for x in rows + [row] if (x["attention"], x["cpu_gemm"], x["threads"]) == (name, gemm, threads)
+                ]
+                row["decode_step_vs_first_batch"] = row["decode_step_ms"] / same[0]["decode_step_ms"]
+                rows.append(row)
+                log(
+                    f"{name} {gemm} x{threads} batch {B}: decode step {row['decode_step_ms']:.2f} ms, "
+                    f"host {row['host_ms']:.3f} ms, floor {row['floor_ms']:.2f} ms ({row['copy_GBps']:.1f} GB/s copy)"
+                )
     r: dict[str, Any] = {
         "bench": "step",
         "model": cfg.name if not ckpt else args.model,
@@ -315,18 +382,26 @@ def main(args: argparse.Namespace) -> int:
         "device": str(device),
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": threads_list,
+        "cpu_gemm": list(dict.fromkeys(resolved)),
         "cuda_graphs": runner.graphs is not None,
-        "weight_bytes_per_step": weight_bytes,
         "load_average": eb.load_average(),
         "rows": rows,
     }
     if len(backends) > 1:  # the same batch under each backend, in this run
-        base = {x["batch"]: x for x in rows if x["attention"] == backends[-1]}
+        base = {(x["cpu_gemm"], x["threads"], x["batch"]): x for x in rows if x["attention"] == backends[-1]}
         r["decode_step_ratio_vs_" + backends[-1]] = {
-            f"{x['attention']}@{x['batch']}": base[x["batch"]]["decode_step_ms"] / x["decode_step_ms"]
+            f"{x['attention']}@{x['batch']}": base[x["cpu_gemm"], x["threads"], x["batch"]]["decode_step_ms"]
+            / x["decode_step_ms"]
             for x in rows
             if x["attention"] != backends[-1]
+        }
+    if len(variants) > 1:  # each variant's decode step over the first's, same backend and batch
+        first = {(x["attention"], x["batch"]): x for x in rows if (x["cpu_gemm"], x["threads"]) == variants[0]}
+        r["decode_step_vs_first_variant"] = {
+            f"{x['attention']} {x['cpu_gemm']} x{x['threads']}@{x['batch']}": x["decode_step_ms"]
+            / first[x["attention"], x["batch"]]["decode_step_ms"]
+            for x in rows
         }
     out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
     name = args.out or f"step-{Path(r['model']).name}-{device.type}"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import statistics
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -48,6 +49,7 @@ class LoggedStep:
     shape: StepShape
     seconds: float
     end_unix_s: float = 0.0  # the worker's wall clock: steps of one host line up across pools
+    torch_threads: int = 0  # intra-op threads the step ran with (0: the server did not say)
 
 
 class StepLogRecorder:
@@ -98,7 +100,12 @@ class StepLogRecorder:
             for s in w["steps"]:
                 shape = StepShape(int(s["prefill_tokens"]), float(s["attention_pairs"]), int(s["decode_seqs"]))
                 self._seen[(w["worker"], int(s["step"]))] = LoggedStep(
-                    w["worker"], w["role"], shape, s["seconds"], float(s.get("end_unix_s", 0.0))
+                    w["worker"],
+                    w["role"],
+                    shape,
+                    s["seconds"],
+                    float(s.get("end_unix_s", 0.0)),
+                    int(s.get("torch_threads", w.get("torch_threads", 0))),
                 )
 
 
@@ -110,9 +117,16 @@ class PoolFit:
     fit: StepCostFit
     steps: int  # steps the fit kept
     trimmed: int  # cold or disturbed steps dropped (see the module docstring)
+    torch_threads: int | None = None  # intra-op threads its steps ran with (the most common; None: unknown)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"pool": self.pool, "steps": self.steps, "trimmed": self.trimmed, "fit": self.fit.to_dict()}
+        return {
+            "pool": self.pool,
+            "steps": self.steps,
+            "trimmed": self.trimmed,
+            "torch_threads": self.torch_threads,
+            "fit": self.fit.to_dict(),
+        }
 
 
 def trimmed_fit(samples: Sequence[tuple[StepShape, float]]) -> tuple[StepCostFit, int]:
@@ -143,8 +157,14 @@ def fit_pools(steps: Sequence[LoggedStep]) -> dict[str, PoolFit]:
     for role, logged in by_role.items():
         if len(logged) >= MIN_STEPS:
             f, trimmed = trimmed_fit([(s.shape, s.seconds) for s in logged])
-            out[role] = PoolFit(role, f, len(logged) - trimmed, trimmed)
+            out[role] = PoolFit(role, f, len(logged) - trimmed, trimmed, threads_of(logged))
     return out
+
+
+def threads_of(steps: Sequence[LoggedStep]) -> int | None:
+    """The intra-op thread count most of `steps` ran with (None if the server reported none)."""
+    counts = Counter(s.torch_threads for s in steps if s.torch_threads > 0)
+    return counts.most_common(1)[0][0] if counts else None
 
 
 def overlap(step: LoggedStep, others: Sequence[LoggedStep]) -> float:
@@ -200,6 +220,12 @@ class SelfCalibration:
     def steps(self) -> int:
         return sum(p.steps for p in self.pools.values())
 
+    @property
+    def torch_threads(self) -> int | None:
+        """The threads the decode-side pool's steps ran with (every pool has --threads-per-worker's)."""
+        p = self.pools.get("decode") or self.pools.get("colocated")
+        return p.torch_threads if p else None
+
     def usable_for(self, mode: str) -> bool:
         need = ("prefill", "decode") if mode == "disagg" else ("colocated",)
         return all(r in self.pools for r in need)
@@ -208,7 +234,10 @@ class SelfCalibration:
         """One line for the progress log."""
         if not self.pools:
             return "none (" + "; ".join(self.notes + ([self.recorder_error] if self.recorder_error else [])) + ")"
-        pools = ", ".join(f"{k} {p.steps} steps ({p.trimmed} trimmed)" for k, p in self.pools.items())
+        pools = ", ".join(
+            f"{k} {p.steps} steps ({p.trimmed} trimmed{f', {p.torch_threads} threads' if p.torch_threads else ''})"
+            for k, p in self.pools.items()
+        )
         hop = f"{self.hop_ms:.1f} ms" if self.hop_ms is not None else "not measured"
         link = f", KV pulls at {self.link_gbytes_per_s:.2f} GB/s" if self.link_gbytes_per_s else ""
         k = self.decode_slowdown_beside_prefill
@@ -220,6 +249,7 @@ class SelfCalibration:
             "source": "self: the server's own warm-up steps (GET /v1/workers/steps)",
             "pools": {k: p.to_dict() for k, p in self.pools.items()},
             "steps": self.steps,
+            "torch_threads": self.torch_threads,
             "hop_ms": self.hop_ms,
             "hop_requests": self.hop_requests,
             "link_gbytes_per_s": self.link_gbytes_per_s,
@@ -288,5 +318,7 @@ def prediction_setup(model: str, mode: str, cal: SelfCalibration | None) -> tupl
     src = f"self-calibrated: fitted to {cal.steps} steps this server ran in its warm-up " + ", ".join(
         f"{k} {p.steps}" for k, p in cal.pools.items()
     )
-    setup = cp.setup_from_steps(model, decode, cal.prefill_fit, cal.link_gbytes_per_s, src, cal.steps)
+    setup = cp.setup_from_steps(
+        model, decode, cal.prefill_fit, cal.link_gbytes_per_s, src, cal.steps, torch_threads=cal.torch_threads
+    )
     return replace(setup, decode_slowdown=cal.decode_slowdown_beside_prefill), None

@@ -82,6 +82,7 @@ class WorkerStats:
     rss_bytes: int = 0  # the worker process's resident memory (0: not measurable on this OS)
     cuda_reserved_bytes: int = 0  # CUDA workers: torch's caching allocator, reserved from the driver
     cuda_allocated_bytes: int = 0  # ... and in use by tensors (both 0 on CPU)
+    torch_threads: int = 0  # intra-op threads its engine steps run with (0: not reported)
 
     @property
     def blocks_used(self) -> int:
@@ -94,9 +95,16 @@ class WorkerStats:
         return d
 
     def step_log(self) -> dict:
-        """The recent steps as named fields (the JSON of `GET /v1/workers/steps`)."""
+        """The recent steps as named fields (the JSON of `GET /v1/workers/steps`). Each step names
+        the threads it ran with, so a fit made from a log knows what it measured."""
         keys = ("step", "prefill_tokens", "attention_pairs", "decode_seqs", "seconds", "end_unix_s")
-        return {"worker": self.name, "role": self.role, "steps": [dict(zip(keys, s)) for s in self.recent_steps]}
+        threads = {"torch_threads": self.torch_threads}
+        return {
+            "worker": self.name,
+            "role": self.role,
+            **threads,
+            "steps": [{**dict(zip(keys, s)), **threads} for s in self.recent_steps],
+        }
 
 
 @dataclass
@@ -133,6 +141,10 @@ class WorkerConfig:
     # count): oneDNN keeps a primitive per shape, so any-row-count GEMMs grow a worker's memory
     # with every new prompt length (engine/linear.py RowBuckets)
     gemm_row_buckets: int = 4
+    # intra-op torch threads (torch.set_num_threads at worker start, before the engine is built);
+    # None leaves torch's own default (OMP_NUM_THREADS, or Ray's num_cpus). `pdserve serve` always
+    # sets it: --threads-per-worker, or its auto rule (router/worker_threads.py)
+    torch_threads: int | None = None
 
 
 class WorkerError(RuntimeError):

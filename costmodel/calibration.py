@@ -21,6 +21,7 @@ field but `schema` optional, a missing field keeps the datasheet value::
         "attention_ns_per_pair": 0.03,      #   context), per decode sequence; when present it
         "per_sequence_us": 900.0            #   prices steps instead of the FLOP/bandwidth terms
       },
+      "torch_threads": 2,                   # intra-op threads the measured steps ran with (CPU)
       "source": "pdserve bench gpu, commit abc123",
       "provenance": {"git_commit": "...", "cpu": "...", "cores": 2, "torch": "2.13.0",
                      "date_utc": "...", "load_average": [0.1, 0.2, 0.3]}
@@ -60,6 +61,9 @@ class Calibration:
     # where and when it was measured (costmodel/provenance.calibration_provenance): commit, CPU,
     # cores, torch, date, load; `origin_warning` compares it with this machine
     provenance: dict[str, Any] | None = None
+    # intra-op torch threads the measured steps ran with (None: not recorded). On a CPU a step's
+    # price depends on it (--threads-per-worker); the simulator reports it beside its prediction
+    torch_threads: int | None = None
 
     SCHEMA = "pdserve.calibration/1"
 
@@ -77,6 +81,8 @@ class Calibration:
             v = getattr(cal, k)
             if v is not None and v <= 0:
                 raise ValueError(f"calibration {k} must be positive, got {v}")
+        if cal.torch_threads is not None and (isinstance(cal.torch_threads, bool) or cal.torch_threads < 1):
+            raise ValueError(f"calibration torch_threads must be a positive integer, got {cal.torch_threads}")
         if cal.mfu is not None and not 0 < cal.mfu <= 1:
             raise ValueError(f"calibration mfu must be in (0, 1], got {cal.mfu}")
         if cal.step_fit is not None:

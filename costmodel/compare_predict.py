@@ -40,6 +40,7 @@ class PredictionSetup:
     warning: str | None = None  # a calibration file measured on another CPU or commit
     admit_s: float = 0.0  # disagg: decode admission beyond pull and step boundary (SimConfig.admit_s)
     decode_slowdown: float = 1.0  # disagg: a decode step beside a prefill step (SimConfig.decode_slowdown)
+    torch_threads: int | None = None  # intra-op threads the priced steps were measured with (None: unknown)
 
     def describe(self) -> dict[str, Any]:
         hw = self.steps.hw
@@ -47,6 +48,7 @@ class PredictionSetup:
             "source": self.source,
             "kind": self.kind,
             "fitted_steps": self.fitted_steps,
+            "torch_threads": self.torch_threads,
             "warning": self.warning,
             "decode_admission_ms": self.admit_s * 1e3,
             "decode_slowdown_beside_prefill": self.decode_slowdown,
@@ -98,6 +100,7 @@ def setup_from_calibration(model: str, calibration: Path, kv_dtype: str = "fp8")
         f"{_shown(calibration)} ({cal.source or cal.device})",
         fitted_steps=fit.samples if fit else None,
         warning=cal.origin_warning(_shown(calibration)),
+        torch_threads=cal.torch_threads,
     )
 
 
@@ -109,6 +112,7 @@ def setup_from_steps(
     source: str,
     fitted_steps: int,
     kv_dtype: str = "fp8",
+    torch_threads: int | None = None,
 ) -> PredictionSetup:
     """A StepModel priced by step-cost fits made on the server being predicted (bench compare's
     self-calibration): `decode_fit` for colocated or decode workers, `prefill_fit` for a
@@ -120,7 +124,7 @@ def setup_from_steps(
         link = cm.Link("none", "no KV pull measured", 10 * cm.GB)
     hw = cm.HardwareSpec("this server (fitted steps)", link.bw, {}, 0.0, source)
     steps = StepModel(spec, hw, weight_dtype="fp32", kv_dtype=kv_dtype, fit=decode_fit, prefill_fit=prefill_fit)
-    return PredictionSetup(steps, link, source, kind="self", fitted_steps=fitted_steps)
+    return PredictionSetup(steps, link, source, kind="self", fitted_steps=fitted_steps, torch_threads=torch_threads)
 
 
 def _shown(path: Path) -> str:

@@ -264,7 +264,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _steps(args: argparse.Namespace) -> tuple[StepModel, cm.Link]:
+def _steps(args: argparse.Namespace) -> tuple[StepModel, cm.Link, cm.Calibration | None]:
     try:
         model = cm.ModelSpec.resolve(args.config)
         hw = cm.resolve_hardware(args.hw)
@@ -277,7 +277,7 @@ def _steps(args: argparse.Namespace) -> tuple[StepModel, cm.Link]:
     mfu = args.mfu if args.mfu is not None else (cal.effective_mfu(hw, cm.ARTICLE_MFU) if cal else cm.ARTICLE_MFU)
     if not 0 < mfu <= 1:
         raise CliError(f"--mfu must be in (0, 1], got {mfu}")
-    return StepModel(model, hw, mfu, fixed_ctx=args.fixed_ctx), link
+    return StepModel(model, hw, mfu, fixed_ctx=args.fixed_ctx), link, cal
 
 
 def _fmt(x: float | None, f: str = ".0f") -> str:
@@ -337,10 +337,12 @@ def render_capacity(rows: list[dict[str, Any]]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    steps, link = _steps(args)
+    steps, link, cal = _steps(args)
     out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
     config = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     config.update(model=steps.model.name, hardware=steps.hw.name, mfu=steps.mfu, link_gbytes_per_s=link.bw / cm.GB)
+    # the step prices are the calibration's: so is the thread count they were measured with
+    config.update(calibration_torch_threads=cal.torch_threads if cal else None)
     if args.capacity:
         try:
             rates = [float(x) for x in args.rates.split(",")]
@@ -404,5 +406,8 @@ def main(args: argparse.Namespace) -> int:
         print(render(results))
         for line in render_kv(results):
             print(line)
+        if cal is not None:
+            threads = f"{cal.torch_threads} intra-op torch threads" if cal.torch_threads else "threads not recorded"
+            print(f"calibration {args.calibration}: measured with {threads} per worker")
         print(f"result: {path}" + (f", plot: {payload['png']}" if "png" in payload else ""))
     return 0

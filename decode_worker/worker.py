@@ -52,7 +52,7 @@ class DecodeWorker(EngineLoop):
     error_type = WorkerError
 
     def __init__(self, cfg: WorkerConfig, name: str = "decode-0", colocated: bool = False):
-        super().__init__(name)
+        super().__init__(name, cfg.torch_threads)
         self.cfg, self.colocated = cfg, colocated
         self.engine = build_engine(cfg, prefill_only=False)
         runner = self.engine.runner
@@ -170,6 +170,7 @@ class DecodeWorker(EngineLoop):
             parked=0,
             steps=self.steps,
             recent_steps=list(self.step_log),
+            torch_threads=self.torch_threads,
             **kv_figures(e),
             **memory_figures(e),
         )

@@ -18,7 +18,7 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig, RopeScaling
 from engine.kv_cache import KVCache
-from engine.linear import DenseLinear, Fp8Linear, PackedWeight, make_linear
+from engine.linear import DenseLinear, Fp8Linear, PackedWeight, host_gemm_itemsize, make_linear
 
 
 class RMSNorm(nn.Module):
@@ -168,8 +168,9 @@ class LlamaModel(nn.Module):
         linears = [m for m in self.modules() if isinstance(m, (Fp8Linear, DenseLinear))]
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         norms = [m.weight for m in self.modules() if isinstance(m, RMSNorm)]
+        head_bytes = head.numel() * (host_gemm_itemsize(self.act_dtype) if dev.type == "cpu" else head.element_size())
         return (
-            sum(m.gemm_weight_bytes(dev, self.act_dtype) for m in linears) + head.nbytes + sum(w.nbytes for w in norms)
+            sum(m.gemm_weight_bytes(dev, self.act_dtype) for m in linears) + head_bytes + sum(w.nbytes for w in norms)
         )
 
     @torch.inference_mode()

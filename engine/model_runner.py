@@ -14,6 +14,7 @@ graph when one is attached (`graphs`, set by the worker; see engine/gpu/cuda_gra
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -27,7 +28,7 @@ from engine.config import CacheConfig, ModelConfig
 from engine.input_batch import DecodeInputs
 from engine.kv_cache import KVCache
 from engine.kv_layout import KVLayout
-from engine.linear import RowBuckets, set_row_buckets
+from engine.linear import RowBuckets, resolve_host_gemm, set_host_gemm, set_row_buckets
 from engine.model import LlamaModel
 from engine.sampler import Sampler
 from engine.weights import build_model
@@ -68,11 +69,16 @@ class ModelRunner:
         seed: int = 0,
         backend: AttentionBackend | None = None,
         row_buckets: RowBuckets | None = None,
+        cpu_gemm: str | None = None,
     ):
         """`row_buckets`: the process's CPU GEMM row buckets (process-wide, like the oneDNN caches
-        they bound); None leaves them as they are (the default: 4 per octave, engine/linear.py)."""
+        they bound); None leaves them as they are (the default: 4 per octave, engine/linear.py).
+        `cpu_gemm`: auto, fp32 or bf16, the dtype CPU GEMMs multiply in (process-wide too; None
+        leaves it as it is: fp32 unless set)."""
         if row_buckets is not None:
             set_row_buckets(row_buckets)
+        if cpu_gemm is not None:
+            set_host_gemm(resolve_host_gemm(cpu_gemm, weight_dtype, device))
         self.device = torch.device(device)
         self.model_cfg, self.cache_cfg = model_cfg, cache_cfg
         self.model: LlamaModel = build_model(model_cfg, weight_dtype, self.device, checkpoint_dir, seed)
@@ -171,6 +177,37 @@ class ModelRunner:
                     self.last_all_logits[i] = self.model.compute_logits(hidden[end - len(it.token_ids) : end])
             hidden = hidden[last[torch.tensor(want, device=self.device)]]
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def warm_up(self, prompt_tokens: int = 64, decode_rows: tuple[int, ...] = (1, 2, 8)) -> float:
+        """Run the shapes a first request meets before any request does; returns the seconds spent.
+
+        Why: a fresh process builds each GEMM weight's layouts (FP8 dequantized and packed: ~0.5 GB
+        for SmolLM2) and JIT-compiles oneDNN's kernels at the first step of each kind, so a new
+        server's first request paid 1-2 s more than its tenth (issue 40). Here one prefill and a
+        decode step per batch in `decode_rows` run into the pool's first blocks. Nothing is
+        allocated from the block manager: those blocks are free, and what is written there is
+        overwritten by whoever is given them (a block's contents are never read before written)."""
+        t0 = time.perf_counter()
+        bs = self.cache_cfg.block_size
+        n = min(prompt_tokens, self.model_cfg.max_position_embeddings - 1, (self.cache_cfg.num_blocks - 1) * bs)
+        if n < 2:
+            return 0.0
+        table = list(range(-(-(n + 1) // bs)))
+        ids = [i % self.model_cfg.vocab_size for i in range(n)]
+        self.execute(None, [StepItem(ids, 0, table)])
+        for rows in decode_rows:
+            dec = DecodeInputs(
+                input_ids=torch.zeros(rows, dtype=torch.long),
+                positions=torch.full((rows,), n, dtype=torch.long),
+                slots=torch.full((rows,), table[n // bs] * bs + n % bs, dtype=torch.long),
+                block_tables=torch.tensor([table] * rows, dtype=torch.long),
+                context_lens=torch.full((rows,), n + 1, dtype=torch.int32),
+            )
+            self.execute(dec, [])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
 
     def forward(self, items: list[StepItem]) -> torch.Tensor:
         """Run one step of `items`; returns fp32 logits [n, vocab] on the host for the items with

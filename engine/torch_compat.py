@@ -19,6 +19,7 @@ Nothing else in pdserve names a private torch attribute (`tools/private_names.py
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
@@ -70,12 +71,12 @@ def epilogue(y: torch.Tensor, post: Epilogue, other: torch.Tensor | None) -> tor
     return y
 
 
-def pack_linear_weight(w: torch.Tensor) -> torch.Tensor:
-    """w [out, in] in the layout `linear_fused` multiplies by: oneDNN's pre-blocked fp32 copy, or
-    (no oneDNN) the fp32 weight itself."""
+def pack_linear_weight(w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """w [out, in] in the layout `linear_fused` multiplies by: oneDNN's pre-blocked copy in `dtype`
+    (fp32, or bf16 for bf16 inputs), or (no oneDNN) the weight itself in `dtype`."""
     if ONEDNN_LINEAR:
-        return torch.ops.mkldnn._reorder_linear_weight(w.float(), None)  # private-ok: guarded (ONEDNN_LINEAR)
-    return w.float().contiguous()
+        return torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None)  # private-ok: guarded (ONEDNN_LINEAR)
+    return w.to(dtype).contiguous()
 
 
 def linear_fused(
@@ -104,6 +105,20 @@ def scaled_mm(
     if SCALED_MM:
         return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)  # private-ok: guarded
     return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
+
+
+@functools.cache
+def native_bf16_gemm() -> bool:
+    """True where oneDNN's fused linear runs bf16 on native bf16 dot-product instructions
+    (AVX512-BF16 or AMX, read from /proc/cpuinfo): elsewhere bf16 is emulated, slower than fp32."""
+    if not ONEDNN_LINEAR:
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def tensor_version(t: torch.Tensor) -> int:

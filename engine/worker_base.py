@@ -1,7 +1,8 @@
 """EngineLoop: one thread owns an LLMEngine; other threads talk to it through an inbox.
 
 Workers (prefill and decode) are plain classes built on this, so the same code runs under a
-Ray actor (threaded, `max_concurrency` > 1), in a benchmark process without Ray, or in a test.
+Ray actor (threaded, its calls in concurrency groups: router/worker_host.py), in a benchmark process
+without Ray, or in a test.
 The engine, its block manager and its KV pool are touched only by the loop thread.
 """
 
@@ -74,6 +75,27 @@ def build_engine(cfg: EngineSettings, prefill_only: bool) -> LLMEngine:
     return engine
 
 
+def use_threads(threads: int | None, name: str) -> int:
+    """Set this process's intra-op thread count (None: keep torch's) and return it; call it before
+    the engine is built. Ray only exports OMP_NUM_THREADS from the actor's num_cpus when the
+    environment has none (the test suite exports 1), and torch reads it once at import: setting it
+    here makes the worker's configuration the one figure that counts."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    got = torch.get_num_threads()
+    # (a Ray actor's process shows INFO only where logging is configured; the router logs the
+    # count it chose, and the stats and step log carry this one)
+    level = logging.WARNING if threads is not None and got != threads else logging.INFO
+    log.log(
+        level,
+        "worker %s: %d intra-op torch threads (%s)",
+        name,
+        got,
+        f"asked {threads}" if threads else "torch's default",
+    )
+    return got
+
+
 def kv_figures(engine: LLMEngine) -> dict[str, int]:
     """The KV cache manager's figures every worker reports in its WorkerStats."""
     b = engine.blocks
@@ -126,8 +148,10 @@ class EngineLoop:
     idle_wait_s = 0.002  # how long an idle loop sleeps between inbox/notification polls
     error_type: type[Exception] = RuntimeError  # what callers get from a dead or closed loop
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, torch_threads: int | None = None):
         self.name = name
+        # set before the subclass builds its engine (weights load on this thread, steps on the loop's)
+        self.torch_threads = use_threads(torch_threads, name)
         self._inbox: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
@@ -215,6 +239,8 @@ class EngineLoop:
         # remains: a loop whose work is all blocked (prompts waiting for KV blocks that only a
         # lease expiry or a pull will free) must not spin a core, nor count empty steps.
         progressed = False
+        # OpenMP keeps a thread count per thread: report the one this loop's steps run with
+        self.torch_threads = torch.get_num_threads()
         try:
             while not self._stop.is_set():
                 self._drain_inbox(block=not (progressed and self.has_work()))

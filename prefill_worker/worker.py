@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 
 from contracts.worker import CacheEvents, GenerateRequest, PrefillResult, WorkerConfig, WorkerError, WorkerStats
@@ -22,13 +23,17 @@ from transport.base import TransportError
 from transport.wire import PeerInfo, StreamTarget
 
 log = logging.getLogger("pdserve.prefill")
+# How long an abort is remembered. A prefill() call can wait in Ray's queue while the worker's
+# "prefill" concurrency group is busy (router/worker_host.py); one the router aborted meanwhile is
+# refused when it arrives instead of prefilled for nobody and held under a lease.
+ABORT_MEMORY_S = 120.0
 
 
 class PrefillWorker(EngineLoop):
     error_type = WorkerError
 
     def __init__(self, cfg: WorkerConfig, name: str = "prefill-0"):
-        super().__init__(name)
+        super().__init__(name, cfg.torch_threads)
         self.cfg = cfg
         self.engine = build_engine(cfg, prefill_only=True)
         runner = self.engine.runner
@@ -45,6 +50,7 @@ class PrefillWorker(EngineLoop):
         # (the handle's wall-clock lease_deadline only lets decode skip a pull that is surely late)
         self._leases: dict[str, float] = {}
         self.leases_expired = 0
+        self._aborted: OrderedDict[str, float] = OrderedDict()  # request id -> when aborted (monotonic)
         self.start()
 
     # ---- called from other threads (Ray actor methods) -------------------------------------
@@ -67,6 +73,8 @@ class PrefillWorker(EngineLoop):
                 stream = None
 
         def admit() -> None:
+            if req.request_id in self._aborted:
+                raise WorkerError(f"request {req.request_id} was aborted before {self.name} took it")
             seq = Sequence(req.request_id, list(req.prompt_ids), req.params)
             self.engine.add_request(seq)
             self._pending[req.request_id] = (fut, time.time(), seq, [])
@@ -82,6 +90,11 @@ class PrefillWorker(EngineLoop):
 
     def abort(self, request_id: str) -> bool:
         def do() -> bool:
+            now = time.monotonic()
+            self._aborted[request_id] = now
+            self._aborted.move_to_end(request_id)
+            while next(iter(self._aborted.values())) < now - ABORT_MEMORY_S:
+                self._aborted.popitem(last=False)
             entry = self._pending.pop(request_id, None)
             if entry is not None and not entry[0].done():
                 entry[0].set_exception(WorkerError(f"request {request_id} aborted"))
@@ -105,6 +118,7 @@ class PrefillWorker(EngineLoop):
             parked=len(e.parked),
             steps=self.steps,
             recent_steps=list(self.step_log),
+            torch_threads=self.torch_threads,
             **kv_figures(e),
             **memory_figures(e),
         )

@@ -15,6 +15,7 @@ from contracts.worker import WorkerConfig
 from engine.config import KV_DTYPE_BYTES, PRESETS, is_checkpoint_dir
 from engine.model_registry import DEFAULT_MODEL, MODELS
 from router.config_flags import cli_flag
+from router.worker_threads import parse_threads
 
 MODES = ("disagg", "colocated", "auto")
 POLICIES = ("round_robin", "least_loaded", "prefix")
@@ -110,6 +111,19 @@ class ServeConfig:
             "padding with zero rows; outputs are bit-identical and the per-shape kernel caches stay bounded "
             "(~27 shapes per weight). 0 = any row count: RSS then grows with every new prompt length",
             metavar="N",
+        ),
+    )
+    # Ray reserves the same CPUs for each worker (its actor's num_cpus and its bundle), and the
+    # embedded cluster is started large enough for them (router/worker_threads.py has the rule).
+    threads_per_worker: int | None = field(
+        default=None,
+        metadata=cli_flag(
+            "pools",
+            "intra-op torch threads of each worker, and the CPUs Ray reserves for it; auto (the default): "
+            "the host's cores shared evenly by the workers on it (a colocated worker on 2 cores: 2; 1P1D or "
+            "2P2D on 2 cores: 1 each), or OMP_NUM_THREADS when the environment sets it",
+            metavar="N|auto",
+            as_text=True,
         ),
     )
     rss_growth_warn_mb: float = field(
@@ -296,6 +310,8 @@ class ServeConfig:
             raise bad("--rss-growth-warn-mb", "must be >= 0 MB (0 = no warning)")
         if self.rss_warmup_steps < 0:
             raise bad("--rss-warmup-steps", "must be >= 0")
+        if self.threads_per_worker is not None and self.threads_per_worker < 1:
+            raise bad("--threads-per-worker", "must be >= 1 (or auto)")
         if self.gemm_row_buckets < 0:
             raise bad("--gemm-row-buckets", "must be >= 0 (0 = off)")
         if self.gpus_per_worker < 0:
@@ -361,6 +377,7 @@ class ServeConfig:
             max_num_seqs=self.max_num_seqs,
             enforce_eager=self.enforce_eager,
             gemm_row_buckets=self.gemm_row_buckets,
+            torch_threads=self.threads_per_worker,  # None (auto) until router/launch.py resolves it
             lease_s=self.lease_s,
             transport=self.transport,
             transfer_timeout_s=self.transfer_timeout_s,
@@ -400,7 +417,16 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return out
 
 
-_OPTIONAL = {"chunk_size", "ray_address", "api_key", "served_model_name", "link_gbps", "calibration", "otlp_endpoint"}
+_OPTIONAL = {
+    "chunk_size",
+    "ray_address",
+    "api_key",
+    "served_model_name",
+    "link_gbps",
+    "calibration",
+    "otlp_endpoint",
+    "threads_per_worker",
+}
 
 
 def _check_types(cfg: ServeConfig) -> None:
@@ -412,6 +438,12 @@ def _check_types(cfg: ServeConfig) -> None:
         default = f.default
         if f.name in ("prefill_resources", "decode_resources"):
             ok, want = isinstance(v, (dict, list)), "a mapping (or a list of mappings, one per worker)"
+        elif f.name == "threads_per_worker":  # a number or the word auto (CLI text, YAML either)
+            try:
+                setattr(cfg, f.name, parse_threads(v))
+                ok, want = True, ""
+            except ValueError:
+                ok, want = False, "a whole number of threads or auto"
         elif f.name == "link_gbps":
             ok, want = isinstance(v, (int, float)) and not isinstance(v, bool), "a number"
             if ok:

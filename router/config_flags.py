@@ -37,6 +37,9 @@ class FlagSpec:
     metavar: str | None = None
     choices: Sequence[str] | None = None
     negatable: bool = False  # a bool given as --x / --no-x (otherwise the switch flips its default)
+    # the flag passes its text on and the settings class parses it: a value that is a number or a
+    # word (--threads-per-worker N|auto), whose errors then read like any other setting's
+    as_text: bool = False
 
 
 def cli_flag(
@@ -46,9 +49,10 @@ def cli_flag(
     metavar: str | None = None,
     choices: Sequence[str] | None = None,
     negatable: bool = False,
+    as_text: bool = False,
 ) -> dict[str, FlagSpec]:
     """The metadata of a field that is a flag."""
-    return {"flag": FlagSpec(group, help, metavar, choices, negatable)}
+    return {"flag": FlagSpec(group, help, metavar, choices, negatable, as_text)}
 
 
 def spec_of(f: Field) -> FlagSpec:
@@ -100,7 +104,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
 
 def _argument(cls: type, f: Field) -> tuple[list[str], dict[str, Any]]:
     """add_argument's arguments for field `f`."""
-    spec, default, kind = spec_of(f), _default(f), value_type(cls, f)
+    spec, default = spec_of(f), _default(f)
+    kind = str if spec.as_text else value_type(cls, f)
     name, dest = "--" + f.name.replace("_", "-"), f.name
     common: dict[str, Any] = {"default": None, "help": _help(spec, default)}
     if kind is bool and spec.negatable:

@@ -1,8 +1,10 @@
 """Start the prefill and decode pools, as Ray actors or in-process, and build the Orchestrator.
 
 Ray placement: one placement group per pool, one bundle per worker
-({"CPU": 1, "GPU": gpus_per_worker} plus the pool's custom resources, e.g. {"prefill_node": 1}
-to pin a pool to labelled nodes). A dead actor is replaced by a fresh one in the same bundle.
+({"CPU": threads, "GPU": gpus_per_worker} plus the pool's custom resources, e.g. {"prefill_node": 1}
+to pin a pool to labelled nodes), where `threads` is the worker's intra-op thread count
+(--threads-per-worker, router/worker_threads.py): the actor asks for as many CPUs as it uses. A
+dead actor is replaced by a fresh one in the same bundle.
 `ray_address="none"` runs the same worker classes as plain objects in this process (GPU
 benchmarks without Ray, quick local checks).
 """
@@ -29,13 +31,13 @@ from router.orchestrator import Orchestrator
 from router.ray_cluster import connect_ray, start_local_ray
 from router.rss_watch import RSS_WARMUP_STEPS, RssWatch
 from router.worker_handle import WorkerHandle
-from router.worker_host import WorkerHost, load_worker_class
+from router.worker_host import load_worker_class, ray_actor_class
+from router.worker_threads import ThreadChoice, choose_threads, ray_nodes
 
 log = logging.getLogger("pdserve.launch")
 # where `pdserve bench chunks --out-dir benchmarks/results` leaves committed calibrations (not
 # costmodel.provenance's constant: that module may import torch, and the router process must not)
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
-ACTOR_CONCURRENCY = 512  # threaded actors: blocking prefill() calls and long polls run side by side
 
 
 @dataclass
@@ -45,6 +47,11 @@ class PoolSpec:
     worker_config: WorkerConfig
     gpus_per_worker: float = 0.0
     resources: list[dict[str, float]] = field(default_factory=list)  # per worker (bundle); [] = none
+
+    @property
+    def cpus(self) -> float:
+        """CPUs Ray reserves for each worker: as many as its intra-op threads."""
+        return float(self.worker_config.torch_threads or 1)
 
 
 def _worker_args(spec: PoolSpec, name: str) -> tuple:
@@ -65,7 +72,7 @@ class RayPools:
         self.groups = {}
         self._serial = 0
         for s in specs:
-            base = {"CPU": 1.0, **({"GPU": s.gpus_per_worker} if s.gpus_per_worker else {})}
+            base = {"CPU": s.cpus, **({"GPU": s.gpus_per_worker} if s.gpus_per_worker else {})}
             bundles = [{**base, **self._custom(s, i)} for i in range(s.size)]
             self.groups[s.role] = placement_group(bundles, strategy="PACK", name=f"pdserve-{s.role}-{os.getpid()}")
 
@@ -79,8 +86,9 @@ class RayPools:
         except asyncio.TimeoutError:
             raise RuntimeError(
                 "placement groups not ready in time: the cluster lacks the resources "
-                f"for {', '.join(f'{s.size} {r}' for r, s in self.specs.items())} workers "
-                "(check --gpus-per-worker and the pools' custom resources)"
+                f"for {', '.join(f'{s.size} {r}' for r, s in self.specs.items())} workers of "
+                f"{', '.join(f'{s.cpus:g}' for s in self.specs.values())} CPUs each "
+                "(check --threads-per-worker, --gpus-per-worker and the pools' custom resources)"
             ) from None
 
     def spawn(self, role: str, bundle: int) -> WorkerHandle:
@@ -93,12 +101,13 @@ class RayPools:
             if self._serial <= sum(s.size for s in self.specs.values())
             else f"{role}-{bundle}-r{self._serial}"
         )
-        actor_cls = self.ray.remote(WorkerHost)
+        actor_cls = ray_actor_class(self.ray, role)
         actor = actor_cls.options(
             name=f"pdserve-{name}-{os.getpid()}",
-            max_concurrency=ACTOR_CONCURRENCY,
+            # threaded, in its concurrency groups (router/worker_host.py): calls run side by side
+            allow_out_of_order_execution=True,
             max_restarts=0,
-            num_cpus=1,
+            num_cpus=spec.cpus,
             num_gpus=spec.gpus_per_worker,
             resources=self._custom(spec, bundle) or None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -138,10 +147,11 @@ class RayPools:
             remove_placement_group(pg)
 
 
-def init_ray(address: str | None, num_workers: int) -> bool:
-    """Connect to `address`, or start an embedded local Ray sized for the pools, in a private
-    network namespace where Linux allows it; token authentication either way (router.ray_cluster).
-    Returns True if this process started Ray (and so should shut it down)."""
+def init_ray(address: str | None, cpus_needed: int) -> bool:
+    """Connect to `address`, or start an embedded local Ray sized for the pools (`cpus_needed`: the
+    workers' CPUs and one spare), in a private network namespace where Linux allows it; token
+    authentication either way (router.ray_cluster). Returns True if this process started Ray (and
+    so should shut it down)."""
     import ray  # noqa: PLC0415 - Ray is loaded only when pools run on it
 
     if ray.is_initialized():  # started by the caller (tests, benchmarks), with token auth too
@@ -150,7 +160,8 @@ def init_ray(address: str | None, num_workers: int) -> bool:
         connect_ray(address)
         return True
     how = start_local_ray(
-        num_cpus=max(os.cpu_count() or 1, num_workers + 1),
+        # never fewer than the pools need, whatever the machine has: a 2P2D server starts on 2 cores
+        num_cpus=max(os.cpu_count() or 1, cpus_needed),
         object_store_bytes=256 * 1024**2,
         temp_dir=os.path.join(tempfile.gettempdir(), "pdserve-ray"),
         private_network=True,
@@ -159,9 +170,12 @@ def init_ray(address: str | None, num_workers: int) -> bool:
     return True
 
 
-def pool_specs(cfg: Any) -> list[PoolSpec]:
-    """PoolSpecs from a router.config.ServeConfig."""
+def pool_specs(cfg: Any, threads: int | None = None) -> list[PoolSpec]:
+    """PoolSpecs from a router.config.ServeConfig; `threads`: each worker's intra-op threads (None:
+    as the config says, --threads-per-worker or torch's default)."""
     wc = cfg.worker_config()
+    if threads is not None:
+        wc = with_fields(wc, torch_threads=threads)
     if cfg.mode == "colocated":
         return [PoolSpec("colocated", cfg.decode, wc, cfg.gpus_per_worker, cfg.resources_per_worker("decode"))]
     dc = wc
@@ -224,14 +238,21 @@ def rss_watch(cfg: Any) -> RssWatch | None:
     return RssWatch(bound, getattr(cfg, "rss_warmup_steps", RSS_WARMUP_STEPS)) if bound else None
 
 
+def _log_threads(choice: ThreadChoice) -> int:
+    log.info("workers: %d intra-op torch threads each (%s)", choice.threads, choice.why)
+    return choice.threads
+
+
 async def build_orchestrator(cfg: Any) -> Orchestrator:
     """Start every worker described by `cfg` (a ServeConfig) and return a started Orchestrator."""
     model_cfg = resolve_model_config(cfg.model)
     eos = tuple(read_generation_eos(cfg.model)) if is_checkpoint_dir(cfg.model) else ()
-    specs = pool_specs(cfg)
+    workers = sum(s.size for s in pool_specs(cfg))
+    asked = getattr(cfg, "threads_per_worker", None)
     dispatcher = build_dispatcher(cfg, cfg.model)  # before any worker starts: a bad calibration fails fast
     handles: dict[str, list[WorkerHandle]] = {}
     if cfg.ray_address == "none":
+        specs = pool_specs(cfg, _log_threads(choose_threads(asked, workers)))
         loop = asyncio.get_running_loop()
         for s in specs:
             cls = load_worker_class(s.role)  # in-process workers: this process runs the engine
@@ -255,7 +276,15 @@ async def build_orchestrator(cfg: Any) -> Orchestrator:
 
         replace, on_shutdown = None, shutdown_local
     else:
-        started = init_ray(cfg.ray_address, sum(s.size for s in specs))
+        import ray  # noqa: PLC0415
+
+        if ray.is_initialized() or cfg.ray_address:  # a cluster this server joins: its nodes say
+            started = init_ray(cfg.ray_address, 0)
+            choice = choose_threads(asked, workers, None, *ray_nodes(ray))
+        else:  # the embedded cluster, sized for the threads chosen
+            choice = choose_threads(asked, workers)
+            started = init_ray(None, choice.threads * workers + 1)
+        specs = pool_specs(cfg, _log_threads(choice))
         pools = RayPools(specs)
         try:
             await pools.wait_ready()
@@ -266,16 +295,12 @@ async def build_orchestrator(cfg: Any) -> Orchestrator:
         except BaseException:
             await pools.shutdown([h for hs in handles.values() for h in hs])
             if started:
-                import ray  # noqa: PLC0415
-
                 ray.shutdown()
             raise
 
         async def shutdown_ray(workers: list[WorkerHandle]) -> None:
             await pools.shutdown(workers)
             if started:
-                import ray  # noqa: PLC0415
-
                 ray.shutdown()
 
         replace, on_shutdown = pools.replace, shutdown_ray

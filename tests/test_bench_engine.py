@@ -158,9 +158,28 @@ def test_bench_step_splits_every_step_and_compares_backends(tmp_path, capsys):
         assert x["decode_steps"] == 4  # 5 tokens: the first comes from the prefill step
         for k in ("forward_ms", "schedule_ms", "sample_ms", "output_ms", "host_ms", "e2e_s"):
             assert _positive(x[k]), (k, x)
-        assert x["weight_bytes_per_step"] == r["weight_bytes_per_step"] > 0
+        assert x["weight_bytes_per_step"] > 0 and x["torch_stack_ms"] > 0 and x["prefill_tokens_per_s"] > 0
         assert x["floor_ms"] == pytest.approx(x["weight_bytes_per_step"] / (x["copy_GBps"] * 1e9) * 1e3)
         assert x["decode_step_over_floor"] == pytest.approx(x["decode_step_ms"] / x["floor_ms"])
         assert x["kv_bytes_per_step"] > 0 and _positive(x["decode_step_vs_first_batch"])
     assert [x["decode_step_vs_first_batch"] for x in r["rows"] if x["batch"] == 1] == [1.0, 1.0]
     assert set(r["decode_step_ratio_vs_reference"]) == {"batched@1", "batched@3"}
+
+
+def test_bench_step_side_by_side_gemm_dtypes_and_threads(tmp_path, capsys):
+    """`--cpu-gemm fp32,bf16 --threads 1,2`: one row per (dtype, threads, batch) in one run, each
+    with its own floor (a bf16 GEMM reads half the weight bytes) and its ratio to the first."""
+    rc = main(
+        ["bench", "step", *COMMON, "--batches", "2", "--prompt-len", "20", "--new-tokens", "4",
+         "--cpu-gemm", "fp32,bf16", "--threads", "1,2", "--out-dir", str(tmp_path), "--out", "v", "--json"]
+    )  # fmt: skip
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    assert [(x["cpu_gemm"], x["threads"]) for x in r["rows"]] == [("fp32", 1), ("fp32", 2), ("bf16", 1), ("bf16", 2)]
+    fp32, bf16 = r["rows"][0], r["rows"][2]
+    # tiny's projections are most of its weight bytes: bf16 halves them (norms stay fp32)
+    assert 0.45 < bf16["weight_bytes_per_step"] / fp32["weight_bytes_per_step"] < 0.55
+    assert r["decode_step_vs_first_variant"]["auto fp32 x1@2"] == 1.0
+    assert len(r["decode_step_vs_first_variant"]) == 4
+    assert main(["bench", "step", *COMMON, "--cpu-gemm", "fp16", "--out-dir", str(tmp_path)]) == 2
+    assert "--cpu-gemm must be auto, fp32 or bf16" in capsys.readouterr().err

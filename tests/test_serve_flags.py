@@ -37,6 +37,7 @@ SNAPSHOT = {
     ("--max-num-seqs",): ("max_num_seqs", "_StoreAction", None, "int", None, None, None, POOLS),
     ("--enforce-eager",): ("enforce_eager", "_StoreTrueAction", None, None, None, True, None, POOLS),
     ("--gemm-row-buckets",): ("gemm_row_buckets", "_StoreAction", None, "int", None, None, "N", POOLS),
+    ("--threads-per-worker",): ("threads_per_worker", "_StoreAction", None, None, None, None, "N|auto", POOLS),
     ("--rss-growth-warn-mb",): ("rss_growth_warn_mb", "_StoreAction", None, "float", None, None, "MB", POOLS),
     ("--rss-warmup-steps",): ("rss_warmup_steps", "_StoreAction", None, "int", None, None, "N", POOLS),
     ("--transport",): ("transport", "_StoreAction", None, None, ("nixl", "local"), None, None, POOLS),
