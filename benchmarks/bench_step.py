@@ -275,7 +275,7 @@ def render(r: dict[str, Any]) -> str:
 def main(args: argparse.Namespace) -> int:
     from engine.attention_registry import BACKENDS, backend_by_name  # noqa: PLC0415
     from engine.config import PRESETS, CacheConfig, is_checkpoint_dir, resolve_model_config  # noqa: PLC0415
-    from engine.linear import resolve_host_gemm, set_host_gemm  # noqa: PLC0415
+    from engine.linear import resolve_host_gemm  # noqa: PLC0415
     from engine.model_registry import PullError  # noqa: PLC0415
     from engine.model_registry import resolve as resolve_model  # noqa: PLC0415
     from engine.model_runner import ModelRunner  # noqa: PLC0415
@@ -333,7 +333,7 @@ def main(args: argparse.Namespace) -> int:
     shapes = gemm_shapes(runner.model)
     variants = [(g, t) for g in dict.fromkeys(resolved) for t in threads_list]
     for gemm, threads in variants:
-        set_host_gemm(gemm)
+        runner.model.set_cpu_gemm(gemm)
         torch.set_num_threads(threads)
         weight_bytes = runner.model.decode_weight_bytes()
         for name in backends:

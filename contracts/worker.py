@@ -83,6 +83,7 @@ class WorkerStats:
     cuda_reserved_bytes: int = 0  # CUDA workers: torch's caching allocator, reserved from the driver
     cuda_allocated_bytes: int = 0  # ... and in use by tensors (both 0 on CPU)
     torch_threads: int = 0  # intra-op threads its engine steps run with (0: not reported)
+    cpu_gemm: str = ""  # the dtype its CPU GEMMs multiply in ("fp32", "bf16"; "" on CUDA or not reported)
 
     @property
     def blocks_used(self) -> int:
@@ -98,7 +99,7 @@ class WorkerStats:
         """The recent steps as named fields (the JSON of `GET /v1/workers/steps`). Each step names
         the threads it ran with, so a fit made from a log knows what it measured."""
         keys = ("step", "prefill_tokens", "attention_pairs", "decode_seqs", "seconds", "end_unix_s")
-        threads = {"torch_threads": self.torch_threads}
+        threads = {"torch_threads": self.torch_threads, "cpu_gemm": self.cpu_gemm}
         return {
             "worker": self.name,
             "role": self.role,
@@ -141,6 +142,8 @@ class WorkerConfig:
     # count): oneDNN keeps a primitive per shape, so any-row-count GEMMs grow a worker's memory
     # with every new prompt length (engine/linear.py RowBuckets)
     gemm_row_buckets: int = 4
+    # CPU: the dtype GEMMs multiply in: auto, fp32 or bf16 (engine/linear.py resolve_host_gemm)
+    cpu_gemm: str = "auto"
     # intra-op torch threads (torch.set_num_threads at worker start, before the engine is built);
     # None leaves torch's own default (OMP_NUM_THREADS, or Ray's num_cpus). `pdserve serve` always
     # sets it: --threads-per-worker, or its auto rule (router/worker_threads.py)

@@ -103,29 +103,19 @@ class RowBuckets:
 
 _row_buckets = RowBuckets()
 
-# The dtype the CPU's oneDNN GEMMs multiply in (`--cpu-gemm`). "bf16": the weights are packed as
-# bf16 and each GEMM's input is rounded to bf16; oneDNN accumulates in fp32, and the output is
-# widened to fp32 before its epilogue, so the residual stream, norms, attention and logits' softmax
-# stay fp32. Why it pays: a decode step reads every weight once (half the bytes), and a prefill is
+# The dtype the CPU's oneDNN GEMMs multiply in (`--cpu-gemm`; each PackedWeight's `gemm_dtype`,
+# set for a whole model by `LlamaModel.set_cpu_gemm`). "bf16": the weights are packed as bf16 and
+# each GEMM's input is rounded to bf16; oneDNN accumulates in fp32, and the output is widened to
+# fp32 before its epilogue, so the residual stream, norms, attention and logits' softmax stay fp32.
+# Why it pays: a decode step reads every weight once (half the bytes), and a prefill is
 # compute-bound, where CPUs with native bf16 dot products (AVX512-BF16, AMX) run twice the fp32
 # rate. Measured on the 2-core dev VM (AMD EPYC with AVX512-BF16, 1 thread, SmolLM2-135M): the
 # step's GEMMs took 31 ms against 60 ms at batch 8 (torch profiler, one step). Why it is safe for
 # FP8 weights: their e4m3 values carry 3 mantissa bits (~6% steps); bf16's 8 (~0.4%) add little,
-# and the CUDA path already rounds activations to FP8. `--dtype fp32` never uses it.
+# and the CUDA path already rounds activations to FP8. `--dtype fp32` never uses it. A row's
+# result does not depend on how many rows share the GEMM (checked: tests/test_linear_buckets.py),
+# so chunked, batched and lone prompts agree as they do in fp32.
 HOST_GEMM_DTYPES = ("fp32", "bf16")
-_host_gemm = "fp32"
-
-
-def set_host_gemm(dtype: str) -> None:
-    """Set the process's CPU GEMM dtype (process-wide, like the row buckets: one engine per worker)."""
-    global _host_gemm
-    if dtype not in HOST_GEMM_DTYPES:
-        raise ValueError(f"CPU GEMM dtype must be one of {HOST_GEMM_DTYPES}, got {dtype!r}")
-    _host_gemm = dtype
-
-
-def host_gemm() -> str:
-    return _host_gemm
 
 
 def resolve_host_gemm(choice: str, weight_dtype: str, device: str | torch.device) -> str:
@@ -161,6 +151,7 @@ class PackedWeight:
     def __init__(self) -> None:
         self._layouts: dict[str, torch.Tensor] = {}  # "packed" (oneDNN), "t" (one-row), "plain"
         self._key: tuple[int, int] | None = None
+        self.gemm_dtype = "fp32"  # what the CPU GEMM multiplies in (HOST_GEMM_DTYPES)
 
     def matmul(
         self,
@@ -176,7 +167,7 @@ class PackedWeight:
             self._layouts, self._key = {}, key
         if not (torch_compat.ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == torch.float32):
             return apply_post(x @ self._layout("plain", make).t(), post, other)
-        bf16 = _host_gemm == "bf16"
+        bf16 = self.gemm_dtype == "bf16"
         if x.numel() == x.shape[-1] and not bf16:  # one row: the GEMV down the transposed copy's rows
             return apply_post(x @ self._layout("t", make), post, other)
         packed = self._layout("packed_bf16" if bf16 else "packed", make)
@@ -252,6 +243,17 @@ class _Linear(nn.Module):
         for p in (self._packed, *self._halves):
             p.reset()
 
+    def set_cpu_gemm(self, dtype: str) -> None:
+        """The dtype this layer's CPU GEMMs multiply in (a layout in another dtype is dropped)."""
+        for p in (self._packed, *self._halves):
+            if p.gemm_dtype != dtype:
+                p.gemm_dtype = dtype
+                p.reset()
+
+    @property
+    def cpu_gemm(self) -> str:
+        return self._packed.gemm_dtype
+
     def forward(self, x: torch.Tensor, post: Post = "none", other: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in] -> post(x @ W.t()) [T, out]; e.g. post="add", other=residual."""
         host = self._host_weight(x)
@@ -297,7 +299,7 @@ class Fp8Linear(_Linear):
     def gemm_weight_bytes(self, device: torch.device, act_dtype: torch.dtype) -> int:
         if device.type == "cuda":  # torch._scaled_mm reads the e4m3 bytes and the scales
             return self.out_features * (self.in_features + 4)
-        return self.out_features * self.in_features * host_gemm_itemsize(act_dtype)  # the widened copy
+        return self.out_features * self.in_features * host_gemm_itemsize(self.cpu_gemm, act_dtype)  # the copy
 
     def _own_matmul(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
@@ -326,13 +328,13 @@ class DenseLinear(_Linear):
 
     def gemm_weight_bytes(self, device: torch.device, act_dtype: torch.dtype) -> int:
         if device.type == "cpu":
-            return self.out_features * self.in_features * host_gemm_itemsize(act_dtype)
+            return self.out_features * self.in_features * host_gemm_itemsize(self.cpu_gemm, act_dtype)
         return self.out_features * self.in_features * act_dtype.itemsize
 
 
-def host_gemm_itemsize(act_dtype: torch.dtype) -> int:
+def host_gemm_itemsize(gemm_dtype: str, act_dtype: torch.dtype) -> int:
     """Bytes per weight a CPU GEMM reads: its packed copy's (bf16 under `--cpu-gemm bf16`)."""
-    return 2 if _host_gemm == "bf16" and act_dtype == torch.float32 else act_dtype.itemsize
+    return 2 if gemm_dtype == "bf16" and act_dtype == torch.float32 else act_dtype.itemsize
 
 
 WEIGHT_DTYPES = ("fp8", "bf16", "fp32")

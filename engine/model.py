@@ -156,6 +156,20 @@ class LlamaModel(nn.Module):
 
         self._head = PackedWeight()  # the lm_head GEMM (CPU: its oneDNN-packed / transposed copies)
 
+    def set_cpu_gemm(self, dtype: str) -> None:
+        """The dtype every CPU GEMM of this model multiplies in (engine/linear.py HOST_GEMM_DTYPES)."""
+        for m in self.modules():
+            if isinstance(m, (Fp8Linear, DenseLinear)):
+                m.set_cpu_gemm(dtype)
+        # the lm_head stays fp32: its output is the logits, and a bf16 output (8 mantissa bits)
+        # would round logprobs and near-tie greedy choices; it is a fifth of SmolLM2's weight bytes
+
+    @property
+    def cpu_gemm(self) -> str:
+        """The projections' CPU GEMM dtype (the lm_head's is always fp32)."""
+        first = next((m for m in self.modules() if isinstance(m, (Fp8Linear, DenseLinear))), None)
+        return first.cpu_gemm if first is not None else "fp32"
+
     def layer(self, i: int) -> DecoderLayer:
         """Decoder layer i, typed (a type checker sees nn.ModuleList items as plain Modules)."""
         return cast(DecoderLayer, self.layers[i])
@@ -168,7 +182,9 @@ class LlamaModel(nn.Module):
         linears = [m for m in self.modules() if isinstance(m, (Fp8Linear, DenseLinear))]
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         norms = [m.weight for m in self.modules() if isinstance(m, RMSNorm)]
-        head_bytes = head.numel() * (host_gemm_itemsize(self.act_dtype) if dev.type == "cpu" else head.element_size())
+        head_bytes = head.numel() * (
+            host_gemm_itemsize(self._head.gemm_dtype, self.act_dtype) if dev.type == "cpu" else head.element_size()
+        )
         return (
             sum(m.gemm_weight_bytes(dev, self.act_dtype) for m in linears) + head_bytes + sum(w.nbytes for w in norms)
         )

@@ -28,7 +28,7 @@ from engine.config import CacheConfig, ModelConfig
 from engine.input_batch import DecodeInputs
 from engine.kv_cache import KVCache
 from engine.kv_layout import KVLayout
-from engine.linear import RowBuckets, resolve_host_gemm, set_host_gemm, set_row_buckets
+from engine.linear import RowBuckets, resolve_host_gemm, set_row_buckets
 from engine.model import LlamaModel
 from engine.sampler import Sampler
 from engine.weights import build_model
@@ -69,19 +69,20 @@ class ModelRunner:
         seed: int = 0,
         backend: AttentionBackend | None = None,
         row_buckets: RowBuckets | None = None,
-        cpu_gemm: str | None = None,
+        cpu_gemm: str | None = "auto",
     ):
         """`row_buckets`: the process's CPU GEMM row buckets (process-wide, like the oneDNN caches
         they bound); None leaves them as they are (the default: 4 per octave, engine/linear.py).
-        `cpu_gemm`: auto, fp32 or bf16, the dtype CPU GEMMs multiply in (process-wide too; None
-        leaves it as it is: fp32 unless set)."""
+        `cpu_gemm`: auto, fp32 or bf16, the dtype the model's CPU GEMMs multiply in (the default
+        auto: what a worker with the same weights uses, so an in-process engine is an oracle for a
+        served one; None: fp32)."""
         if row_buckets is not None:
             set_row_buckets(row_buckets)
-        if cpu_gemm is not None:
-            set_host_gemm(resolve_host_gemm(cpu_gemm, weight_dtype, device))
         self.device = torch.device(device)
-        self.model_cfg, self.cache_cfg = model_cfg, cache_cfg
         self.model: LlamaModel = build_model(model_cfg, weight_dtype, self.device, checkpoint_dir, seed)
+        if cpu_gemm is not None:
+            self.model.set_cpu_gemm(resolve_host_gemm(cpu_gemm, weight_dtype, device))
+        self.model_cfg, self.cache_cfg = model_cfg, cache_cfg
         self.layout = KVLayout.build(model_cfg, cache_cfg)
         self.cache = KVCache(self.layout, self.device)
         self.backend = backend or default_backend(self.device)

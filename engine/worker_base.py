@@ -47,6 +47,7 @@ class EngineSettings(Protocol):
     enable_prefix_caching: bool
     enforce_eager: bool  # CUDA: never replay decode graphs (every step eager)
     gemm_row_buckets: int  # CPU oneDNN GEMM row counts per power of two (0 = off; engine/linear.py)
+    cpu_gemm: str  # CPU GEMM dtype: auto, fp32 or bf16 (engine/linear.py)
 
 
 def build_engine(cfg: EngineSettings, prefill_only: bool) -> LLMEngine:
@@ -55,8 +56,18 @@ def build_engine(cfg: EngineSettings, prefill_only: bool) -> LLMEngine:
     ckpt = cfg.model if is_checkpoint_dir(cfg.model) else None
     cache = CacheConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, kv_dtype=cfg.kv_dtype)
     runner = ModelRunner(
-        model_cfg, cache, cfg.dtype, cfg.device, ckpt, seed=cfg.seed, row_buckets=RowBuckets(cfg.gemm_row_buckets)
+        model_cfg,
+        cache,
+        cfg.dtype,
+        cfg.device,
+        ckpt,
+        seed=cfg.seed,
+        row_buckets=RowBuckets(cfg.gemm_row_buckets),
+        cpu_gemm=cfg.cpu_gemm,
     )
+    # before the worker reports ready: a fresh server's first request costs what its tenth does
+    warm_s = runner.warm_up()
+    log.info("%s: warm-up %.2f s (CPU GEMMs %s)", cfg.model, warm_s, runner.model.cpu_gemm)
     eos = tuple(read_generation_eos(cfg.model)) if ckpt else ()
     engine = LLMEngine(
         runner,
@@ -94,6 +105,11 @@ def use_threads(threads: int | None, name: str) -> int:
         f"asked {threads}" if threads else "torch's default",
     )
     return got
+
+
+def cpu_gemm_of(engine: LLMEngine) -> str:
+    """The dtype the engine's CPU GEMMs multiply in ("" on CUDA, where FP8 GEMMs are torch's own)."""
+    return engine.runner.model.cpu_gemm if engine.runner.device.type == "cpu" else ""
 
 
 def kv_figures(engine: LLMEngine) -> dict[str, int]:

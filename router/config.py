@@ -103,6 +103,16 @@ class ServeConfig:
     )
     # Bounds oneDNN's per-shape kernel caches, which otherwise grow a worker's RSS with every new
     # prompt length.
+    cpu_gemm: str = field(
+        default="auto",
+        metadata=cli_flag(
+            "pools",
+            "CPU: the dtype GEMMs multiply in. auto (the default): bf16 for fp8/bf16 weights where the CPU has "
+            "native bf16 dot products (AVX512-BF16 or AMX), else fp32; --dtype fp32 stays fp32. bf16 halves "
+            "the weight bytes a decode step reads and doubles a prefill's compute rate (engine/linear.py)",
+            choices=("auto", "fp32", "bf16"),
+        ),
+    )
     gemm_row_buckets: int = field(
         default=4,
         metadata=cli_flag(
@@ -377,6 +387,7 @@ class ServeConfig:
             max_num_seqs=self.max_num_seqs,
             enforce_eager=self.enforce_eager,
             gemm_row_buckets=self.gemm_row_buckets,
+            cpu_gemm=self.cpu_gemm,
             torch_threads=self.threads_per_worker,  # None (auto) until router/launch.py resolves it
             lease_s=self.lease_s,
             transport=self.transport,

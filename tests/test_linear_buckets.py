@@ -80,3 +80,23 @@ def test_model_logits_bit_identical_with_and_without_buckets(buckets_off):
     want = run()
     set_row_buckets(RowBuckets())
     assert torch.equal(run(), want)
+
+
+@pytest.mark.parametrize("post", ["none", "silu", "add"])
+def test_bf16_gemm_rows_do_not_depend_on_the_row_count(post):
+    """`--cpu-gemm bf16`: a row's output is the same bits whether it runs alone (one row, padded to
+    two), in a decode batch or in a long prefill, so chunked, batched and lone prompts agree (the
+    serving equality tests rely on it), and it stays within bf16 rounding of the fp32 GEMM."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(384, 128, generator=g) * 0.05
+    x = torch.randn(600, 128, generator=g)
+    other = torch.randn(600, 384, generator=g)
+    bf16, fp32 = PackedWeight(), PackedWeight()
+    bf16.gemm_dtype = "bf16"
+    full = bf16.matmul(x, w, lambda: w, post, other if post == "add" else None)
+    for n in (1, 2, 3, 8, 17, 256, 300):
+        got = bf16.matmul(x[:n], w, lambda: w, post, other[:n] if post == "add" else None)
+        assert torch.equal(got, full[:n]), f"{n} rows, post {post}"
+    ref = fp32.matmul(x, w, lambda: w, post, other if post == "add" else None)
+    assert full.dtype == torch.float32
+    assert (full - ref).abs().max() <= 2e-2 * ref.abs().max()
