@@ -130,8 +130,9 @@ class ServeConfig:
         metadata=cli_flag(
             "pools",
             "intra-op torch threads of each worker, and the CPUs Ray reserves for it; auto (the default): "
-            "the host's cores shared evenly by the workers on it (a colocated worker on 2 cores: 2; 1P1D or "
-            "2P2D on 2 cores: 1 each), or OMP_NUM_THREADS when the environment sets it",
+            "the host's cores less one left to the router, shared evenly by the workers on it, at least one "
+            "each (a colocated worker on 8 cores: 7; 1P1D on 8 cores: 3 each; anything on 2 cores: 1), or "
+            "OMP_NUM_THREADS when the environment sets it",
             metavar="N|auto",
             as_text=True,
         ),

@@ -8,8 +8,14 @@ a colocated server on a 2-core machine decoded on one core while the other idled
 `auto` (the default) shares a host's cores evenly among the workers the server starts on it:
 floor(cores / workers), at least one. The host's cores are:
 
-- this machine's (`os.cpu_count()`) when the workers run here: in this process, on the Ray
-  cluster this server starts, or on one whose nodes all sit at this machine's address. What a
+- this machine's (`os.cpu_count()`) less one, left to the router (its HTTP and SSE work, Ray's
+  own processes, a client on the same machine), when the workers run here: in this process, on
+  the Ray cluster this server starts, or on one whose nodes all sit at this machine's address.
+  Why one is left: OpenMP threads wait for each other at every parallel region, so when another
+  process takes one of a step's cores the whole step waits. Measured on the 2-core dev VM
+  (SmolLM2, colocated, 32 requests of 256 prompt tokens and 64 output tokens at concurrency 8,
+  2026-12-03, servers one after another): two threads served 56.4, 39.4, 43.1 and 28.5 output
+  tokens/s in four runs (decode step p50 93-198 ms), one thread 47.7 and 50.2 (94-99 ms). What a
   local cluster advertises is often fiction (the test suite's shared cluster says 8 CPUs on a
   2-core machine, so that any pool fits);
 - otherwise the Ray cluster's own figure: the fewest CPUs a node with CPUs advertises, shared by
@@ -29,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 OMP_ENV = "OMP_NUM_THREADS"
+ROUTER_CORES = 1  # cores `auto` leaves to the router on its own host (module docstring: why)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -75,7 +82,11 @@ def choose_threads(
             auto_threads(per_node, on_each),
             f"auto: {per_node} CPUs per Ray node / {on_each} workers per node ({len(with_cpus)} nodes)",
         )
-    return ThreadChoice(auto_threads(local, workers), f"auto: {local} cores / {workers} workers on this host")
+    usable = max(1, local - ROUTER_CORES)
+    return ThreadChoice(
+        auto_threads(usable, workers),
+        f"auto: {local} cores, {ROUTER_CORES} left to the router, / {workers} workers on this host",
+    )
 
 
 def ray_nodes(ray: Any) -> tuple[list[tuple[str, float]], list[str]]:

@@ -36,19 +36,22 @@ def test_auto_shares_the_cores_evenly_at_least_one_each(cores, workers, threads)
 
 def test_an_explicit_count_beats_the_environment_which_beats_auto():
     no_env: dict[str, str] = {}
-    assert choose_threads(None, 1, cores=2, env=no_env).threads == 2  # colocated alone on 2 cores
+    # one core of the router's host is left to the router (router/worker_threads.py says why)
+    assert choose_threads(None, 1, cores=2, env=no_env).threads == 1  # colocated alone on 2 cores
+    assert choose_threads(None, 1, cores=8, env=no_env).threads == 7
+    assert choose_threads(None, 2, cores=8, env=no_env).threads == 3  # 1P1D on 8 cores
     assert choose_threads(None, 2, cores=2, env=no_env).threads == 1  # 1P1D
     assert choose_threads(None, 4, cores=2, env=no_env).threads == 1  # 2P2D
-    assert choose_threads(None, 1, cores=2, env={"OMP_NUM_THREADS": "1"}).threads == 1
-    assert choose_threads(None, 1, cores=2, env={"OMP_NUM_THREADS": "junk"}).threads == 2  # not a count: auto
+    assert choose_threads(None, 1, cores=2, env={"OMP_NUM_THREADS": "2"}).threads == 2
+    assert choose_threads(None, 1, cores=4, env={"OMP_NUM_THREADS": "junk"}).threads == 3  # not a count: auto
     choice = choose_threads(3, 1, cores=2, env={"OMP_NUM_THREADS": "1"})
     assert (choice.threads, choice.why) == (3, "--threads-per-worker")
 
 
 def test_a_cluster_on_this_host_counts_the_machine_not_what_its_nodes_advertise():
     # the test suite's shared cluster advertises 8 CPUs on a 2-core machine
-    here = choose_threads(None, 1, cores=2, nodes=[("127.0.0.1", 8.0)], here=["10.0.0.5"], env={})
-    assert here.threads == 2 and "this host" in here.why
+    here = choose_threads(None, 1, cores=4, nodes=[("127.0.0.1", 8.0)], here=["10.0.0.5"], env={})
+    assert here.threads == 3 and "this host" in here.why
     two_local = [("10.0.0.5", 2.0), ("10.0.0.5", 2.0)]
     assert choose_threads(None, 2, cores=2, nodes=two_local, here=["10.0.0.5"], env={}).threads == 1
     # other hosts: their CPUs, the workers spread over the nodes (a 0-CPU head node does not count)
