@@ -178,8 +178,12 @@ class PackedWeight:
             assert other is not None
             other2 = other.reshape(-1, out_features).contiguous()
         calls = _row_buckets.plan(x2.shape[0])
-        if len(calls) == 1 and calls[0][1] == calls[0][2]:  # already a bucket size: one call, no copies
-            out = self._call(x2, other2, packed, post)
+        if len(calls) == 1:  # one call (a decode step, a short prompt): padded if needed, cut as a view
+            _, rows, run = calls[0]
+            if run > rows:
+                x2 = F.pad(x2, (0, 0, 0, run - rows))
+                other2 = None if other2 is None else F.pad(other2, (0, 0, 0, run - rows))
+            out = self._call(x2, other2, packed, post)[:rows]
         else:
             out = torch.empty(x2.shape[0], out_features, dtype=x.dtype)
             for start, rows, run in calls:
