@@ -124,6 +124,8 @@ def resolve_host_gemm(choice: str, weight_dtype: str, device: str | torch.device
     CPU without native bf16 would emulate it, slower than fp32)."""
     if choice not in ("auto", *HOST_GEMM_DTYPES):
         raise ValueError(f"--cpu-gemm must be auto, fp32 or bf16, got {choice!r}")
+    if choice == "bf16" and torch.device(device).type == "cpu" and not torch_compat.bf16_gemm_works():
+        raise ValueError("--cpu-gemm bf16: this torch's oneDNN cannot multiply bf16 on this CPU; use fp32 or auto")
     if choice != "auto":
         return choice
     cpu = torch.device(device).type == "cpu"

@@ -108,10 +108,27 @@ def scaled_mm(
 
 
 @functools.cache
+def bf16_gemm_works() -> bool:
+    """oneDNN's fused linear takes bf16 here (some CPUs' builds refuse it: AVX2-only machines) and
+    gives x @ w.t() to bf16 rounding on a 2x4 @ 4x3 GEMM."""
+    if not ONEDNN_LINEAR:
+        return False
+    try:
+        with torch.no_grad():
+            x = torch.linspace(-1.0, 1.0, 8).reshape(2, 4)
+            w = torch.linspace(0.5, -0.5, 12).reshape(3, 4)
+            packed = pack_linear_weight(w, torch.bfloat16)
+            got = linear_fused(x.to(torch.bfloat16), packed).float()
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+    return torch.allclose(got, x @ w.t(), atol=2e-2)
+
+
+@functools.cache
 def native_bf16_gemm() -> bool:
     """True where oneDNN's fused linear runs bf16 on native bf16 dot-product instructions
     (AVX512-BF16 or AMX, read from /proc/cpuinfo): elsewhere bf16 is emulated, slower than fp32."""
-    if not ONEDNN_LINEAR:
+    if not bf16_gemm_works():
         return False
     try:
         with open("/proc/cpuinfo") as f:

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from cli import main
+from engine import torch_compat
 
 COMMON = ["--model", "tiny", "--device", "cpu", "--no-progress", "--threads", "1"]
 
@@ -166,6 +167,7 @@ def test_bench_step_splits_every_step_and_compares_backends(tmp_path, capsys):
     assert set(r["decode_step_ratio_vs_reference"]) == {"batched@1", "batched@3"}
 
 
+@pytest.mark.skipif(not torch_compat.bf16_gemm_works(), reason="no bf16 oneDNN GEMM on this CPU")
 def test_bench_step_side_by_side_gemm_dtypes_and_threads(tmp_path, capsys):
     """`--cpu-gemm fp32,bf16 --threads 1,2`: one row per (dtype, threads, batch) in one run, each
     with its own floor (a bf16 GEMM reads half the weight bytes) and its ratio to the first."""

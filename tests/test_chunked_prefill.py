@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine import torch_compat
 from engine.attention import AttentionMetadata, TorchReferenceAttention
 from engine.config import PRESETS, CacheConfig
 from engine.cpu_attention import BatchedAttention
@@ -64,6 +65,7 @@ def test_chunked_prefill_logits_equal_whole_prompt(kv, fp8_runner, fp32_runner):
         assert got.argmax().item() == whole.argmax().item()
 
 
+@pytest.mark.skipif(not torch_compat.bf16_gemm_works(), reason="no bf16 oneDNN GEMM on this CPU")
 def test_chunked_prefill_with_bf16_gemms_stays_within_bf16_rounding():
     """`--cpu-gemm bf16` (the default on CPUs with native bf16): a GEMM row is the same bits in any
     batch (tests/test_linear_buckets.py), but the fp32 summation-order differences of attention

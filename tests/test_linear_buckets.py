@@ -82,6 +82,7 @@ def test_model_logits_bit_identical_with_and_without_buckets(buckets_off):
     assert torch.equal(run(), want)
 
 
+@pytest.mark.skipif(not torch_compat.bf16_gemm_works(), reason="no bf16 oneDNN GEMM on this CPU")
 @pytest.mark.parametrize("post", ["none", "silu", "add"])
 def test_bf16_gemm_rows_do_not_depend_on_the_row_count(post):
     """`--cpu-gemm bf16`: a row's output is the same bits whether it runs alone (one row, padded to
