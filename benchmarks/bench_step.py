@@ -77,9 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--cpu-gemm",
-        default="auto",
-        help="dtypes CPU GEMMs multiply in, comma-separated to compare side by side (auto, fp32, bf16; "
-        "default auto: bf16 for FP8 weights where the CPU has native bf16 dot products; engine/linear.py)",
+        default="fp32",
+        help="dtypes CPU GEMMs multiply in, comma-separated to compare side by side (fp32, bf16, auto: bf16 "
+        "for FP8 weights where the CPU has native bf16 dot products; default fp32, as `serve`; engine/linear.py)",
     )
     g.add_argument("--seed", type=int, default=0, help="prompts and random weights")
     w = p.add_argument_group("workload")

@@ -4,14 +4,17 @@
 # 256 random prompt token ids and 64 output tokens at concurrency 8, SmolLM2-135M-Instruct.
 #   benchmarks/cpu_engine_ab.sh OLD_TREE [OUT_DIR] [ROUNDS]
 #   e.g. git worktree add /tmp/old 1df4e94 && benchmarks/cpu_engine_ab.sh /tmp/old benchmarks/results 2
-# Each round runs old and new colocated, then old and new 1P1D (the order flips every round).
+# Each round runs every build colocated, then 1P1D (the order flips every round). The builds:
+# `old`, `new` (this tree, its defaults) and `newx` (this tree with NEWX_FLAGS, e.g. '--cpu-gemm
+# bf16'; left out when NEWX_FLAGS is empty).
 # Each server starts only once the one-minute load is under 0.5 (or after 2 min). Writes, per
 # server, the bench's JSON and the worker step log; then `cpu-engine-ab.json` (the summary,
 # with provenance) under OUT_DIR, and prints one table.
 set -u
 cd "$(dirname "$0")/.."
 OLD=$(cd "${1:?old tree}" && pwd)
-OUT=${2:-benchmarks/results/local}
+mkdir -p "${2:-benchmarks/results/local}"
+OUT=$(cd "${2:-benchmarks/results/local}" && pwd)
 ROUNDS=${3:-2}
 NEW=$PWD
 PY=${PY:-$NEW/.venv/bin/python}
@@ -40,12 +43,18 @@ run() {  # label tree serve-flags...
   echo "{\"ready_s\": $ready, \"load_at_start\": $load}" > "$RUNS/$label.start.json"
   kill -INT $spid; wait $spid 2> /dev/null
 }
+BUILDS="old new"
+[ -n "${NEWX_FLAGS:-}" ] && BUILDS="old new newx"
 for r in $(seq "$ROUNDS"); do
-  if [ $((r % 2)) -eq 1 ]; then first=old; second=new; else first=new; second=old; fi
+  order=$BUILDS
+  [ $((r % 2)) -eq 0 ] && order=$(echo "$BUILDS" | tr ' ' '\n' | tac | tr '\n' ' ')
   for mode in colocated disagg; do
-    for build in $first $second; do
-      tree=$OLD; [ "$build" = new ] && tree=$NEW
-      run "$build-$mode-$r" "$tree" --mode "$mode"
+    for build in $order; do
+      case $build in
+        old) run "$build-$mode-$r" "$OLD" --mode "$mode" ;;
+        new) run "$build-$mode-$r" "$NEW" --mode "$mode" ;;
+        newx) run "$build-$mode-$r" "$NEW" --mode "$mode" $NEWX_FLAGS ;;
+      esac
     done
   done
 done

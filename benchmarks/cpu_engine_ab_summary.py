@@ -54,18 +54,20 @@ def run_row(runs: Path, label: str) -> dict[str, Any] | None:
 
 
 def ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per mode: the mean of the new runs over the mean of the old ones, for each figure."""
+    """Per mode and new build ("new", "newx"): the mean of its runs over the mean of the old
+    ones, for each figure."""
     out: dict[str, dict[str, float]] = {}
     for mode in sorted({r["mode"] for r in rows}):
-        old = [r for r in rows if r["mode"] == mode and r["build"] == "old"]
-        new = [r for r in rows if r["mode"] == mode and r["build"] == "new"]
-        if not old or not new:
-            continue
-        out[mode] = {
-            k: statistics.mean(r[k] for r in new) / statistics.mean(r[k] for r in old)
-            for k in ("output_tok_s", "itl_p50_ms", "ttft_p50_ms", "decode8_step_p50_ms", "ready_s")
-            if all(k in r for r in old + new)
-        }
+        for build in sorted({r["build"] for r in rows} - {"old"}):
+            old = [r for r in rows if r["mode"] == mode and r["build"] == "old"]
+            new = [r for r in rows if r["mode"] == mode and r["build"] == build]
+            if not old or not new:
+                continue
+            out[mode if build == "new" else f"{mode} ({build})"] = {
+                k: statistics.mean(r[k] for r in new) / statistics.mean(r[k] for r in old)
+                for k in ("output_tok_s", "itl_p50_ms", "ttft_p50_ms", "decode8_step_p50_ms", "ready_s")
+                if all(k in r for r in old + new)
+            }
     return out
 
 

@@ -143,7 +143,7 @@ class WorkerConfig:
     # with every new prompt length (engine/linear.py RowBuckets)
     gemm_row_buckets: int = 4
     # CPU: the dtype GEMMs multiply in: auto, fp32 or bf16 (engine/linear.py resolve_host_gemm)
-    cpu_gemm: str = "auto"
+    cpu_gemm: str = "fp32"
     # intra-op torch threads (torch.set_num_threads at worker start, before the engine is built);
     # None leaves torch's own default (OMP_NUM_THREADS, or Ray's num_cpus). `pdserve serve` always
     # sets it: --threads-per-worker, or its auto rule (router/worker_threads.py)

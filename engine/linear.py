@@ -114,7 +114,12 @@ _row_buckets = RowBuckets()
 # FP8 weights: their e4m3 values carry 3 mantissa bits (~6% steps); bf16's 8 (~0.4%) add little,
 # and the CUDA path already rounds activations to FP8. `--dtype fp32` never uses it. A row's
 # result does not depend on how many rows share the GEMM (checked: tests/test_linear_buckets.py),
-# so chunked, batched and lone prompts agree as they do in fp32.
+# but it is not the default: the prefill's attention differs in fp32 summation order between a
+# whole prompt, a chunk and a prefix-cache hit's tail, and bf16 rounding of the next projection's
+# input turns those 1e-7 differences into whole bf16 steps. Measured: in a 30-minute soak (tiny
+# 2P2D, real-shaped chats sharing prefixes, `--cpu-gemm auto` = bf16 on the dev VM) 31 of 9,204
+# repeated prompts answered with other greedy tokens than their first time; fp32's differences
+# stay below the greedy margins (0 in earlier soaks). Opt in where speed matters more than that.
 HOST_GEMM_DTYPES = ("fp32", "bf16")
 
 

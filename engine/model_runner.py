@@ -69,13 +69,12 @@ class ModelRunner:
         seed: int = 0,
         backend: AttentionBackend | None = None,
         row_buckets: RowBuckets | None = None,
-        cpu_gemm: str | None = "auto",
+        cpu_gemm: str | None = "fp32",
     ):
         """`row_buckets`: the process's CPU GEMM row buckets (process-wide, like the oneDNN caches
         they bound); None leaves them as they are (the default: 4 per octave, engine/linear.py).
         `cpu_gemm`: auto, fp32 or bf16, the dtype the model's CPU GEMMs multiply in (the default
-        auto: what a worker with the same weights uses, so an in-process engine is an oracle for a
-        served one; None: fp32)."""
+        fp32 is a worker's default, so an in-process engine is an oracle for a served one)."""
         if row_buckets is not None:
             set_row_buckets(row_buckets)
         self.device = torch.device(device)
