@@ -158,20 +158,21 @@ class LlamaModel(nn.Module):
         )
 
         self._head = PackedWeight()  # the lm_head GEMM (CPU: its oneDNN-packed / transposed copies)
+        self._cpu_gemm = "fp32"  # the projections' CPU GEMM dtype (set_cpu_gemm)
 
     def set_cpu_gemm(self, dtype: str) -> None:
         """The dtype every CPU GEMM of this model multiplies in (engine/linear.py HOST_GEMM_DTYPES)."""
         for m in self.modules():
             if isinstance(m, (Fp8Linear, DenseLinear)):
                 m.set_cpu_gemm(dtype)
+        self._cpu_gemm = dtype
         # the lm_head stays fp32: its output is the logits, and a bf16 output (8 mantissa bits)
         # would round logprobs and near-tie greedy choices; it is a fifth of SmolLM2's weight bytes
 
     @property
     def cpu_gemm(self) -> str:
         """The projections' CPU GEMM dtype (the lm_head's is always fp32)."""
-        first = next((m for m in self.modules() if isinstance(m, (Fp8Linear, DenseLinear))), None)
-        return first.cpu_gemm if first is not None else "fp32"
+        return self._cpu_gemm
 
     def layer(self, i: int) -> DecoderLayer:
         """Decoder layer i, typed (a type checker sees nn.ModuleList items as plain Modules)."""
