@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, TorchReferenceAttention
+from engine.cpu_kernels import paged_decode_op
 from engine.kv_cache import FP8_AS_FP16_SCALE, KVCache, SlotIndex, fp8_as_float16
 
 
@@ -38,6 +39,7 @@ from engine.kv_cache import FP8_AS_FP16_SCALE, KVCache, SlotIndex, fp8_as_float1
 class _RowGroup:
     rows: slice  # decode rows of this group (positions in the step's decode order)
     tables: torch.Tensor  # [n, W] long: each row's blocks, padded
+    lens: torch.Tensor  # [n] int32: each row's context length
     hidden: torch.Tensor  # [1, n, 1, W * block_size] bool: key t is padding (t >= context length)
 
 
@@ -57,8 +59,11 @@ def _kv_factors(scale: float, device: torch.device) -> torch.Tensor:
 
 
 class BatchedAttention(TorchReferenceAttention):
-    def __init__(self, rows_per_group: int = 64):
+    def __init__(self, rows_per_group: int = 64, kernel: bool = True):
+        """`kernel`: decode rows over FP8 pages go to the C++ kernel where it is built
+        (engine/cpu_kernels.py); False keeps them in torch ops (the kernel's oracle in tests)."""
         self.rows_per_group = rows_per_group
+        self.kernel = paged_decode_op() if kernel else None
 
     def prepare(self, meta: AttentionMetadata, cache: KVCache) -> None:
         bs = cache.layout.block_size
@@ -87,7 +92,9 @@ class BatchedAttention(TorchReferenceAttention):
             width = -(-max(ctx_d[g0:g1]) // bs)  # this group's longest context, in blocks
             t = torch.arange(width * bs, device=lens.device)
             hidden = t[None, :] >= lens[g0:g1, None].long()
-            groups.append(_RowGroup(slice(g0, g1), tables[g0:g1, :width], hidden[None, :, None, :]))
+            groups.append(
+                _RowGroup(slice(g0, g1), tables[g0:g1, :width], lens[g0:g1].int(), hidden[None, :, None, :])
+            )
         meta.backend_state = _StepState(cache.slot_index(meta.slot_mapping), tokens, groups, prefill)
 
     def forward(self, layer, q, k, v, cache, meta, scale):
@@ -130,11 +137,14 @@ class BatchedAttention(TorchReferenceAttention):
         )  # [1, Hq, qlen, D]
         return o[0].transpose(0, 1)
 
-    @staticmethod
-    def _decode(layer: int, q: torch.Tensor, cache: KVCache, g: _RowGroup, scale: float) -> torch.Tensor:
+    def _decode(self, layer: int, q: torch.Tensor, cache: KVCache, g: _RowGroup, scale: float) -> torch.Tensor:
         """q [n, Hq, D] -> out [n, Hq, D] over the group's padded page window."""
         n, Hq, D = q.shape
         H = cache.layout.num_kv_heads
+        if self.kernel is not None and cache.scales is not None and q.dtype == torch.float32 and q.device.type == "cpu":
+            # the pool's pages and scales of this layer, as the kernel reads them (no copies)
+            pages = cache.data[:, layer].view(torch.uint8)
+            return self.kernel(q, pages, cache.scales[:, layer], g.tables, g.lens, scale)
         blocks = g.tables.flatten()
         # The pool is [blocks, L, 2, bs, H, D]: a page's K and V for one layer are one contiguous
         # run, so the gather copies whole runs ([n*W, 2, bs, H, D]); the widening then writes

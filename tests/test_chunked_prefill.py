@@ -138,7 +138,8 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
 
 BACKENDS = {
     "reference": TorchReferenceAttention,
-    "batched": BatchedAttention,
+    "batched": BatchedAttention,  # decode rows over FP8 pages in the C++ kernel, where built
+    "batched-torch": lambda: BatchedAttention(kernel=False),  # the same backend in torch ops only
     "batched-groups-of-2": lambda: BatchedAttention(rows_per_group=2),  # several row groups, the last partial
 }
 
