@@ -92,9 +92,7 @@ class BatchedAttention(TorchReferenceAttention):
             width = -(-max(ctx_d[g0:g1]) // bs)  # this group's longest context, in blocks
             t = torch.arange(width * bs, device=lens.device)
             hidden = t[None, :] >= lens[g0:g1, None].long()
-            groups.append(
-                _RowGroup(slice(g0, g1), tables[g0:g1, :width], lens[g0:g1].int(), hidden[None, :, None, :])
-            )
+            groups.append(_RowGroup(slice(g0, g1), tables[g0:g1, :width], lens[g0:g1].int(), hidden[None, :, None, :]))
         meta.backend_state = _StepState(cache.slot_index(meta.slot_mapping), tokens, groups, prefill)
 
     def forward(self, layer, q, k, v, cache, meta, scale):

@@ -57,7 +57,9 @@ def _filled_cache(ctx_lens: list[int], seed: int = 0) -> tuple[KVCache, torch.Te
         for t, n in zip(tables, ctx_lens):
             slots = torch.tensor([t[p // 16] * 16 + p % 16 for p in range(n - 1)], dtype=torch.long)
             if n > 1:  # large values too: FP8 scales far from 1
-                cache.write(layer, slots, torch.randn(n - 1, H, D, generator=g) * 40, torch.randn(n - 1, H, D, generator=g))
+                cache.write(
+                    layer, slots, torch.randn(n - 1, H, D, generator=g) * 40, torch.randn(n - 1, H, D, generator=g)
+                )
     return cache, torch.tensor(tables)
 
 
