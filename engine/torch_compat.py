@@ -20,7 +20,8 @@ Nothing else in pdserve names a private torch attribute (`tools/private_names.py
 from __future__ import annotations
 
 import functools
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -143,3 +144,18 @@ def tensor_version(t: torch.Tensor) -> int:
     if t.is_inference():
         return -1
     return int(getattr(t, "_version", -1))  # private-ok: guarded, with a fallback
+
+
+def counting_inductor(mode: str, on_compile: Callable[[], None]) -> Callable[..., Any]:
+    """A torch.compile backend: inductor with `mode`'s options ("default", "max-autotune"),
+    calling `on_compile()` once per graph it compiles (how pdserve counts compiles). inductor's
+    `compile` and `list_mode_options` are importable but underscored (torch._inductor)."""
+    from torch import _inductor  # noqa: PLC0415  # private-ok: the compile backend's entry points
+
+    options = {} if mode == "default" else dict(_inductor.list_mode_options(mode))  # private-ok: as above
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        on_compile()
+        return _inductor.compile(gm, example_inputs, options=options)  # private-ok: as above
+
+    return backend

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from cli import main
-from engine import torch_compat
+from engine import cpu_kernels, torch_compat
 
 COMMON = ["--model", "tiny", "--device", "cpu", "--no-progress", "--threads", "1"]
 
@@ -179,8 +179,10 @@ def test_bench_step_side_by_side_gemm_dtypes_and_threads(tmp_path, capsys):
     r = json.loads(capsys.readouterr().out)
     assert [(x["cpu_gemm"], x["threads"]) for x in r["rows"]] == [("fp32", 1), ("fp32", 2), ("bf16", 1), ("bf16", 2)]
     fp32, bf16 = r["rows"][0], r["rows"][2]
-    # tiny's projections are most of its weight bytes: bf16 halves them (norms stay fp32)
-    assert 0.45 < bf16["weight_bytes_per_step"] / fp32["weight_bytes_per_step"] < 0.55
+    # tiny's projections are most of its weight bytes: under fp32 a decode step's projections read
+    # their FP8 bytes (the FP8 kernel, where it is built) or fp32 copies; bf16 reads 2-byte copies
+    ratio = bf16["weight_bytes_per_step"] / fp32["weight_bytes_per_step"]
+    assert (1.3 < ratio < 2.0) if cpu_kernels.fp8_linear_op() is not None else (0.45 < ratio < 0.55), ratio
     assert r["decode_step_vs_first_variant"]["auto fp32 x1@2"] == 1.0
     assert len(r["decode_step_vs_first_variant"]) == 4
     assert main(["bench", "step", *COMMON, "--cpu-gemm", "fp16", "--out-dir", str(tmp_path)]) == 2

@@ -1,4 +1,6 @@
-"""The C++ decode attention (engine/csrc/paged_decode.cpp) against the torch path and the reference.
+"""pdserve's C++ kernels: the decode attention (engine/csrc/paged_decode.cpp) against the torch
+path and the reference, and the FP8 few-row GEMM (engine/csrc/fp8_linear.cpp) against the
+dequantized product.
 
 tests/test_chunked_prefill.py checks every backend against dense attention on small shapes; here
 the kernel meets SmolLM2's shapes (9 query heads on 3 KV heads, head_dim 64, 16-token blocks),
@@ -16,8 +18,9 @@ from engine import cpu_kernels
 from engine.attention import AttentionMetadata, TorchReferenceAttention
 from engine.config import CacheConfig, ModelConfig
 from engine.cpu_attention import BatchedAttention
-from engine.kv_cache import KVCache
+from engine.kv_cache import FP8, KVCache
 from engine.kv_layout import KVLayout
+from engine.linear import FP8_KERNEL_MAX_ROWS, Fp8Linear
 
 HAS_TOOLCHAIN = shutil.which("g++") is not None or shutil.which("c++") is not None
 
@@ -93,3 +96,85 @@ def test_kernel_refuses_a_context_past_its_block_table():
     lens = torch.tensor([20, 5 + 16 * tables.shape[1]], dtype=torch.int32)  # row 1 runs off its table
     with pytest.raises(RuntimeError, match="outside the block table"):
         op(q, cache.data[:, 0].view(torch.uint8), cache.scales[:, 0], tables, lens, 0.125)
+
+
+# ---- the FP8 few-row GEMM (engine/csrc/fp8_linear.cpp) ------------------------------------------
+
+
+def _fp8_layer(n_out: int, n_in: int, seed: int = 0) -> Fp8Linear:
+    layer = Fp8Linear(n_in, n_out)
+    g = torch.Generator().manual_seed(seed)
+    layer.load(torch.randn(n_out, n_in, generator=g) * torch.logspace(-3, 0, n_in)[None, :])  # subnormals too
+    return layer
+
+
+@pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no C++ compiler: no kernel to check")
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (7, 37)])  # SmolLM2's; ragged N and K
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16])
+def test_fp8_linear_equals_the_dequantized_product(shape, rows):
+    op = cpu_kernels.fp8_linear_op()
+    assert op is not None, cpu_kernels.unavailable_reason()
+    layer = _fp8_layer(*shape)
+    g = torch.Generator().manual_seed(rows)
+    x, res = torch.randn(rows, shape[1], generator=g), torch.randn(rows, shape[0], generator=g)
+    want = (x.double() @ layer.dequantized().double().t()).float()
+    w = layer.weight.view(torch.uint8)
+    torch.testing.assert_close(op(x, w, layer.weight_scale, None, 0), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(op(x, w, layer.weight_scale, res, 1), want + res, atol=1e-5, rtol=1e-5)
+    if shape[0] % 2 == 0:
+        gate, up = want.chunk(2, dim=-1)
+        swiglu = torch.nn.functional.silu(gate) * up
+        torch.testing.assert_close(op(x, w, layer.weight_scale, None, 2), swiglu, atol=5e-5, rtol=2e-4)
+
+
+@pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no C++ compiler: no kernel to check")
+def test_fp8_linear_widens_every_fp8_value_exactly():
+    """Every e4m3 byte but NaN's two, as one weight column: x = 1 reads each value back, times its scale."""
+    op = cpu_kernels.fp8_linear_op()
+    assert op is not None
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    scale = torch.full((codes.numel(),), 0.5)
+    got = op(torch.ones(1, 1), codes[:, None].contiguous(), scale, None, 0)[0]
+    assert torch.equal(got, codes.view(FP8).float() * 0.5)
+
+
+@pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no C++ compiler: no kernel to check")
+def test_fp8_linear_rows_do_not_depend_on_their_batch():
+    """A row's output is bit-identical alone and in a batch of any size (one dot product per output)."""
+    op = cpu_kernels.fp8_linear_op()
+    assert op is not None
+    layer = _fp8_layer(576, 576)
+    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(3))
+    w, s = layer.weight.view(torch.uint8), layer.weight_scale
+    batch = op(x, w, s, None, 0)
+    for i in (0, 4, 8):
+        assert torch.equal(batch[i : i + 1], op(x[i : i + 1].clone(), w, s, None, 0))
+
+
+@pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no C++ compiler: no kernel to check")
+def test_fp8_layers_send_few_rows_to_the_kernel_and_prompts_to_onednn():
+    layer = _fp8_layer(3072, 576)
+    g = torch.Generator().manual_seed(4)
+    for rows in (1, FP8_KERNEL_MAX_ROWS, FP8_KERNEL_MAX_ROWS + 1, 64):
+        x = torch.randn(rows, 576, generator=g)
+        want = (x.double() @ layer.dequantized().double().t()).float()
+        torch.testing.assert_close(layer(x), want, atol=5e-5, rtol=1e-4)
+        gate, up = want.chunk(2, dim=-1)
+        torch.testing.assert_close(layer.swiglu(x), torch.nn.functional.silu(gate) * up, atol=5e-5, rtol=1e-4)
+    # the fp32 copies are made only for the prompt-sized batches
+    fresh = _fp8_layer(576, 576)
+    fresh(torch.randn(FP8_KERNEL_MAX_ROWS, 576))
+    assert fresh.gemm_weight_bytes(torch.device("cpu"), torch.float32) == 576 * (576 + 4)
+
+
+@pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no C++ compiler: no kernel to check")
+def test_fp8_linear_refuses_bad_shapes():
+    op = cpu_kernels.fp8_linear_op()
+    assert op is not None
+    w, s = torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4)
+    with pytest.raises(RuntimeError, match="disagree on K"):
+        op(torch.zeros(2, 7), w, s, None, 0)
+    with pytest.raises(RuntimeError, match="other"):
+        op(torch.zeros(2, 8), w, s, None, 1)
+    with pytest.raises(RuntimeError, match="post must be"):
+        op(torch.zeros(2, 8), w, s, None, 5)
