@@ -12,12 +12,16 @@ step, then `--new-tokens` greedy tokens each. Every step is split (engine `StepS
 host = schedule + sample + output. Decode steps are summarised by their median.
 
 Beside every decode step, its floor: the bytes of weights a step reads (each once, in the layout
-the GEMMs multiply: on CPU the fp32 copies of FP8 weights) over the memory bandwidth, measured
+the GEMMs multiply: on CPU the FP8 bytes where the FP8 kernel runs them, else the fp32 copies of
+FP8 weights) over the memory bandwidth, measured
 just before that row in the same run by a large tensor copy ((read + write) bytes / s, as `bench
 gpu` counts it), and the step's ratio to it. The KV bytes the step reads are recorded beside (at
 small contexts they are a few percent of the weights). A memory-bound step's cost follows the
 bytes it reads, so a batch of 8 should cost about what a batch of 1 does: `vs batch 1` is each
 row's decode step over the first batch's (of `--batches`), same backend.
+
+`--compile off,default` adds a row per batch with the decode step compiled by torch.compile
+(engine/compiled_decode.py), beside the eager one in the same run, with the compile time.
 
 For a checkpoint (a registry model such as smollm2-135m-instruct, a Hugging Face directory or a
 .gguf file), transformers' `generate` runs the same prompts in the same run (greedy, the same
@@ -81,6 +85,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="dtypes CPU GEMMs multiply in, comma-separated to compare side by side (fp32, bf16, auto: bf16 "
         "for FP8 weights where the CPU has native bf16 dot products; default fp32, as `serve`; engine/linear.py)",
     )
+    g.add_argument(
+        "--compile",
+        default="off",
+        help="CPU decode step eager (off) and/or compiled by torch.compile (default, max-autotune), "
+        "comma-separated to compare side by side (default off; engine/compiled_decode.py)",
+    )
     g.add_argument("--seed", type=int, default=0, help="prompts and random weights")
     w = p.add_argument_group("workload")
     w.add_argument("--batches", default=DEFAULTS["batches"], help=f"batch sizes (default {DEFAULTS['batches']})")
@@ -97,6 +107,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--out-dir", default=None, help=OUT_DIR_HELP)
     o.add_argument("--json", action="store_true", help="print the result as one JSON document instead of the table")
     o.add_argument("--no-progress", action="store_true", help="no per-row progress lines on stderr")
+
+
+def _variant(row: dict[str, Any]) -> tuple[str, str, int, str]:
+    """(attention, cpu_gemm, threads, compile) of a row."""
+    return row["attention"], row["cpu_gemm"], row["threads"], row.get("compile", "off")
+
+
+def _label(row: dict[str, Any]) -> str:
+    """A row's variant as the ratios name it: "batched fp32 x1" (+ " compile-default")."""
+    comp = row.get("compile", "off")
+    return f"{row['attention']} {row['cpu_gemm']} x{row['threads']}" + ("" if comp == "off" else f" compile-{comp}")
 
 
 def _median_ms(xs: list[float]) -> float:
@@ -223,6 +244,7 @@ def render(r: dict[str, Any]) -> str:
             [
                 x["attention"],
                 x["cpu_gemm"],
+                x.get("compile", "off"),
                 str(x["threads"]),
                 str(x["batch"]),
                 f"{x['decode_step_ms']:.2f}",
@@ -252,6 +274,7 @@ def render(r: dict[str, Any]) -> str:
     headers = [
         "attention",
         "gemm",
+        "compile",
         "threads",
         "batch",
         "decode step ms",
@@ -274,6 +297,7 @@ def render(r: dict[str, Any]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     from engine.attention_registry import BACKENDS, backend_by_name  # noqa: PLC0415
+    from engine.compiled_decode import COMPILE_MODES, CompiledDecode  # noqa: PLC0415
     from engine.config import PRESETS, CacheConfig, is_checkpoint_dir, resolve_model_config  # noqa: PLC0415
     from engine.linear import resolve_host_gemm  # noqa: PLC0415
     from engine.model_registry import PullError  # noqa: PLC0415
@@ -301,6 +325,11 @@ def main(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     if not gemms:
         raise CliError("--cpu-gemm: give at least one of auto, fp32, bf16")
+    compiles = list(dict.fromkeys(c.strip() for c in args.compile.split(",") if c.strip()))
+    if not compiles or any(c not in COMPILE_MODES for c in compiles):
+        raise CliError(f"--compile: choose from {', '.join(COMPILE_MODES)} (got {args.compile!r})")
+    if device.type != "cpu" and compiles != ["off"]:
+        raise CliError("--compile is the CPU decode step's (CUDA steps replay CUDA graphs)")
     # Both engines run with the same explicit thread count (the ratio is only fair if both see the
     # same pool); 1 on CPU because a 2-thread pool on the shared 2-core VM oversubscribes.
     torch.set_num_threads(threads_list[0])
@@ -331,13 +360,23 @@ def main(args: argparse.Namespace) -> int:
     log = (lambda *a: None) if args.no_progress else (lambda *a: print("bench step:", *a, file=sys.stderr))
     rows: list[dict[str, Any]] = []
     shapes = gemm_shapes(runner.model)
-    variants = [(g, t) for g in dict.fromkeys(resolved) for t in threads_list]
-    for gemm, threads in variants:
+    variants = [(g, t, c) for g in dict.fromkeys(resolved) for t in threads_list for c in compiles]
+    for gemm, threads, comp in variants:
         runner.model.set_cpu_gemm(gemm)
         torch.set_num_threads(threads)
         weight_bytes = runner.model.decode_weight_bytes()
         for name in backends:
             runner.backend = backend_by_name(name, device)
+            compile_s = None
+            if comp != "off":  # the compiled step calls the C++ attention kernel, whatever the backend
+                try:
+                    graphs = CompiledDecode(runner, comp)
+                except ValueError as e:
+                    raise CliError(str(e)) from None
+                compile_s = graphs.warm_up()
+                runner.graphs = graphs
+            elif device.type == "cpu":
+                runner.graphs = None
             run_engine(runner, prompts[:2], 2)  # warm-up: allocator, kernels, first-call paths, layouts
             for B in batches:
                 runner.graph_steps = 0
@@ -348,6 +387,8 @@ def main(args: argparse.Namespace) -> int:
                     "threads": threads,
                     "batch": B,
                 }
+                if len(compiles) > 1 or comp != "off":
+                    row.update(compile=comp, compile_s=compile_s)
                 copy_bps, copy_bytes = eb.copy_bandwidth(device)  # this row's bandwidth: the VM is shared
                 if device.type == "cpu":  # plain PyTorch on the same shapes, threads and rows, just before
                     row["torch_stack_ms"] = torch_stack_ms(shapes, B)
@@ -365,13 +406,14 @@ def main(args: argparse.Namespace) -> int:
                     row["greedy_equal_transformers"] = h["_ids"] == row["_ids"]
                     row["greedy_equal_rows"] = sum(a == b for a, b in zip(h["_ids"], row["_ids"]))
                 row.pop("_ids")
-                same = [
-                    x for x in rows + [row] if (x["attention"], x["cpu_gemm"], x["threads"]) == (name, gemm, threads)
-                ]
+                key = (name, gemm, threads, comp)
+                same = [x for x in rows + [row] if _variant(x) == key]
                 row["decode_step_vs_first_batch"] = row["decode_step_ms"] / same[0]["decode_step_ms"]
                 rows.append(row)
+                if comp != "off":
+                    row["compiled_steps"] = runner.graph_steps
                 log(
-                    f"{name} {gemm} x{threads} batch {B}: decode step {row['decode_step_ms']:.2f} ms, "
+                    f"{_label(row)} batch {B}: decode step {row['decode_step_ms']:.2f} ms, "
                     f"host {row['host_ms']:.3f} ms, floor {row['floor_ms']:.2f} ms ({row['copy_GBps']:.1f} GB/s copy)"
                 )
     r: dict[str, Any] = {
@@ -384,7 +426,7 @@ def main(args: argparse.Namespace) -> int:
         "new_tokens": args.new_tokens,
         "torch_threads": threads_list,
         "cpu_gemm": list(dict.fromkeys(resolved)),
-        "cuda_graphs": runner.graphs is not None,
+        "cuda_graphs": device.type == "cuda" and runner.graphs is not None,
         "load_average": eb.load_average(),
         "rows": rows,
     }
@@ -396,10 +438,15 @@ def main(args: argparse.Namespace) -> int:
             for x in rows
             if x["attention"] != backends[-1]
         }
+    if compiles != ["off"]:
+        r["compile"] = compiles
     if len(variants) > 1:  # each variant's decode step over the first's, same backend and batch
-        first = {(x["attention"], x["batch"]): x for x in rows if (x["cpu_gemm"], x["threads"]) == variants[0]}
+        first = {(x["attention"], x["batch"]): x for x in rows if _variant(x)[1:] == variants[0]}
         r["decode_step_vs_first_variant"] = {
-            f"{x['attention']} {x['cpu_gemm']} x{x['threads']}@{x['batch']}": x["decode_step_ms"]
+            f"{x['attention']} {x['cpu_gemm']} x{x['threads']}"
+            f"{'' if x.get('compile', 'off') == 'off' else ' compile-' + x['compile']}@{x['batch']}": x[
+                "decode_step_ms"
+            ]
             / first[x["attention"], x["batch"]]["decode_step_ms"]
             for x in rows
         }

@@ -1,18 +1,22 @@
 """The CPU decode step compiled by torch.compile (inductor's C++ backend), behind `--compile`.
 
 What a decode step on CPU pays besides its arithmetic is dispatch: about a thousand small eager
-ops a step (norms, RoPE, splits, casts), each a Python call and a kernel launch. Compiled, the
-ops between two GEMMs become one or two generated C++ loops, and the Python between them is gone.
+ops a step (norms, RoPE, splits, casts) and 150 module calls, each a Python call and a kernel
+launch. Compiled, the ops between two GEMMs become one or two generated C++ loops, and the Python
+between them is gone.
 
 What the compiler sees, and what it does not:
-- The GEMMs stay oneDNN's pre-packed fused GEMMs (engine/linear.py): inductor cannot lower
-  oneDNN's packed weights, and its own GEMMs measured no faster on this CPU (docs/results.md).
-  Each projection is an opaque op, `pdserve::project(x, other, handle)`, whose handle names a
-  layer's bound GEMM in this process's registry (`_PROJECTIONS`), so no weight is a graph input.
+- The projections are pdserve's FP8 few-row GEMM (`torch.ops.pdserve.fp8_linear`, a C++ op with
+  a shape function registered here): the compiled code calls it directly, with no Python between
+  the ops. So the step is compiled for the batches that kernel runs (up to
+  `FP8_KERNEL_MAX_ROWS` rows); larger decode batches run eagerly.
+- The lm_head (fp32, oneDNN or the one-row GEMV) is one opaque Python op, `pdserve::project`,
+  whose handle names the model's bound GEMM in this process's registry (`_PROJECTIONS`).
 - The paged FP8 attention is the C++ kernel (engine/csrc/) behind `pdserve::decode_attention`,
   which also writes the step's K/V into the pool. That write is a side effect the graph does not
   see: the pool is not an input, only the op's output is, so the op runs exactly once, in layer
-  order (each layer's output feeds the next).
+  order (each layer's output feeds the next); a pool as a graph input would be functionalized,
+  at the risk of a copy of the whole pool per step.
 
 This is the `DecodeGraphs` seam of `ModelRunner` (the CUDA graphs' one): decode-only steps call
 `replay_step`; prefill and mixed steps stay eager. Shapes: the batch and the block table's
@@ -23,6 +27,7 @@ and a log line says each). Both are compiled in `warm_up`, before the worker rep
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -33,8 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from engine import torch_compat
-from engine.cpu_kernels import paged_decode_op
+from engine.cpu_kernels import fp8_linear_op, paged_decode_op
 from engine.kv_cache import KVCache, SlotIndex
+from engine.linear import FP8_KERNEL_MAX_ROWS, Fp8Linear
 from engine.model import apply_rotary
 
 if TYPE_CHECKING:
@@ -66,6 +72,17 @@ def _(x: torch.Tensor, other: torch.Tensor | None, handle: str) -> torch.Tensor:
     return x.new_empty(x.shape[0], _PROJECTIONS[handle][1])
 
 
+@functools.cache
+def _register_kernel_shapes() -> None:
+    """Shape functions of the C++ FP8 GEMM, so the compiler can trace through it (once a process)."""
+    if fp8_linear_op() is None:
+        return
+
+    @torch.library.register_fake("pdserve::fp8_linear")
+    def _(x, w, scale, other, post):
+        return x.new_empty(x.shape[0], w.shape[0] // 2 if post == 2 else w.shape[0])
+
+
 @torch.library.custom_op("pdserve::decode_attention", mutates_args=())
 def decode_attention(
     q: torch.Tensor,
@@ -91,6 +108,11 @@ def _(q, kv, kv_blocks, kv_rows, tables, lens, handle):
     return torch.empty_like(q)
 
 
+def _fp8(x: torch.Tensor, layer: Fp8Linear, other: torch.Tensor | None, post: int) -> torch.Tensor:
+    """A projection by the FP8 kernel (post 0 none, 1 add `other`, 2 SwiGLU), as Fp8Linear runs it."""
+    return torch.ops.pdserve.fp8_linear(x, layer.weight.view(torch.uint8), layer.weight_scale, other, post)
+
+
 def unsupported_reason(runner: ModelRunner) -> str | None:
     """Why this runner's decode step cannot be compiled here (None: it can)."""
     if runner.device.type != "cpu":
@@ -99,8 +121,10 @@ def unsupported_reason(runner: ModelRunner) -> str | None:
         return "the compiled step runs fp32 activations"
     if runner.cache.scales is None:
         return "the compiled step reads an FP8 KV cache"
-    if paged_decode_op() is None:
-        return "the C++ decode attention kernel is unavailable"
+    if paged_decode_op() is None or fp8_linear_op() is None:
+        return "pdserve's C++ kernels are unavailable (engine/cpu_kernels.py)"
+    if not isinstance(runner.model.layer(0).self_attn.qkv_proj, Fp8Linear) or runner.model.cpu_gemm != "fp32":
+        return "the compiled step runs FP8 weights with fp32 GEMMs (--dtype fp8, --cpu-gemm fp32)"
     return None
 
 
@@ -118,20 +142,9 @@ class CompiledDecode:
         self.compile_s = 0.0
         model, cfg = runner.model, runner.model_cfg
         self._bs = runner.cache_cfg.block_size
-        self._layers: list[tuple[str, str, str, str, str]] = []  # (qkv, attention, o, gate_up, down)
-        for i in range(cfg.num_layers):
-            layer = model.layer(i)
-            attn, mlp = layer.self_attn, layer.mlp
-            self._layers.append(
-                (
-                    self._project(lambda x, _o, m=attn.qkv_proj: m(x), attn.qkv_proj.out_features),
-                    self._attend(runner.cache, i, attn.scale),
-                    self._project(lambda x, o, m=attn.o_proj: m(x, "add", o), attn.o_proj.out_features),
-                    self._project(lambda x, _o, m=mlp.gate_up_proj: m.swiglu(x), mlp.gate_up_proj.out_features // 2),
-                    self._project(lambda x, o, m=mlp.down_proj: m(x, "add", o), mlp.down_proj.out_features),
-                )
-            )
+        self._attention = [self._attend(runner.cache, i, model.layer(i).self_attn.scale) for i in range(cfg.num_layers)]
         self._head = self._project(lambda x, _o: model.compute_logits(x), cfg.vocab_size)
+        _register_kernel_shapes()
         backend = torch_compat.counting_inductor(mode, self._compiled)
         self._step = torch.compile(self._forward, backend=backend, dynamic=True, fullgraph=True)
 
@@ -153,8 +166,7 @@ class CompiledDecode:
 
     def close(self) -> None:
         """Forget this runner's handles (its layers and pool stay alive otherwise)."""
-        for h in (h for hs in self._layers for h in hs):
-            _PROJECTIONS.pop(h, None)
+        for h in self._attention:
             _ATTENTION.pop(h, None)
         _PROJECTIONS.pop(self._head, None)
 
@@ -174,21 +186,22 @@ class CompiledDecode:
         blk, off = slots // self._bs, slots % self._bs
         kv_blocks, kv_rows = torch.cat([blk, blk]), torch.cat([off, off + self._bs])
         x = F.embedding(input_ids, model.embed_tokens)
-        for i, (qkv_h, attn_h, o_h, gate_up_h, down_h) in enumerate(self._layers):
+        for i, attn_h in enumerate(self._attention):
             layer = model.layer(i)
-            qkv = project(layer.input_layernorm(x), None, qkv_h)
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = _fp8(layer.input_layernorm(x), attn.qkv_proj, None, 0)
             qk = apply_rotary(qkv[:, : cfg.q_size + cfg.kv_size].view(B, -1, D), *rope)
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = qkv[:, cfg.q_size + cfg.kv_size :].view(B, cfg.num_kv_heads, D)
             o = decode_attention(
                 q.contiguous(), torch.cat([k, v]), kv_blocks, kv_rows, block_tables, context_lens, attn_h
             )
-            x = project(o.reshape(B, cfg.q_size), x, o_h)
-            x = project(project(layer.post_attention_layernorm(x), None, gate_up_h), x, down_h)
+            x = _fp8(o.reshape(B, cfg.q_size), attn.o_proj, x, 1)
+            x = _fp8(_fp8(layer.post_attention_layernorm(x), mlp.gate_up_proj, None, 2), mlp.down_proj, x, 1)
         return project(model.norm(x), None, self._head)
 
     def fits(self, n: int, width: int) -> bool:
-        return n >= 1
+        return 1 <= n <= FP8_KERNEL_MAX_ROWS
 
     def replay_step(
         self,
@@ -198,9 +211,16 @@ class CompiledDecode:
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
     ) -> torch.Tensor:
-        if block_tables.shape[1] < MIN_WIDTH:
-            block_tables = F.pad(block_tables, (0, MIN_WIDTH - block_tables.shape[1]))
-        return self._step(input_ids, positions, slots, block_tables, context_lens.to(torch.int32))
+        with torch.inference_mode():
+            if block_tables.shape[1] < MIN_WIDTH:
+                block_tables = F.pad(block_tables, (0, MIN_WIDTH - block_tables.shape[1]))
+            # every input a contiguous inference tensor: the compiled graph is guarded on both, and
+            # the engine hands over either kind (its persistent batch's slices, ones made in the step)
+            inputs = [
+                t.contiguous() if t.is_inference() else t.clone(memory_format=torch.contiguous_format)
+                for t in (input_ids, positions, slots, block_tables, context_lens.to(torch.int32))
+            ]
+            return self._step(*inputs)
 
     def warm_up(self) -> float:
         """Compile both graphs (batch 1, batch >= 2) on a step over the pool's first blocks, which
@@ -212,8 +232,7 @@ class CompiledDecode:
             pos = torch.full((rows,), 3, dtype=torch.long)
             tables = torch.arange(n_blocks, dtype=torch.long).repeat(rows, 1)
             slots = tables[:, 0] * self._bs + 3
-            with torch.inference_mode():
-                self.replay_step(ids, pos, slots, tables, torch.full((rows,), 4, dtype=torch.int32))
+            self.replay_step(ids, pos, slots, tables, torch.full((rows,), 4, dtype=torch.int32))
         self.compile_s = time.perf_counter() - t0
         return self.compile_s
 

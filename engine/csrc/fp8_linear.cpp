@@ -19,9 +19,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) || defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
-#define PDSERVE_AVX2 1
+#define PDSERVE_SIMD 1
 #endif
 
 #include <cmath>
@@ -32,66 +32,95 @@
 
 namespace {
 
-constexpr int64_t kNR = 4;  // weight rows widened per tile (4 tiles of K floats stay in L1)
-constexpr int64_t kAhead = 4;  // tiles prefetched ahead (~9 KB of SmolLM2's weights)
-constexpr int64_t kMR = 2;  // rows of x per pass over a tile: 4 x 2 accumulators + loads fit 16 registers
-
 inline float fp8_over_256(uint8_t b) {
   const int e = (b >> 3) & 0xF, m = b & 7;
   const float v = e ? std::ldexp(1.0f + m / 8.0f, e - 7) : std::ldexp(m / 8.0f, -6);
   return ((b & 0x80) ? -v : v) / 256.0f;
 }
 
-#ifdef PDSERVE_AVX2
-// 8 FP8 bytes (as 16-bit lanes) -> float16 bits of value / 256: the 7 low bits go up by 7 (to
+#ifdef PDSERVE_SIMD
+// FP8 bytes (as 16-bit lanes) -> float16 bits of value / 256: the 7 low bits go up by 7 (to
 // float16's exponent and mantissa), the sign from bit 7 to bit 15: (b + (b & 0x80)) << 7 moves
 // both at once (adding the sign bit to itself carries it to bit 8)
-inline __m128i fp8_to_half_bits(__m128i b16) {
-  return _mm_slli_epi16(_mm_add_epi16(b16, _mm_and_si128(b16, _mm_set1_epi16(0x80))), 7);
-}
-
-inline __m256 widen8(const uint8_t* src) {
-  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
-  return _mm256_cvtph_ps(fp8_to_half_bits(b));
-}
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 lanes: AVX-512 (CPUs with two 512-bit FMA units multiply twice as fast as with AVX2)
+struct Vec {
+  using T = __m512;
+  static constexpr int kLanes = 16;
+  static constexpr int kMR = 4;  // rows of x per pass over a tile: 4 x 4 accumulators of 32 registers
+  static T zero() { return _mm512_setzero_ps(); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(T v) { return _mm512_reduce_add_ps(v); }
+  static T widen(const uint8_t* src) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    const __m256i h = _mm256_slli_epi16(_mm256_add_epi16(b, _mm256_and_si256(b, _mm256_set1_epi16(0x80))), 7);
+    return _mm512_cvtph_ps(h);
+  }
+};
+#else
+// 8 lanes: AVX2 with F16C and FMA
+struct Vec {
+  using T = __m256;
+  static constexpr int kLanes = 8;
+  static constexpr int kMR = 2;  // 4 x 2 accumulators + loads fit 16 registers
+  static T zero() { return _mm256_setzero_ps(); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(T v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static T widen(const uint8_t* src) {
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+    return _mm256_cvtph_ps(_mm_slli_epi16(_mm_add_epi16(b, _mm_and_si128(b, _mm_set1_epi16(0x80))), 7));
+  }
+};
 #endif
+constexpr int64_t kLanes = Vec::kLanes;
+constexpr int64_t kMR = Vec::kMR;
+#else
+constexpr int64_t kLanes = 1;
+constexpr int64_t kMR = 2;
+#endif
+
+constexpr int64_t kNR = 4;     // weight rows widened per tile (4 rows of K floats stay in L1)
+constexpr int64_t kAhead = 4;  // tiles prefetched ahead (~9 KB of SmolLM2's weights)
 
 // K FP8 bytes -> K floats of value / 256
 inline void widen_row(const uint8_t* src, float* dst, int64_t K) {
   int64_t k = 0;
-#ifdef PDSERVE_AVX2
-  for (; k + 8 <= K; k += 8) _mm256_storeu_ps(dst + k, widen8(src + k));
+#ifdef PDSERVE_SIMD
+  for (; k + kLanes <= K; k += kLanes) Vec::store(dst + k, Vec::widen(src + k));
 #endif
   for (; k < K; ++k) dst[k] = fp8_over_256(src[k]);
 }
 
-#ifdef PDSERVE_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
+// Both dot-product paths below sum the same way (lane k % kLanes, in k order; then the lanes;
+// then the tail): a row's result is the same whichever path its batch size takes.
 
 // dots[i * NR + j] = x[i] . w[j] for MR rows of x (stride ldx) and NR widened rows of w (stride K)
 template <int NR, int MR>
 inline void dot_tile(const float* x, int64_t ldx, const float* w, int64_t K, float* dots) {
   int64_t k = 0;
-#ifdef PDSERVE_AVX2
-  __m256 acc[MR][NR];
+#ifdef PDSERVE_SIMD
+  typename Vec::T acc[MR][NR];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (; k + 8 <= K; k += 8) {
-    __m256 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = _mm256_loadu_ps(w + j * K + k);
+    for (int j = 0; j < NR; ++j) acc[i][j] = Vec::zero();
+  for (; k + kLanes <= K; k += kLanes) {
+    typename Vec::T wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = Vec::load(w + j * K + k);
     for (int i = 0; i < MR; ++i) {
-      const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+      const auto xv = Vec::load(x + i * ldx + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = Vec::fma(xv, wv[j], acc[i][j]);
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) dots[i * NR + j] = hsum(acc[i][j]);
+    for (int j = 0; j < NR; ++j) dots[i * NR + j] = Vec::sum(acc[i][j]);
 #else
   for (int i = 0; i < MR * NR; ++i) dots[i] = 0.f;
 #endif
@@ -100,29 +129,26 @@ inline void dot_tile(const float* x, int64_t ldx, const float* w, int64_t K, flo
       for (int j = 0; j < NR; ++j) dots[i * NR + j] += x[i * ldx + k] * w[j * K + k];
 }
 
-// dots[i * NR + j] = x[i] . w[j] for MR rows of x and NR rows of FP8 weights, widened in
-// registers as they are used: for one or two rows of x, storing a widened tile and reading it
-// back costs more than widening again
+// The same for one or two rows of x, with the FP8 weights widened in registers as they are used:
+// for so few rows, storing a widened tile and reading it back costs more than the widening
 template <int NR, int MR>
-inline void dot_fp8(const float* x, int64_t K, const uint8_t* w, const float* unused, float* dots) {
-  (void)unused;
-#ifdef PDSERVE_AVX2
-  __m256 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+inline void dot_fp8(const float* x, int64_t K, const uint8_t* w, float* dots) {
   int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    __m256 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = widen8(w + j * K + k);
+#ifdef PDSERVE_SIMD
+  typename Vec::T acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = Vec::zero();
+  for (; k + kLanes <= K; k += kLanes) {
+    typename Vec::T wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = Vec::widen(w + j * K + k);
     for (int i = 0; i < MR; ++i) {
-      const __m256 xv = _mm256_loadu_ps(x + i * K + k);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+      const auto xv = Vec::load(x + i * K + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = Vec::fma(xv, wv[j], acc[i][j]);
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) dots[i * NR + j] = hsum(acc[i][j]);
+    for (int j = 0; j < NR; ++j) dots[i * NR + j] = Vec::sum(acc[i][j]);
 #else
-  int64_t k = 0;
   for (int i = 0; i < MR * NR; ++i) dots[i] = 0.f;
 #endif
   for (; k < K; ++k)
@@ -180,8 +206,8 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale, 
         for (int64_t b = 0; b < kNR * K; b += 64) __builtin_prefetch(next + b);
       }
       if (nr == kNR && M <= 2) {  // few rows: widen in registers, no tile
-        if (M == 1) dot_fp8<kNR, 1>(xp, K, wp + n0 * K, nullptr, dots.data());
-        else dot_fp8<kNR, 2>(xp, K, wp + n0 * K, nullptr, dots.data());
+        if (M == 1) dot_fp8<kNR, 1>(xp, K, wp + n0 * K, dots.data());
+        else dot_fp8<kNR, 2>(xp, K, wp + n0 * K, dots.data());
         goto epilogue;
       }
       for (int64_t j = 0; j < nr; ++j) widen_row(wp + (n0 + j) * K, tile.data() + j * K, K);
