@@ -84,6 +84,7 @@ class WorkerStats:
     cuda_allocated_bytes: int = 0  # ... and in use by tensors (both 0 on CPU)
     torch_threads: int = 0  # intra-op threads its engine steps run with (0: not reported)
     cpu_gemm: str = ""  # the dtype its CPU GEMMs multiply in ("fp32", "bf16"; "" on CUDA or not reported)
+    compiled_graphs: int = 0  # decode-step graphs torch.compile built in this worker (--compile; 0: eager)
 
     @property
     def blocks_used(self) -> int:
@@ -144,6 +145,9 @@ class WorkerConfig:
     gemm_row_buckets: int = 4
     # CPU: the dtype GEMMs multiply in: auto, fp32 or bf16 (engine/linear.py resolve_host_gemm)
     cpu_gemm: str = "fp32"
+    # CPU: the decode step compiled by torch.compile at start: off, default or max-autotune
+    # (engine/compiled_decode.py)
+    compile: str = "off"
     # intra-op torch threads (torch.set_num_threads at worker start, before the engine is built);
     # None leaves torch's own default (OMP_NUM_THREADS, or Ray's num_cpus). `pdserve serve` always
     # sets it: --threads-per-worker, or its auto rule (router/worker_threads.py)

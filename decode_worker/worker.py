@@ -32,7 +32,15 @@ from contracts.worker import (
 from decode_worker.kv_stream import IncomingStream, StreamReceiver
 from engine.block_manager import NoFreeBlocks
 from engine.sequence import Sequence
-from engine.worker_base import EngineLoop, build_engine, cpu_gemm_of, kv_figures, log, memory_figures
+from engine.worker_base import (
+    EngineLoop,
+    build_engine,
+    compiled_graphs_of,
+    cpu_gemm_of,
+    kv_figures,
+    log,
+    memory_figures,
+)
 from transport import make_transport
 from transport.base import TransferTimeout, TransportError
 from transport.wire import PeerInfo, StreamTarget, TransferStats
@@ -172,6 +180,7 @@ class DecodeWorker(EngineLoop):
             recent_steps=list(self.step_log),
             torch_threads=self.torch_threads,
             cpu_gemm=cpu_gemm_of(self.engine),
+            compiled_graphs=compiled_graphs_of(self.engine),
             **kv_figures(e),
             **memory_figures(e),
         )

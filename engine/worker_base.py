@@ -48,6 +48,7 @@ class EngineSettings(Protocol):
     enforce_eager: bool  # CUDA: never replay decode graphs (every step eager)
     gemm_row_buckets: int  # CPU oneDNN GEMM row counts per power of two (0 = off; engine/linear.py)
     cpu_gemm: str  # CPU GEMM dtype: auto, fp32 or bf16 (engine/linear.py)
+    compile: str  # CPU decode step: off, default or max-autotune (engine/compiled_decode.py)
 
 
 def build_engine(cfg: EngineSettings, prefill_only: bool) -> LLMEngine:
@@ -83,6 +84,11 @@ def build_engine(cfg: EngineSettings, prefill_only: bool) -> LLMEngine:
         from engine.gpu.cuda_graphs import attach_decode_graphs  # noqa: PLC0415 (CUDA only)
 
         attach_decode_graphs(engine)
+    # CPU: the decode step compiled now, before the worker reports ready (a prefill worker never decodes)
+    if runner.device.type == "cpu" and not prefill_only and cfg.compile != "off":
+        from engine.compiled_decode import attach_compiled_decode  # noqa: PLC0415 (imports torch's compiler)
+
+        attach_compiled_decode(runner, cfg.compile)
     return engine
 
 
@@ -105,6 +111,12 @@ def use_threads(threads: int | None, name: str) -> int:
         f"asked {threads}" if threads else "torch's default",
     )
     return got
+
+
+def compiled_graphs_of(engine: LLMEngine) -> int:
+    """Decode-step graphs torch.compile built for this engine (0: eager, or CUDA graphs)."""
+    graphs = engine.runner.graphs
+    return int(getattr(graphs, "compiles", 0)) if engine.runner.device.type == "cpu" else 0
 
 
 def cpu_gemm_of(engine: LLMEngine) -> str:

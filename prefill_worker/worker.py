@@ -16,7 +16,7 @@ from concurrent.futures import Future
 
 from contracts.worker import CacheEvents, GenerateRequest, PrefillResult, WorkerConfig, WorkerError, WorkerStats
 from engine.sequence import Sequence
-from engine.worker_base import EngineLoop, build_engine, cpu_gemm_of, kv_figures, memory_figures
+from engine.worker_base import EngineLoop, build_engine, compiled_graphs_of, cpu_gemm_of, kv_figures, memory_figures
 from prefill_worker.kv_stream import StreamSender
 from transport import make_transport
 from transport.base import TransportError
@@ -120,6 +120,7 @@ class PrefillWorker(EngineLoop):
             recent_steps=list(self.step_log),
             torch_threads=self.torch_threads,
             cpu_gemm=cpu_gemm_of(self.engine),
+            compiled_graphs=compiled_graphs_of(self.engine),
             **kv_figures(e),
             **memory_figures(e),
         )

@@ -153,6 +153,14 @@ def _memory_metrics(workers: list[WorkerStats]) -> Iterator[Metric]:
         for w in cuda:
             g.add_metric([w.name, w.role], getattr(w, get))
         yield g
+    g = GaugeMetricFamily(
+        "pdserve_worker_compiled_graphs",
+        "Decode-step graphs torch.compile built in a worker (--compile; each is also a log line)",
+        labels=["worker", "role"],
+    )
+    for w in workers:
+        g.add_metric([w.name, w.role], w.compiled_graphs)
+    yield g
 
 
 def _dispatch_metrics(d: dict[str, Any]) -> Iterator[Metric]:

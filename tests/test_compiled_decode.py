@@ -61,3 +61,42 @@ def test_compiled_decode_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="compile mode"):
         CompiledDecode(fp32_kv, "fast")
     assert attach_compiled_decode(fp32_kv, "off") is None and fp32_kv.graphs is None
+
+
+def test_compile_flag_is_checked():
+    from router.config import ConfigError, ServeConfig  # noqa: PLC0415
+
+    assert ServeConfig().worker_config().compile == "off"  # the default: eager
+    assert ServeConfig.build({"compile": "default"}).worker_config().compile == "default"
+    for bad in ({"cpu_gemm": "bf16"}, {"kv_dtype": "fp32"}, {"dtype": "fp32"}):
+        with pytest.raises(ConfigError, match="--compile"):
+            ServeConfig(model="tiny", compile="default", **bad).validate()
+
+
+def test_a_served_compiled_step_answers_as_eager(ray_cluster):
+    """Cost: a colocated tiny server with --compile default (one Ray actor; ~10-20 s of compiling).
+    It compiles before it is ready (2 graphs, counted in /metrics) and answers greedy requests with
+    the tokens an eager engine gives."""
+    pytest.importorskip("ray")
+    import httpx  # noqa: PLC0415
+    from openai import OpenAI  # noqa: PLC0415
+
+    from router.config import ServeConfig  # noqa: PLC0415
+    from router.serve_cli import ServerThread  # noqa: PLC0415
+
+    prompts = [[7, 8, 9], list(range(30, 70))]
+    runner = ModelRunner(PRESETS["tiny"], CacheConfig(block_size=16, num_blocks=128, kv_dtype="fp8"), "fp8")
+    want = [_greedy(runner, [p], 12)[0] for p in prompts]
+    cfg = ServeConfig(model="tiny", mode="colocated", decode=1, num_blocks=128, compile="default")
+    with ServerThread(cfg, startup_timeout_s=240) as srv:
+        metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+        assert any(
+            line.startswith("pdserve_worker_compiled_graphs{") and line.endswith(" 2.0")
+            for line in metrics.splitlines()
+        ), metrics
+        client = OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
+        for p, w in zip(prompts, want):
+            r = client.completions.create(
+                model="tiny", prompt=p, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+            )
+            assert r.model_extra["pdserve"]["timeline"]["token_ids"] == w

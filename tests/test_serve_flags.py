@@ -37,6 +37,7 @@ SNAPSHOT = {
     ("--max-num-seqs",): ("max_num_seqs", "_StoreAction", None, "int", None, None, None, POOLS),
     ("--enforce-eager",): ("enforce_eager", "_StoreTrueAction", None, None, None, True, None, POOLS),
     ("--cpu-gemm",): ("cpu_gemm", "_StoreAction", None, None, ("auto", "fp32", "bf16"), None, None, POOLS),
+    ("--compile",): ("compile", "_StoreAction", None, None, ("off", "default", "max-autotune"), None, None, POOLS),
     ("--gemm-row-buckets",): ("gemm_row_buckets", "_StoreAction", None, "int", None, None, "N", POOLS),
     ("--threads-per-worker",): ("threads_per_worker", "_StoreAction", None, None, None, None, "N|auto", POOLS),
     ("--rss-growth-warn-mb",): ("rss_growth_warn_mb", "_StoreAction", None, "float", None, None, "MB", POOLS),
