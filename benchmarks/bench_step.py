@@ -348,6 +348,7 @@ def main(args: argparse.Namespace) -> int:
     per_seq = -(-total // 16)
     cache = CacheConfig(block_size=16, num_blocks=max(batches) * per_seq + 1, kv_dtype=kv_dtype)
     runner = ModelRunner(cfg, cache, args.dtype, device, ckpt, seed=args.seed)
+    graphs: Any = None  # CUDA graphs, or a compiled CPU step per variant below
     if device.type == "cuda" and not args.enforce_eager:
         from engine.gpu.cuda_graphs import DecodeGraphRunner  # noqa: PLC0415 (CUDA only)
 

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from engine import torch_compat
 from engine.cpu_kernels import fp8_linear_op, paged_decode_op
 from engine.kv_cache import KVCache, SlotIndex
-from engine.linear import FP8_KERNEL_MAX_ROWS, Fp8Linear
+from engine.linear import FP8_KERNEL_MAX_ROWS, DenseLinear, Fp8Linear
 from engine.model import apply_rotary
 
 if TYPE_CHECKING:
@@ -108,8 +108,10 @@ def _(q, kv, kv_blocks, kv_rows, tables, lens, handle):
     return torch.empty_like(q)
 
 
-def _fp8(x: torch.Tensor, layer: Fp8Linear, other: torch.Tensor | None, post: int) -> torch.Tensor:
-    """A projection by the FP8 kernel (post 0 none, 1 add `other`, 2 SwiGLU), as Fp8Linear runs it."""
+def _fp8(x: torch.Tensor, layer: Fp8Linear | DenseLinear, other: torch.Tensor | None, post: int) -> torch.Tensor:
+    """A projection by the FP8 kernel (post 0 none, 1 add `other`, 2 SwiGLU), as Fp8Linear runs it
+    (`unsupported_reason` checked that the model's layers are Fp8Linear)."""
+    assert isinstance(layer, Fp8Linear)
     return torch.ops.pdserve.fp8_linear(x, layer.weight.view(torch.uint8), layer.weight_scale, other, post)
 
 

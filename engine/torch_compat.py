@@ -154,7 +154,7 @@ def counting_inductor(mode: str, on_compile: Callable[[], None]) -> Callable[...
 
     options = {} if mode == "default" else dict(_inductor.list_mode_options(mode))  # private-ok: as above
 
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         on_compile()
         return _inductor.compile(gm, example_inputs, options=options)  # private-ok: as above
 
