@@ -100,12 +100,32 @@ inline void widen_row(const uint8_t* src, float* dst, int64_t K) {
   for (; k < K; ++k) dst[k] = fp8_over_256(src[k]);
 }
 
-// Both dot-product paths below sum the same way (lane k % kLanes, in k order; then the lanes;
-// then the tail): a row's result is the same whichever path its batch size takes.
+// How a dot product reads NR rows of weights (each K long): floats already widened into a tile,
+// or the FP8 bytes themselves, widened in registers as they are used (for one or two rows of x,
+// storing a widened tile and reading it back costs more than widening again).
+struct TileRows {
+  const float* w;
+  int64_t K;
+#ifdef PDSERVE_SIMD
+  Vec::T vec(int j, int64_t k) const { return Vec::load(w + j * K + k); }
+#endif
+  float at(int j, int64_t k) const { return w[j * K + k]; }
+};
 
-// dots[i * NR + j] = x[i] . w[j] for MR rows of x (stride ldx) and NR widened rows of w (stride K)
-template <int NR, int MR>
-inline void dot_tile(const float* x, int64_t ldx, const float* w, int64_t K, float* dots) {
+struct Fp8Rows {
+  const uint8_t* w;
+  int64_t K;
+#ifdef PDSERVE_SIMD
+  Vec::T vec(int j, int64_t k) const { return Vec::widen(w + j * K + k); }
+#endif
+  float at(int j, int64_t k) const { return fp8_over_256(w[j * K + k]); }
+};
+
+// dots[i * NR + j] = x[i] . w[j] for MR rows of x (stride ldx) and NR rows of w. Either way of reading
+// w sums the same way (lane k % kLanes, in k order; then the lanes; then the tail), so a row's result
+// is the same whichever path its batch size takes.
+template <int NR, int MR, typename Rows>
+inline void dot_rows(const float* x, int64_t ldx, const Rows& w, int64_t K, float* dots) {
   int64_t k = 0;
 #ifdef PDSERVE_SIMD
   typename Vec::T acc[MR][NR];
@@ -113,7 +133,7 @@ inline void dot_tile(const float* x, int64_t ldx, const float* w, int64_t K, flo
     for (int j = 0; j < NR; ++j) acc[i][j] = Vec::zero();
   for (; k + kLanes <= K; k += kLanes) {
     typename Vec::T wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = Vec::load(w + j * K + k);
+    for (int j = 0; j < NR; ++j) wv[j] = w.vec(j, k);
     for (int i = 0; i < MR; ++i) {
       const auto xv = Vec::load(x + i * ldx + k);
       for (int j = 0; j < NR; ++j) acc[i][j] = Vec::fma(xv, wv[j], acc[i][j]);
@@ -126,41 +146,14 @@ inline void dot_tile(const float* x, int64_t ldx, const float* w, int64_t K, flo
 #endif
   for (; k < K; ++k)
     for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NR; ++j) dots[i * NR + j] += x[i * ldx + k] * w[j * K + k];
-}
-
-// The same for one or two rows of x, with the FP8 weights widened in registers as they are used:
-// for so few rows, storing a widened tile and reading it back costs more than the widening
-template <int NR, int MR>
-inline void dot_fp8(const float* x, int64_t K, const uint8_t* w, float* dots) {
-  int64_t k = 0;
-#ifdef PDSERVE_SIMD
-  typename Vec::T acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = Vec::zero();
-  for (; k + kLanes <= K; k += kLanes) {
-    typename Vec::T wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = Vec::widen(w + j * K + k);
-    for (int i = 0; i < MR; ++i) {
-      const auto xv = Vec::load(x + i * K + k);
-      for (int j = 0; j < NR; ++j) acc[i][j] = Vec::fma(xv, wv[j], acc[i][j]);
-    }
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) dots[i * NR + j] = Vec::sum(acc[i][j]);
-#else
-  for (int i = 0; i < MR * NR; ++i) dots[i] = 0.f;
-#endif
-  for (; k < K; ++k)
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NR; ++j) dots[i * NR + j] += x[i * K + k] * fp8_over_256(w[j * K + k]);
+      for (int j = 0; j < NR; ++j) dots[i * NR + j] += x[i * ldx + k] * w.at(j, k);
 }
 
 template <int NR>
 inline void rows_times_tile(const float* x, int64_t M, int64_t K, const float* w, float* dots) {
   int64_t m = 0;
-  for (; m + kMR <= M; m += kMR) dot_tile<NR, kMR>(x + m * K, K, w, K, dots + m * NR);
-  for (; m < M; ++m) dot_tile<NR, 1>(x + m * K, K, w, K, dots + m * NR);
+  for (; m + kMR <= M; m += kMR) dot_rows<NR, kMR>(x + m * K, K, TileRows{w, K}, K, dots + m * NR);
+  for (; m < M; ++m) dot_rows<NR, 1>(x + m * K, K, TileRows{w, K}, K, dots + m * NR);
 }
 
 inline float silu(float v) {
@@ -206,8 +199,8 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale, 
         for (int64_t b = 0; b < kNR * K; b += 64) __builtin_prefetch(next + b);
       }
       if (nr == kNR && M <= 2) {  // few rows: widen in registers, no tile
-        if (M == 1) dot_fp8<kNR, 1>(xp, K, wp + n0 * K, dots.data());
-        else dot_fp8<kNR, 2>(xp, K, wp + n0 * K, dots.data());
+        if (M == 1) dot_rows<kNR, 1>(xp, K, Fp8Rows{wp + n0 * K, K}, K, dots.data());
+        else dot_rows<kNR, 2>(xp, K, Fp8Rows{wp + n0 * K, K}, K, dots.data());
         goto epilogue;
       }
       for (int64_t j = 0; j < nr; ++j) widen_row(wp + (n0 + j) * K, tile.data() + j * K, K);
