@@ -6,6 +6,8 @@
   loop (a scenario that must let the server's tasks run while it waits).
 - `samples(text, name)` / `value(text, name, **labels)`: a /metrics text read with
   `prometheus_client.parser`, the parser of the library that wrote it, not by splitting lines.
+- `run_to_completion(engine, seqs)`: sequences through an in-process engine until done, checking
+  that every KV block came back; their output ids (the oracle many tests compare a server with).
 """
 
 from __future__ import annotations
@@ -13,9 +15,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+    from engine.sequence import Sequence
 
 T = TypeVar("T")
 
@@ -82,3 +88,13 @@ def exported_names(text: str) -> set[str]:
         if f.type == "histogram":
             names |= {f"{f.name}_bucket", f"{f.name}_sum", f"{f.name}_count"}
     return names
+
+
+def run_to_completion(engine: LLMEngine, seqs: list[Sequence]) -> list[list[int]]:
+    """Add `seqs` to `engine`, step until it has no work, check no KV block leaked; their output ids."""
+    for s in seqs:
+        engine.add_request(s)
+    while engine.has_work:
+        engine.step()
+    assert engine.blocks.num_free == engine.blocks.num_blocks, "KV blocks leaked"
+    return [s.output_ids for s in seqs]

@@ -16,6 +16,7 @@ from engine.config import PRESETS, CacheConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.sequence import SamplingParams, Sequence
+from tests.helpers import run_to_completion
 
 pytestmark = pytest.mark.skipif(
     shutil.which("g++") is None and shutil.which("c++") is None, reason="no C++ compiler: no kernel, no inductor"
@@ -25,12 +26,7 @@ pytestmark = pytest.mark.skipif(
 def _greedy(runner: ModelRunner, prompts: list[list[int]], n: int) -> list[list[int]]:
     engine = LLMEngine(runner, max_num_seqs=len(prompts))
     seqs = [Sequence(f"s{i}", p, SamplingParams(max_tokens=n, ignore_eos=True)) for i, p in enumerate(prompts)]
-    for s in seqs:
-        engine.add_request(s)
-    while engine.has_work:
-        engine.step()
-    assert engine.blocks.num_free == engine.blocks.num_blocks
-    return [s.output_ids for s in seqs]
+    return run_to_completion(engine, seqs)
 
 
 def test_compiled_decode_equals_eager_with_two_graphs():

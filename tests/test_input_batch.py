@@ -14,6 +14,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.sampler import sample
 from engine.sequence import SamplingParams, Sequence
+from tests.helpers import run_to_completion
 
 BS = 4
 
@@ -75,13 +76,7 @@ def test_seeded_request_same_tokens_alone_and_in_a_batch_of_32():
 
     def run(params: list[SamplingParams], prompts: list[list[int]]) -> list[list[int]]:
         engine = LLMEngine(runner, max_num_seqs=64)
-        seqs = [Sequence(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-        for s in seqs:
-            engine.add_request(s)
-        while engine.has_work:
-            engine.step()
-        assert engine.blocks.num_free == engine.blocks.num_blocks
-        return [s.output_ids for s in seqs]
+        return run_to_completion(engine, [Sequence(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))])
 
     g = torch.Generator().manual_seed(5)
     prompt = lambda n: torch.randint(0, 320, (n,), generator=g).tolist()  # noqa: E731

@@ -23,6 +23,7 @@ from engine.linear import Fp8Linear
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner, StepItem
 from engine.sequence import SamplingParams, Sequence
+from tests.helpers import run_to_completion
 
 KINDS = ("untied", "tied")
 PROMPT_LEN, NEW_TOKENS = 12, 16
@@ -147,12 +148,7 @@ def _engine_greedy(runner: ModelRunner, prompts: list[list[int]], chunk_size: in
     """Greedy generation of NEW_TOKENS for all prompts at once through the continuous-batching engine."""
     engine = LLMEngine(runner, chunk_size=chunk_size)
     seqs = [Sequence(f"s{i}", p, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)) for i, p in enumerate(prompts)]
-    for s in seqs:
-        engine.add_request(s)
-    while engine.has_work:
-        engine.step()
-    assert engine.blocks.num_free == engine.blocks.num_blocks
-    return [s.output_ids for s in seqs]
+    return run_to_completion(engine, seqs)
 
 
 @pytest.mark.parametrize("kind", KINDS)
