@@ -39,7 +39,9 @@ class Ledger:
 
 class BlockManager:
     # cache events kept for a reader (the worker drains them); beyond this the oldest are dropped
-    # and the reader is told to resynchronise from a snapshot
+    # and the reader is told to resynchronise from a snapshot. None are kept until a reader first
+    # drains: the router reads them only under a prefix-aware policy, and a worker nobody reads
+    # held 65,536 of them (~6 MB of Python objects a worker, issue 40's memory creep).
     MAX_EVENTS = 65536
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
@@ -53,6 +55,7 @@ class BlockManager:
         self._block_of: dict[int, int] = {}  # hash -> block
         self.events: deque[tuple[bool, int]] = deque()  # (stored?, hash): True stored, False evicted
         self.events_dropped = False
+        self._events_read = False  # has a reader drained the events yet? (until then none are kept)
         self.hits = 0  # prefix-cache lookups: blocks found
         self.lookups = 0  # prefix-cache lookups: blocks asked for
         self.evictions = 0
@@ -175,7 +178,9 @@ class BlockManager:
         return list(self._block_of)
 
     def drain_events(self) -> tuple[list[tuple[bool, int]], bool]:
-        """(events since the last drain, whether some were dropped: then resync from a snapshot)."""
+        """(events since the last drain, whether some were dropped: then resync from a snapshot).
+        The first drain starts the recording: it reports dropped if any hash was registered before."""
+        self._events_read = True
         out, dropped = list(self.events), self.events_dropped
         self.events.clear()
         self.events_dropped = False
@@ -190,6 +195,9 @@ class BlockManager:
         self._record(False, h)
 
     def _record(self, stored: bool, h: int) -> None:
+        if not self._events_read:  # nobody reads them (yet): the first reader takes a snapshot
+            self.events_dropped = True
+            return
         if len(self.events) >= self.MAX_EVENTS:
             self.events.popleft()
             self.events_dropped = True

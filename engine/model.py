@@ -18,7 +18,15 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig, RopeScaling
 from engine.kv_cache import KVCache
-from engine.linear import DenseLinear, Fp8Linear, PackedWeight, host_gemm_itemsize, make_linear
+from engine.linear import (
+    FP8_KERNEL_MAX_ROWS,
+    DenseLinear,
+    Fp8Linear,
+    PackedWeight,
+    RowBuckets,
+    host_gemm_itemsize,
+    make_linear,
+)
 
 
 class RMSNorm(nn.Module):
@@ -214,6 +222,28 @@ class LlamaModel(nn.Module):
             if on_layer is not None:
                 on_layer(i)
         return self.norm(x)
+
+    @torch.inference_mode()
+    def warm_gemm_shapes(self, buckets: RowBuckets) -> None:
+        """Run one layer's projections, each with its epilogue, and the lm_head at every row count
+        the CPU GEMMs can run at (`buckets`): every oneDNN primitive a step can need is built now.
+
+        Why: each bucket's primitives take ~3 MB in oneDNN's caches (tiny model). Built on first
+        use, the rare ones (a prompt batch's remainder of 1-16 rows after its 256-row tiles) came
+        one by one over thousands of steps, so a prefill worker's RSS crept ~5 MB a load of 180
+        varied prompts long after its warm-up (issue 40). Layers share their shapes, so one layer
+        covers them all. A projection of 16 rows or fewer takes the FP8 kernel, not oneDNN, so a
+        small bucket is warmed as a tile's remainder, the way a prompt meets it."""
+        layer = self.layer(0)
+        attn, mlp = layer.self_attn, layer.mlp
+        hidden = mlp.down_proj.out_features
+        for m in buckets.sizes():
+            rows = m + buckets.tile if m <= FP8_KERNEL_MAX_ROWS else m
+            x = torch.zeros(rows, hidden, dtype=self.act_dtype)
+            attn.qkv_proj(x)
+            attn.o_proj(torch.zeros(rows, attn.q_size, dtype=self.act_dtype), "add", x)
+            mlp.down_proj(mlp.gate_up_proj.swiglu(x), "add", x)
+            self.compute_logits(x[:m])
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from engine.config import CacheConfig, ModelConfig
 from engine.input_batch import DecodeInputs
 from engine.kv_cache import KVCache
 from engine.kv_layout import KVLayout
-from engine.linear import RowBuckets, resolve_host_gemm, set_row_buckets
+from engine.linear import RowBuckets, resolve_host_gemm, row_buckets, set_row_buckets
 from engine.model import LlamaModel
 from engine.sampler import Sampler
 from engine.weights import build_model
@@ -185,7 +185,9 @@ class ModelRunner:
         Why: a fresh process builds each GEMM weight's layouts (FP8 dequantized and packed: ~0.5 GB
         for SmolLM2) and JIT-compiles oneDNN's kernels at the first step of each kind, so a new
         server's first request paid 1-2 s more than its tenth (issue 40). Here one prefill and a
-        decode step per batch in `decode_rows` run into the pool's first blocks. Nothing is
+        decode step per batch in `decode_rows` run into the pool's first blocks, and on CPU every
+        GEMM row bucket once (`LlamaModel.warm_gemm_shapes`: oneDNN's caches full from the start,
+        so worker memory stays flat under traffic of ever new lengths). Nothing is
         allocated from the block manager: those blocks are free, and what is written there is
         overwritten by whoever is given them (a block's contents are never read before written)."""
         t0 = time.perf_counter()
@@ -205,6 +207,8 @@ class ModelRunner:
                 context_lens=torch.full((rows,), n + 1, dtype=torch.int32),
             )
             self.execute(dec, [])
+        if self.device.type == "cpu":  # every GEMM row bucket, not only those the steps above met
+            self.model.warm_gemm_shapes(row_buckets())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0

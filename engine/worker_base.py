@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.config import CacheConfig, is_checkpoint_dir, read_generation_eos, resolve_model_config
+from engine.heap_trim import HeapTrimmer
 from engine.linear import RowBuckets
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
@@ -188,6 +189,7 @@ class EngineLoop:
         # (step number, prefill tokens, attention pairs, decode sequences, seconds) of recent steps
         self.step_log: deque[tuple[int, int, int, int, float, float]] = deque(maxlen=STEP_LOG_KEPT)
         self.fatal: BaseException | None = None
+        self.heap = HeapTrimmer(enabled=os.environ.get("PDSERVE_HEAP_TRIM", "1") != "0")
 
     def start(self) -> None:
         self._thread.start()
@@ -275,6 +277,9 @@ class EngineLoop:
                 progressed = bool(self.tick())
                 if progressed:
                     self.steps += 1
+                    self.heap.worked()
+                elif not self.has_work():
+                    self.heap.idle()  # free pages back to the OS while nothing runs
         except BaseException as e:  # noqa: BLE001
             log.exception("worker %s loop died", self.name)
             self.fatal = e

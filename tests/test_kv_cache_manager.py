@@ -191,6 +191,7 @@ def test_block_manager_ledger_under_random_caching_workload(seed):
     owners: dict[int, list[int]] = {}
     texts = [[rng.randrange(3) for _ in range(12)] for _ in range(5)]
     stored: set[int] = set()
+    assert bm.drain_events() == ([], False)  # a reader's first drain: events are kept from here on
     for step in range(500):
         op = rng.random()
         if op < 0.5:  # a "sequence": reuse its cached prefix, allocate the rest, commit full blocks
@@ -217,3 +218,16 @@ def test_block_manager_ledger_under_random_caching_workload(seed):
     for k in list(owners):
         bm.free(owners.pop(k))
     assert bm.check().in_use == 0
+
+
+def test_cache_events_are_kept_only_once_a_reader_drains():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    table = bm.allocate(2)
+    bm.commit(table[0], 11)
+    assert not bm.events  # nobody has read them: nothing is kept (a worker without a reader stays flat)
+    events, dropped = bm.drain_events()
+    assert events == [] and dropped  # the first reader is told to start from the snapshot
+    assert bm.cached_hashes() == [11]
+    bm.commit(table[1], 12)
+    bm.free(table)
+    assert bm.drain_events() == ([(True, 12)], False)

@@ -101,3 +101,25 @@ def test_bf16_gemm_rows_do_not_depend_on_the_row_count(post):
     ref = fp32.matmul(x, w, lambda: w, post, other if post == "add" else None)
     assert full.dtype == torch.float32
     assert (full - ref).abs().max() <= 2e-2 * ref.abs().max()
+
+
+def test_warm_up_builds_every_gemm_shape_a_prompt_can_need(capfd):
+    """A worker's warm-up runs every row bucket (tile remainders of 1-16 rows included, which
+    a prompt of 256+r tokens meets): afterwards no prompt length makes oneDNN build a primitive,
+    so the caches (and the worker's RSS) stop growing at start-up, not thousands of steps later."""
+    from contracts.worker import WorkerConfig  # noqa: PLC0415
+    from engine.sequence import SamplingParams, Sequence  # noqa: PLC0415
+    from engine.worker_base import build_engine  # noqa: PLC0415
+
+    engine = build_engine(WorkerConfig(model="tiny", transport="local", num_blocks=256), prefill_only=True)
+    capfd.readouterr()
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+        for i, n in enumerate([257, 258, 261, 269, 300, 777, 1485, 17, 40]):
+            seq = Sequence(f"r{i}", [3 + j % 50 for j in range(n)], SamplingParams(max_tokens=1))
+            engine.add_request(seq)
+            while engine.waiting:
+                engine.step()
+            engine.release(seq.seq_id)
+    out = capfd.readouterr().out
+    assert "primitive,exec" in out  # oneDNN ran (and would say so for any build)
+    assert "cache_miss" not in out, [line for line in out.splitlines() if "cache_miss" in line][:3]
