@@ -19,8 +19,8 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev,gpu]"
-	@# the CPU attention kernel (engine/csrc/), built once here (~30 s) rather than by a first worker
-	$(BIN)/python -m engine.cpu_kernels
+	@# the CPU attention kernel (engine/model/csrc/), built once here (~30 s) rather than by a first worker
+	$(BIN)/python -m engine.model.cpu_kernels
 	touch $@
 
 install: $(BIN)/.installed

@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_cli import table
+from benchmarks.engine.cli import table
 from costmodel.provenance import write_result
 
 

@@ -1,7 +1,7 @@
 """What request tracing costs the router, per request, measured on its own:
 
 - on the event loop: opening the root span and, when the request ends, writing its ~10 spans from
-  the timeline (router/tracing.py), with an exporter that does nothing;
+  the timeline (router/observe/tracing.py), with an exporter that does nothing;
 - on the export thread: encoding those spans to OTLP protobuf (what the BatchSpanProcessor's
   thread does before its POST; the POST itself waits on the network, not the CPU).
 
@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from costmodel.provenance import write_result
-from router.tracing import Tracing
+from router.observe.tracing import Tracing
 
 
 class _Keep(SpanExporter):
@@ -36,7 +36,7 @@ class _Keep(SpanExporter):
 
 
 def timeline(arrival: float) -> dict[str, Any]:
-    """A disaggregated request's timeline as router/orchestrator.py writes it (48 tokens)."""
+    """A disaggregated request's timeline as router/lifecycle/orchestrator.py writes it (48 tokens)."""
     return {
         "request_id": "cmpl-bench", "mode": "disagg", "arrival": arrival, "prompt_tokens": 64, "output_tokens": 48,
         "prefill_worker": "prefill-0", "decode_worker": "decode-0", "policy": "round_robin",

@@ -28,32 +28,32 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 # `pdserve bench NAME`
 BENCH_COMMANDS: dict[str, tuple[str, str]] = {
-    "transfer": ("benchmarks.bench_transfer", "KV transfer sweep: backends, sizes, block sizes, coalescing"),
+    "transfer": ("benchmarks.transfer.transfer", "KV transfer sweep: backends, sizes, block sizes, coalescing"),
     "layerwise": (
-        "benchmarks.bench_layerwise",
+        "benchmarks.transfer.layerwise",
         "layer-wise vs bulk KV transfer on one disaggregated server: exposed transfer, TTFT, predictions",
     ),
-    "serve": ("benchmarks.bench_serve", "OpenAI-API load generator with TTFT/TPOT/ITL/stall metrics"),
+    "serve": ("benchmarks.client.bench_serve", "OpenAI-API load generator with TTFT/TPOT/ITL/stall metrics"),
     "probe": (
-        "benchmarks.bench_probe",
+        "benchmarks.probe.command",
         "fit the article's prefill tax to any OpenAI-compatible server, from outside (calibration + tables)",
     ),
-    "compare": ("benchmarks.bench_compare", "colocated vs chunked vs disaggregated on the same workload"),
-    "chunks": ("benchmarks.bench_chunks", "prefill throughput and decode ITL against prefill chunk size"),
-    "article": ("benchmarks.bench_article", "measure the article's decode and prefill tables on this device"),
+    "compare": ("benchmarks.compare.command", "colocated vs chunked vs disaggregated on the same workload"),
+    "chunks": ("benchmarks.engine.chunks", "prefill throughput and decode ITL against prefill chunk size"),
+    "article": ("benchmarks.engine.article", "measure the article's decode and prefill tables on this device"),
     "quality": (
-        "benchmarks.bench_quality",
+        "benchmarks.engine.quality",
         "real-model perplexity and greedy agreement: fp32/bf16/FP8 vs transformers",
     ),
     "kvcache": (
-        "benchmarks.bench_kvcache",
+        "benchmarks.engine.kvcache",
         "KV cache manager: capacity on demand vs reserved; multi-turn 2P2D with prefix caching + routing",
     ),
-    "step": ("benchmarks.bench_step", "engine step split into host and forward time, beside transformers generate"),
+    "step": ("benchmarks.engine.step", "engine step split into host and forward time, beside transformers generate"),
     "gpu": ("benchmarks.gpu.bench_gpu", "GPU ceilings, decode/prefill vs roofline, transformers baseline"),
-    "soak": ("benchmarks.bench_soak", "minutes of real-shaped load while workers are SIGKILLed: ok/hung, leaks, RSS"),
+    "soak": ("benchmarks.soak.soak", "minutes of real-shaped load while workers are SIGKILLed: ok/hung, leaks, RSS"),
     "rss-shapes": (
-        "benchmarks.bench_rss_shapes",
+        "benchmarks.soak.rss_shapes",
         "worker RSS over prefills of ever new lengths, each suspect (oneDNN caches, malloc) off in turn",
     ),
 }

@@ -2,7 +2,7 @@
 
 Both sides import this module and nothing of each other. Workers are plain classes
 (prefill_worker/worker.py, decode_worker/worker.py) that Ray wraps as actors; the router calls
-them through `router.worker_handle.WorkerHandle`, whose methods mirror `PrefillWorkerAPI` and
+them through `router.workers.handle.WorkerHandle`, whose methods mirror `PrefillWorkerAPI` and
 `DecodeWorkerAPI` below, and only ever sees these dataclasses and `KVHandle`s, never tensors or
 blocks. Importing this module does not import torch (the router process never does).
 """
@@ -112,7 +112,7 @@ class WorkerStats:
 @dataclass
 class CacheEvents:
     """A worker's prefix-cache changes since the router last asked: chained block hashes
-    (engine/prefix_cache.py) stored or evicted, in order. `snapshot` is every hash the worker
+    (engine/kv/prefix_cache.py) stored or evicted, in order. `snapshot` is every hash the worker
     holds, sent instead of trusting the events when some were lost (the router resynchronises)."""
 
     events: list[tuple[bool, int]]  # (True: stored, False: evicted, hash)
@@ -141,16 +141,16 @@ class WorkerConfig:
     enforce_eager: bool = False  # CUDA: no decode graphs (vLLM's flag name)
     # CPU oneDNN GEMMs run at a fixed set of row counts, this many per power of two (0 = any row
     # count): oneDNN keeps a primitive per shape, so any-row-count GEMMs grow a worker's memory
-    # with every new prompt length (engine/linear.py RowBuckets)
+    # with every new prompt length (engine/model/linear.py RowBuckets)
     gemm_row_buckets: int = 4
-    # CPU: the dtype GEMMs multiply in: auto, fp32 or bf16 (engine/linear.py resolve_host_gemm)
+    # CPU: the dtype GEMMs multiply in: auto, fp32 or bf16 (engine/model/linear.py resolve_host_gemm)
     cpu_gemm: str = "fp32"
     # CPU: the decode step compiled by torch.compile at start: off, default or max-autotune
-    # (engine/compiled_decode.py)
+    # (engine/runner/compiled_decode.py)
     compile: str = "off"
     # intra-op torch threads (torch.set_num_threads at worker start, before the engine is built);
     # None leaves torch's own default (OMP_NUM_THREADS, or Ray's num_cpus). `pdserve serve` always
-    # sets it: --threads-per-worker, or its auto rule (router/worker_threads.py)
+    # sets it: --threads-per-worker, or its auto rule (router/workers/threads.py)
     torch_threads: int | None = None
 
 

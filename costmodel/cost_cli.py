@@ -3,7 +3,7 @@
 With no arguments it prints the article's tables (Llama-3.1-70B FP8 on one H100 SXM, 40% MFU).
 Beside the article's KV transfer table it predicts what streaming the KV layer by layer
 (`pdserve serve --kv-transfer layerwise`) leaves after the prefill on each link, and the prompt
-length from which `--kv-transfer auto` streams (costmodel/layerwise.py).
+length from which `--kv-transfer auto` streams (costmodel/article/layerwise.py).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 from cli import CliError
 from cli.output import emit_json
-from costmodel import cost_model as cm
-from costmodel.layerwise import DEFAULT_GROUP_OVERHEAD_S, DEFAULT_OPEN_S, groups_of
+from costmodel.article import cost_model as cm
+from costmodel.article.layerwise import DEFAULT_GROUP_OVERHEAD_S, DEFAULT_OPEN_S, groups_of
 
 
 def _ints(s: str) -> list[int]:

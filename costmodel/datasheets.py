@@ -2,7 +2,7 @@
 shapes, and the article's own setting (Llama-3.1-70B on an H100 SXM at 40% MFU).
 
 Figures here are as the vendors print them. A measured device replaces them through a calibration
-(`costmodel/calibration.py`); the arithmetic (`costmodel/cost_model.py`) only reads them.
+(`costmodel/fit/calibration.py`); the arithmetic (`costmodel/article/cost_model.py`) only reads them.
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ class ModelSpec:
     def resolve(cls, model: str) -> ModelSpec:
         """A preset name, a registry model already pulled (e.g. smollm2-135m-instruct), a checkpoint
         directory or a config.json path."""
-        from engine.model_registry import PullError  # noqa: PLC0415
-        from engine.model_registry import resolve as registry_resolve  # noqa: PLC0415
+        from engine.checkpoint.registry import PullError  # noqa: PLC0415
+        from engine.checkpoint.registry import resolve as registry_resolve  # noqa: PLC0415
 
         try:
             return cls.from_config(resolve_model_config(registry_resolve(model, pull_missing=False)))

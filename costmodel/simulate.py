@@ -4,7 +4,7 @@ Default scenario is the article's: Llama-3.1-70B FP8 on H100 SXM at 40% MFU, 32 
 (closed loop), 4k-token documents arriving as a Poisson process. Every number it prints is
 *simulated*; `--calibration` swaps the datasheet for measured bandwidth/MFU/overheads.
 `--kv-transfer layerwise` streams the disaggregated KV while the prefill runs (only what the link
-has not caught up with is left before the second token; costmodel/layerwise.py).
+has not caught up with is left before the second token; costmodel/article/layerwise.py).
 `--capacity` runs the article's capacity table through the simulator, beside the closed form.
 """
 
@@ -17,10 +17,10 @@ from typing import Any
 
 from cli import CliError
 from cli.output import emit_json
-from costmodel import cost_model as cm
+from costmodel.article import cost_model as cm
 from costmodel.provenance import OUT_DIR_HELP, RESULTS_DIR, write_result
-from costmodel.sim_engine import MODES, Request, Sim, SimConfig, StepModel, Workload, simulate
-from costmodel.sim_plot import plot_timelines
+from costmodel.sim.engine import MODES, Request, Sim, SimConfig, StepModel, Workload, simulate
+from costmodel.sim.plot import plot_timelines
 
 # ----------------------------------------------------------------------------- metrics
 
@@ -203,7 +203,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", default="llama-3.1-70b", help="model preset, checkpoint dir or config.json")
     g.add_argument("--hw", default="h100-sxm", help=f"GPU preset: {', '.join(sorted(cm.HARDWARE))}")
     g.add_argument("--mfu", type=float, default=None, help="default 0.4, or the calibration's")
-    g.add_argument("--calibration", default=None, help="calibration JSON (see costmodel/cost_model.py)")
+    g.add_argument("--calibration", default=None, help="calibration JSON from `pdserve bench chunks` or `bench probe` (format: costmodel/fit/calibration.py)")
     g.add_argument(
         "--fixed-ctx",
         type=int,

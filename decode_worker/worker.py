@@ -30,16 +30,12 @@ from contracts.worker import (
     WorkerStats,
 )
 from decode_worker.kv_stream import IncomingStream, StreamReceiver
-from engine.block_manager import NoFreeBlocks
+from engine.kv.block_manager import NoFreeBlocks
 from engine.sequence import Sequence
 from engine.worker_base import (
     EngineLoop,
     build_engine,
-    compiled_graphs_of,
-    cpu_gemm_of,
-    kv_figures,
     log,
-    memory_figures,
 )
 from transport import make_transport
 from transport.base import TransferTimeout, TransportError
@@ -176,19 +172,8 @@ class DecodeWorker(EngineLoop):
             queue_depth=len(e.waiting) + len(self._admissions) + len(self._in_transfer),
             running=len(e.running),
             parked=0,
-            steps=self.steps,
-            recent_steps=list(self.step_log),
-            torch_threads=self.torch_threads,
-            cpu_gemm=cpu_gemm_of(self.engine),
-            compiled_graphs=compiled_graphs_of(self.engine),
-            **kv_figures(e),
-            **memory_figures(e),
+            **self.stats_fields(),
         )
-
-    def ping(self) -> str:
-        """Raises if the engine loop is gone, so the router reports and replaces the worker."""
-        self.check_running()
-        return self.name
 
     def cache_events(self) -> CacheEvents:
         return CacheEvents(*self.drain_cache_events())

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-# Byte-level tokenizer ids used by randomly initialised models (see engine/tokenizer.py).
+# Byte-level tokenizer ids used by randomly initialised models (see engine/checkpoint/tokenizer.py).
 BYTE_VOCAB = 256
 BYTE_BOS_ID = 256
 BYTE_EOS_ID = 257

@@ -7,15 +7,15 @@ import time
 
 from cli import CliError
 from cli.output import emit_json
-from engine.chat_template import ChatTemplateError
+from engine.checkpoint.chat_template import ChatTemplateError
+from engine.checkpoint.registry import DEFAULT_MODEL, MODELS, PullError
+from engine.checkpoint.registry import resolve as resolve_model
+from engine.checkpoint.tokenizer import load_tokenizer
 from engine.config import PRESETS, CacheConfig, is_checkpoint_dir, read_generation_eos, resolve_model_config
+from engine.core.llm_engine import LLMEngine
 from engine.gguf_file import GGUFError
-from engine.llm_engine import LLMEngine
-from engine.model_registry import DEFAULT_MODEL, MODELS, PullError
-from engine.model_registry import resolve as resolve_model
-from engine.model_runner import ModelRunner
+from engine.runner.model_runner import ModelRunner
 from engine.sequence import SamplingParams, Sequence
-from engine.tokenizer import load_tokenizer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -10,7 +10,7 @@ Face checkpoint directory would hold:
   put back in Hugging Face order (llama.cpp's converter interleaves the two rotary halves of every
   head; pdserve's rotary embedding, like transformers', expects them split).
 
-Nothing here imports torch: weights come out as numpy arrays; engine/weights.py quantizes them.
+Nothing here imports torch: weights come out as numpy arrays; engine/checkpoint/weights.py quantizes them.
 """
 
 from __future__ import annotations

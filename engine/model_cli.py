@@ -6,7 +6,7 @@ import argparse
 
 from cli import CliError
 from cli.output import emit_json
-from engine.model_registry import MODELS, PullError, cache_root, is_pulled, model_dir, pull
+from engine.checkpoint.registry import MODELS, PullError, cache_root, is_pulled, model_dir, pull
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

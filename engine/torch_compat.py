@@ -2,11 +2,11 @@
 
 pdserve leans on three things torch does not promise to keep:
 - oneDNN's fused linear ops (`torch.ops.mkldnn._reorder_linear_weight`, `_linear_pointwise`),
-  the CPU GEMMs with a pre-blocked weight and a fused epilogue (engine/linear.py says what they
+  the CPU GEMMs with a pre-blocked weight and a fused epilogue (engine/model/linear.py says what they
   are worth). They are what inductor's CPU path calls, present since torch 2.0, but private:
   a release may rename them or change their arguments. `ONEDNN_LINEAR` says whether this torch
   has them and they answer a tiny GEMM correctly (checked once, at import); where it is False,
-  the same functions run the plain matmul and epilogue, and engine/linear.py takes its plain path.
+  the same functions run the plain matmul and epilogue, and engine/model/linear.py takes its plain path.
 - `torch._scaled_mm`, the FP8 tensor-core GEMM (CUDA). Without it, `scaled_mm` dequantizes and
   multiplies: the same product, at the speed of a widened GEMM.
 - a tensor's version counter (`Tensor._version`), bumped by every in-place write: how a packed

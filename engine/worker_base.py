@@ -1,7 +1,7 @@
 """EngineLoop: one thread owns an LLMEngine; other threads talk to it through an inbox.
 
 Workers (prefill and decode) are plain classes built on this, so the same code runs under a
-Ray actor (threaded, its calls in concurrency groups: router/worker_host.py), in a benchmark process
+Ray actor (threaded, its calls in concurrency groups: router/workers/host.py), in a benchmark process
 without Ray, or in a test.
 The engine, its block manager and its KV pool are touched only by the loop thread.
 """
@@ -22,10 +22,10 @@ from typing import Any, Protocol
 import torch
 
 from engine.config import CacheConfig, is_checkpoint_dir, read_generation_eos, resolve_model_config
+from engine.core.llm_engine import LLMEngine
 from engine.heap_trim import HeapTrimmer
-from engine.linear import RowBuckets
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
+from engine.model.linear import RowBuckets
+from engine.runner.model_runner import ModelRunner
 
 log = logging.getLogger("pdserve.worker")
 STEP_LOG_KEPT = 256  # recent steps a worker reports in stats()
@@ -47,9 +47,9 @@ class EngineSettings(Protocol):
     seed: int
     enable_prefix_caching: bool
     enforce_eager: bool  # CUDA: never replay decode graphs (every step eager)
-    gemm_row_buckets: int  # CPU oneDNN GEMM row counts per power of two (0 = off; engine/linear.py)
-    cpu_gemm: str  # CPU GEMM dtype: auto, fp32 or bf16 (engine/linear.py)
-    compile: str  # CPU decode step: off, default or max-autotune (engine/compiled_decode.py)
+    gemm_row_buckets: int  # CPU oneDNN GEMM row counts per power of two (0 = off; engine/model/linear.py)
+    cpu_gemm: str  # CPU GEMM dtype: auto, fp32 or bf16 (engine/model/linear.py)
+    compile: str  # CPU decode step: off, default or max-autotune (engine/runner/compiled_decode.py)
 
 
 def build_engine(cfg: EngineSettings, prefill_only: bool) -> LLMEngine:
@@ -87,7 +87,7 @@ def build_engine(cfg: EngineSettings, prefill_only: bool) -> LLMEngine:
         attach_decode_graphs(engine)
     # CPU: the decode step compiled now, before the worker reports ready (a prefill worker never decodes)
     if runner.device.type == "cpu" and not prefill_only and cfg.compile != "off":
-        from engine.compiled_decode import attach_compiled_decode  # noqa: PLC0415 (imports torch's compiler)
+        from engine.runner.compiled_decode import attach_compiled_decode  # noqa: PLC0415 (imports torch's compiler)
 
         attach_compiled_decode(runner, cfg.compile)
     return engine
@@ -290,6 +290,24 @@ class EngineLoop:
             except Exception:  # noqa: BLE001
                 log.exception("worker %s: failing its pending work failed", self.name)
             self._fail_inbox()
+
+    def ping(self) -> str:
+        """Raises if the engine loop is gone, so the router reports and replaces the worker."""
+        self.check_running()
+        return self.name
+
+    def stats_fields(self) -> dict[str, Any]:
+        """The WorkerStats fields every worker reports alike (its role's queue counts aside)."""
+        e = self.engine
+        return dict(
+            steps=self.steps,
+            recent_steps=list(self.step_log),
+            torch_threads=self.torch_threads,
+            cpu_gemm=cpu_gemm_of(e),
+            compiled_graphs=compiled_graphs_of(e),
+            **kv_figures(e),
+            **memory_figures(e),
+        )
 
     def log_step(self, engine: LLMEngine) -> None:
         """Loop thread: remember the shape, time and end (unix s) of the step `engine` just ran."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.scheduler import ScheduledBatch
+from engine.core.scheduler import ScheduledBatch
 from transport.base import Transport, TransportError
 from transport.wire import StreamProgress, StreamTarget
 

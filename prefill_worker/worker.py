@@ -16,7 +16,7 @@ from concurrent.futures import Future
 
 from contracts.worker import CacheEvents, GenerateRequest, PrefillResult, WorkerConfig, WorkerError, WorkerStats
 from engine.sequence import Sequence
-from engine.worker_base import EngineLoop, build_engine, compiled_graphs_of, cpu_gemm_of, kv_figures, memory_figures
+from engine.worker_base import EngineLoop, build_engine
 from prefill_worker.kv_stream import StreamSender
 from transport import make_transport
 from transport.base import TransportError
@@ -24,7 +24,7 @@ from transport.wire import PeerInfo, StreamTarget
 
 log = logging.getLogger("pdserve.prefill")
 # How long an abort is remembered. A prefill() call can wait in Ray's queue while the worker's
-# "prefill" concurrency group is busy (router/worker_host.py); one the router aborted meanwhile is
+# "prefill" concurrency group is busy (router/workers/host.py); one the router aborted meanwhile is
 # refused when it arrives instead of prefilled for nobody and held under a lease.
 ABORT_MEMORY_S = 120.0
 
@@ -116,19 +116,8 @@ class PrefillWorker(EngineLoop):
             queue_depth=len(e.waiting),
             running=0,
             parked=len(e.parked),
-            steps=self.steps,
-            recent_steps=list(self.step_log),
-            torch_threads=self.torch_threads,
-            cpu_gemm=cpu_gemm_of(self.engine),
-            compiled_graphs=compiled_graphs_of(self.engine),
-            **kv_figures(e),
-            **memory_figures(e),
+            **self.stats_fields(),
         )
-
-    def ping(self) -> str:
-        """Raises if the engine loop is gone, so the router reports and replaces the worker."""
-        self.check_running()
-        return self.name
 
     def cache_events(self) -> CacheEvents:
         return CacheEvents(*self.drain_cache_events())

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from contracts.worker import WorkerConfig
+from engine.checkpoint.registry import DEFAULT_MODEL, MODELS
 from engine.config import KV_DTYPE_BYTES, PRESETS, is_checkpoint_dir
-from engine.model_registry import DEFAULT_MODEL, MODELS
 from router.config_flags import cli_flag
-from router.worker_threads import parse_threads
+from router.workers.threads import parse_threads
 
 MODES = ("disagg", "colocated", "auto")
 POLICIES = ("round_robin", "least_loaded", "prefix")
@@ -110,7 +110,7 @@ class ServeConfig:
             "CPU: the dtype the projections' GEMMs multiply in. fp32 (the default) or bf16; auto: bf16 for "
             "fp8/bf16 weights where the CPU has native bf16 dot products (AVX512-BF16 or AMX), else fp32. "
             "bf16 prefills ~1.5x faster, but a repeated greedy prompt can then answer differently when the "
-            "prefix cache or chunking changes how it is computed (engine/linear.py)",
+            "prefix cache or chunking changes how it is computed (engine/model/linear.py)",
             choices=("auto", "fp32", "bf16"),
         ),
     )
@@ -121,7 +121,7 @@ class ServeConfig:
             "CPU: compile the decode step with torch.compile (inductor) at worker start, before it reports "
             "ready: off (the default), default or max-autotune. Needs --dtype fp8, --kv-dtype fp8 and "
             "--cpu-gemm fp32; measured 3-5%% faster steps for 10-45 s more start-up "
-            "(engine/compiled_decode.py)",
+            "(engine/runner/compiled_decode.py)",
             choices=("off", "default", "max-autotune"),
         ),
     )
@@ -136,7 +136,7 @@ class ServeConfig:
         ),
     )
     # Ray reserves the same CPUs for each worker (its actor's num_cpus and its bundle), and the
-    # embedded cluster is started large enough for them (router/worker_threads.py has the rule).
+    # embedded cluster is started large enough for them (router/workers/threads.py has the rule).
     threads_per_worker: int | None = field(
         default=None,
         metadata=cli_flag(

@@ -16,10 +16,10 @@ from dataclasses import replace
 from typing import Any
 
 from cli import CliError
+from engine.checkpoint.registry import MODELS, PullError
+from engine.checkpoint.registry import resolve as registry_resolve
+from engine.checkpoint.tokenizer import load_tokenizer
 from engine.config import resolve_model_config
-from engine.model_registry import MODELS, PullError
-from engine.model_registry import resolve as registry_resolve
-from engine.tokenizer import load_tokenizer
 from router.config import ServeConfig
 from router.shutdown import GracefulShutdown
 
@@ -43,7 +43,7 @@ def make_app(
 ) -> Any:
     """The app whose lifespan builds the orchestrator (and shuts it down on exit). `on_started`
     gets the app's ServerState once the pools are up."""
-    from router.app import create_app  # noqa: PLC0415 - FastAPI loads when serving, not for --help
+    from router.http.app import create_app  # noqa: PLC0415 - FastAPI loads when serving, not for --help
 
     mc = resolve_model_config(cfg.model)
     tokenizer = load_tokenizer(cfg.model, mc.bos_token_id, mc.eos_token_id)
@@ -94,7 +94,7 @@ def _uvicorn_server(cfg: ServeConfig, app: Any, log_level: str, own_logging: boo
     import uvicorn  # noqa: PLC0415
 
     # access_log off: a benchmark would print a line per request; /metrics has the counts.
-    # own_logging: the root logger is configured (router/logs.py) and uvicorn's loggers propagate to
+    # own_logging: the root logger is configured (router/observe/logs.py) and uvicorn's loggers propagate to
     # it, instead of uvicorn installing its own text handlers.
     extra: dict[str, Any] = {"log_config": None} if own_logging else {}
     return uvicorn.Server(

@@ -3,7 +3,7 @@
 Ray placement: one placement group per pool, one bundle per worker
 ({"CPU": threads, "GPU": gpus_per_worker} plus the pool's custom resources, e.g. {"prefill_node": 1}
 to pin a pool to labelled nodes), where `threads` is the worker's intra-op thread count
-(--threads-per-worker, router/worker_threads.py): the actor asks for as many CPUs as it uses. A
+(--threads-per-worker, router/workers/threads.py): the actor asks for as many CPUs as it uses. A
 dead actor is replaced by a fresh one in the same bundle.
 `ray_address="none"` runs the same worker classes as plain objects in this process (GPU
 benchmarks without Ray, quick local checks).
@@ -21,18 +21,18 @@ from pathlib import Path
 from typing import Any
 
 from contracts.worker import WorkerConfig
-from costmodel.cost_model import Calibration, ModelSpec
-from costmodel.layerwise import CPU_OVERLAP_COST
+from costmodel.article.cost_model import Calibration, ModelSpec
+from costmodel.article.layerwise import CPU_OVERLAP_COST
 from engine.config import CacheConfig, is_checkpoint_dir, read_generation_eos, resolve_model_config
-from engine.kv_layout import KVLayout
-from router.dispatch import DEFAULT_CHUNK, AutoDispatcher
-from router.kv_transfer_policy import KVTransferPolicy
-from router.orchestrator import Orchestrator
-from router.ray_cluster import connect_ray, start_local_ray
-from router.rss_watch import RSS_WARMUP_STEPS, RssWatch
-from router.worker_handle import WorkerHandle
-from router.worker_host import load_worker_class, ray_actor_class
-from router.worker_threads import ThreadChoice, choose_threads, ray_nodes
+from engine.kv.layout import KVLayout
+from router.dispatch.dispatcher import DEFAULT_CHUNK, AutoDispatcher
+from router.dispatch.kv_transfer_policy import KVTransferPolicy
+from router.lifecycle.orchestrator import Orchestrator
+from router.workers.handle import WorkerHandle
+from router.workers.host import load_worker_class, ray_actor_class
+from router.workers.ray_cluster import connect_ray, start_local_ray
+from router.workers.rss_watch import RSS_WARMUP_STEPS, RssWatch
+from router.workers.threads import ThreadChoice, choose_threads, ray_nodes
 
 log = logging.getLogger("pdserve.launch")
 # where `pdserve bench chunks --out-dir benchmarks/results` leaves committed calibrations (not
@@ -104,7 +104,7 @@ class RayPools:
         actor_cls = ray_actor_class(self.ray, role)
         actor = actor_cls.options(
             name=f"pdserve-{name}-{os.getpid()}",
-            # threaded, in its concurrency groups (router/worker_host.py): calls run side by side
+            # threaded, in its concurrency groups (router/workers/host.py): calls run side by side
             allow_out_of_order_execution=True,
             max_restarts=0,
             num_cpus=spec.cpus,
@@ -150,7 +150,7 @@ class RayPools:
 def init_ray(address: str | None, cpus_needed: int) -> bool:
     """Connect to `address`, or start an embedded local Ray sized for the pools (`cpus_needed`: the
     workers' CPUs and one spare), in a private network namespace where Linux allows it; token
-    authentication either way (router.ray_cluster). Returns True if this process started Ray (and
+    authentication either way (router.workers.ray_cluster). Returns True if this process started Ray (and
     so should shut it down)."""
     import ray  # noqa: PLC0415 - Ray is loaded only when pools run on it
 

@@ -17,8 +17,8 @@ from cli import CliError
 from router.config import ConfigError, ServeConfig
 from router.config_flags import add_flags, is_json
 from router.http_server import bind_socket, serve
-from router.logs import LOG_FORMATS, JsonFormatter
-from router.logs import setup as setup_logging
+from router.observe.logs import LOG_FORMATS, JsonFormatter
+from router.observe.logs import setup as setup_logging
 
 # Where tests and benchmarks have always found the in-process server.
 from router.server_thread import ServerThread, start_server_in_thread

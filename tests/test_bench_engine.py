@@ -9,7 +9,8 @@ import json
 import pytest
 
 from cli import main
-from engine import cpu_kernels, torch_compat
+from engine import torch_compat
+from engine.model import cpu_kernels
 
 COMMON = ["--model", "tiny", "--device", "cpu", "--no-progress", "--threads", "1"]
 
@@ -74,7 +75,7 @@ def test_bench_chunks_writes_result_plot_and_calibration(tmp_path, capsys):
     assert _positive(r["probe"]["copy_gbps"]) and _positive(r["probe"]["gemm_tflops"])
     assert (tmp_path / "c.png").stat().st_size > 0
     # the calibration file is in the cost model's schema and loads back
-    from costmodel.cost_model import Calibration
+    from costmodel.article.cost_model import Calibration
 
     cal = Calibration.load(tmp_path / "c.calibration.json")
     assert cal.dtype == "fp32" and _positive(cal.achieved_tflops)

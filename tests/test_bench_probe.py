@@ -70,8 +70,8 @@ def test_quick_probe_of_pdserve_agrees_with_the_servers_own_timeline(server, cap
     files = d["files"]
     for key in ("result", "markdown", "calibration", "plot"):
         assert (tmp_path / files[key].rsplit("/", 1)[-1]).is_file(), key
-    from costmodel.compare_predict import setup_from_calibration
-    from costmodel.cost_model import Calibration
+    from costmodel.article.cost_model import Calibration
+    from costmodel.sim.compare_predict import setup_from_calibration
 
     cal = Calibration.load(files["calibration"])
     assert cal.fitted_steps() is not None and cal.peak_tflops  # tiny is known to pdserve: TFLOP/s derived

@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from engine.block_manager import BlockManager, NoFreeBlocks
 from engine.config import PRESETS, CacheConfig
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
+from engine.core.llm_engine import LLMEngine
+from engine.kv.block_manager import BlockManager, NoFreeBlocks
+from engine.runner.model_runner import ModelRunner
 from engine.sequence import SamplingParams, Sequence, Status
 
 

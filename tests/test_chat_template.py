@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.chat_template import ChatTemplate, ChatTemplateError
+from engine.checkpoint.chat_template import ChatTemplate, ChatTemplateError
+from engine.checkpoint.tokenizer import Detokenizer, load_tokenizer
 from engine.config import resolve_model_config
-from engine.tokenizer import Detokenizer, load_tokenizer
-from router import openai_protocol as oa
+from router.openai import protocol as oa
 
 # the real 135M model, often beside transformers: tens of seconds on 2 cores
 pytestmark = [pytest.mark.real_model]

@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from engine import torch_compat
-from engine.attention import AttentionMetadata, TorchReferenceAttention
 from engine.config import PRESETS, CacheConfig
-from engine.cpu_attention import BatchedAttention
-from engine.kv_cache import FP8_AS_FP16_SCALE, KVCache, fp8_as_float16, quantize_fp8
-from engine.kv_layout import KVLayout
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner, StepItem
+from engine.core.llm_engine import LLMEngine
+from engine.kv.cache import FP8_AS_FP16_SCALE, KVCache, fp8_as_float16, quantize_fp8
+from engine.kv.layout import KVLayout
+from engine.model.attention import AttentionMetadata, TorchReferenceAttention
+from engine.model.cpu_attention import BatchedAttention
+from engine.runner.model_runner import ModelRunner, StepItem
 from engine.sequence import SamplingParams, Sequence
 
 CFG = PRESETS["tiny"]

@@ -158,11 +158,11 @@ class Server:
 
 def reference_tokens(prompt: str, max_tokens: int, kv_dtype: str) -> list[int]:
     """The engine alone in this process: no Ray, no transport, no network."""
+    from engine.checkpoint.tokenizer import ByteTokenizer  # noqa: PLC0415
     from engine.config import PRESETS, CacheConfig  # noqa: PLC0415
-    from engine.llm_engine import LLMEngine  # noqa: PLC0415
-    from engine.model_runner import ModelRunner  # noqa: PLC0415
+    from engine.core.llm_engine import LLMEngine  # noqa: PLC0415
+    from engine.runner.model_runner import ModelRunner  # noqa: PLC0415
     from engine.sequence import SamplingParams, Sequence  # noqa: PLC0415
-    from engine.tokenizer import ByteTokenizer  # noqa: PLC0415
 
     runner = ModelRunner(PRESETS["tiny"], CacheConfig(num_blocks=512, kv_dtype=kv_dtype), "fp8", "cpu")
     engine = LLMEngine(runner)

@@ -1,14 +1,14 @@
-"""bench compare's per-request accuracy and auto report (benchmarks/compare_auto.py), on records
+"""bench compare's per-request accuracy and auto report (benchmarks/compare/auto.py), on records
 built by hand: the arithmetic, not a server."""
 
 import json
 
 import pytest
 
-from benchmarks import compare_auto as ca
-from costmodel.cost_model import Calibration
+from benchmarks.compare import auto as ca
+from costmodel.article.cost_model import Calibration
+from costmodel.fit.step_fit import StepCostFit
 from costmodel.serve_metrics import RequestRecord
-from costmodel.step_fit import StepCostFit
 
 
 def rec(rid, prompt, times, send=0.0, dispatch=None):

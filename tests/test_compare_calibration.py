@@ -8,13 +8,13 @@ import random
 
 import pytest
 
-from benchmarks.compare_calibration import LoggedStep, StepLogRecorder, fit_pools, link_rate, trimmed_fit
-from costmodel import cost_model as cm
-from costmodel.compare_predict import predict, setup_from_steps, sim_config
+from benchmarks.compare.calibration import LoggedStep, StepLogRecorder, fit_pools, link_rate, trimmed_fit
+from costmodel.article import cost_model as cm
+from costmodel.fit.step_fit import StepCostFit, StepShape
 from costmodel.machine import calibration_mismatch, cpu_model, git
 from costmodel.provenance import save_calibration
 from costmodel.serve_metrics import RequestRecord
-from costmodel.step_fit import StepCostFit, StepShape
+from costmodel.sim.compare_predict import predict, setup_from_steps, sim_config
 from costmodel.workloads import RequestSpec
 
 TRUE = StepCostFit(fixed_s=0.030, per_token_s=0.0004, attention_s=2e-9, per_sequence_s=0.004)
@@ -110,12 +110,12 @@ def test_calibration_files_carry_provenance_and_warn_when_foreign(tmp_path):
 def _mode_run(label: str, mode: str, warm_fit: StepCostFit, steps_fit: StepCostFit):
     """A finished run whose warm-up was served at `warm_fit`'s prices and whose step log fitted to
     `steps_fit`: what `compare_prediction.choose` sees after a real mode ran."""
-    from benchmarks.bench_serve import BenchConfig, BenchResult
-    from benchmarks.compare_args import ModeSpec
-    from benchmarks.compare_calibration import PoolFit, SelfCalibration
-    from benchmarks.compare_record import ModeRun
-    from costmodel.compare_predict import simulate_specs
+    from benchmarks.client.bench_serve import BenchConfig, BenchResult
+    from benchmarks.compare.args import ModeSpec
+    from benchmarks.compare.calibration import PoolFit, SelfCalibration
+    from benchmarks.compare.record import ModeRun
     from costmodel.serve_metrics import compute_metrics
+    from costmodel.sim.compare_predict import simulate_specs
 
     specs = [RequestSpec(f"chat-{i}", "x", 64, 32, 0.0, "chat") for i in range(4)]
     specs.append(RequestSpec("doc-0", "x", 512, 4, 0.05, "document"))
@@ -128,7 +128,7 @@ def _mode_run(label: str, mode: str, warm_fit: StepCostFit, steps_fit: StepCostF
 
 
 def test_the_calibration_that_predicts_the_warm_up_better_predicts_the_run():
-    from benchmarks.compare_prediction import choose, describe_basis
+    from benchmarks.compare.prediction import choose, describe_basis
 
     stale = setup_from_steps("tiny", StepCostFit(0.09, 0.0012, 6e-9, 0.012), None, None, "file", None)
     run, specs = _mode_run("colocated", "colocated", TRUE, TRUE)
@@ -147,7 +147,7 @@ def test_the_calibration_that_predicts_the_warm_up_better_predicts_the_run():
 
 
 def test_a_mode_without_enough_steps_says_why_it_has_no_self_calibration():
-    from benchmarks.compare_prediction import choose, describe_basis
+    from benchmarks.compare.prediction import choose, describe_basis
 
     run, specs = _mode_run("disagg-1P1D", "disagg", TRUE, TRUE)  # a decode pool only: no prefill fit
     picked = choose("tiny", run, None, "no calibration file", False, specs, 64)
@@ -157,7 +157,7 @@ def test_a_mode_without_enough_steps_says_why_it_has_no_self_calibration():
 
 
 def test_slos_derived_from_the_calibration_scale_with_its_step_prices():
-    from benchmarks.compare_prediction import TPOT_SLO_FACTOR, TTFT_SLO_FACTOR, derive_slos
+    from benchmarks.compare.prediction import TPOT_SLO_FACTOR, TTFT_SLO_FACTOR, derive_slos
     from costmodel.workloads import WorkloadConfig
 
     wl = WorkloadConfig(chat_streams=4, chat_prompt_len=64, chat_output_len=48, doc_prompt_len=512)
@@ -171,7 +171,7 @@ def test_slos_derived_from_the_calibration_scale_with_its_step_prices():
 
 
 def test_decode_steps_beside_a_prefill_are_priced_apart():
-    from benchmarks.compare_calibration import beside_prefill_slowdown, overlap
+    from benchmarks.compare.calibration import beside_prefill_slowdown, overlap
 
     decode_shape = StepShape.of([200] * 4)
     price = TRUE.seconds(decode_shape)
@@ -212,9 +212,9 @@ def test_a_layerwise_server_is_predicted_with_its_kv_streamed():
     """bench compare passes the server's --kv-transfer and --kv-stream-layers to the simulator:
     a layer-wise disaggregated server's document reaches its second token sooner, a colocated
     one has no link to stream over."""
-    from benchmarks.compare_args import ModeSpec
-    from benchmarks.compare_prediction import sim_config_of
-    from costmodel.compare_predict import simulate_requests
+    from benchmarks.compare.args import ModeSpec
+    from benchmarks.compare.prediction import sim_config_of
+    from costmodel.sim.compare_predict import simulate_requests
 
     # a link slow enough that the document's bulk pull is a sizeable share of its prefill
     setup = setup_from_steps("tiny", TRUE, TRUE, 0.002, "test", 100)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.compare_args import EndpointSpec, ModeSpec, build_modes, parse_endpoints
-from benchmarks.compare_endpoints import simulated_mode
-from benchmarks.compare_equality import check_endpoints
-from benchmarks.compare_record import ModeRun
+from benchmarks.compare.args import EndpointSpec, ModeSpec, build_modes, parse_endpoints
+from benchmarks.compare.endpoints import simulated_mode
+from benchmarks.compare.equality import check_endpoints
+from benchmarks.compare.record import ModeRun
 from cli import CliError
 from cli import main as cli_main
 from tests.fakes import FakeCompletionsServer, FakeScript

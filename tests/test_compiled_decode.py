@@ -1,4 +1,4 @@
-"""The compiled CPU decode step (engine/compiled_decode.py) against the eager one.
+"""The compiled CPU decode step (engine/runner/compiled_decode.py) against the eager one.
 
 Cost: torch.compile of the tiny model's step, two graphs (~10-20 s on the 2-core VM, less when
 inductor's cache under /tmp is warm).
@@ -11,10 +11,10 @@ import shutil
 import pytest
 import torch
 
-from engine.compiled_decode import CompiledDecode, attach_compiled_decode
 from engine.config import PRESETS, CacheConfig
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
+from engine.core.llm_engine import LLMEngine
+from engine.runner.compiled_decode import CompiledDecode, attach_compiled_decode
+from engine.runner.model_runner import ModelRunner
 from engine.sequence import SamplingParams, Sequence
 from tests.helpers import run_to_completion
 

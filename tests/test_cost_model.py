@@ -15,8 +15,8 @@ import sys
 import pytest
 
 from cli import main as cli_main
-from costmodel import cost_model as cm
-from costmodel.layerwise import DEFAULT_GROUP_OVERHEAD_S, DEFAULT_OPEN_S
+from costmodel.article import cost_model as cm
+from costmodel.article.layerwise import DEFAULT_GROUP_OVERHEAD_S, DEFAULT_OPEN_S
 from engine.config import PRESETS
 
 M, HW = cm.ARTICLE_MODEL, cm.ARTICLE_HW
@@ -27,7 +27,10 @@ def r(x: float, nd: int = 0) -> float:
 
 
 def test_import_loads_no_torch():
-    code = "import sys, costmodel.cost_model, costmodel.cost_cli; assert 'torch' not in sys.modules, 'torch loaded'"
+    code = (
+        "import sys, costmodel.article.cost_model, costmodel.cost_cli; "
+        "assert 'torch' not in sys.modules, 'torch loaded'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -1,5 +1,5 @@
-"""pdserve's C++ kernels: the decode attention (engine/csrc/paged_decode.cpp) against the torch
-path and the reference, and the FP8 few-row GEMM (engine/csrc/fp8_linear.cpp) against the
+"""pdserve's C++ kernels: the decode attention (engine/model/csrc/paged_decode.cpp) against the torch
+path and the reference, and the FP8 few-row GEMM (engine/model/csrc/fp8_linear.cpp) against the
 dequantized product.
 
 tests/test_chunked_prefill.py checks every backend against dense attention on small shapes; here
@@ -14,13 +14,13 @@ import shutil
 import pytest
 import torch
 
-from engine import cpu_kernels
-from engine.attention import AttentionMetadata, TorchReferenceAttention
 from engine.config import CacheConfig, ModelConfig
-from engine.cpu_attention import BatchedAttention
-from engine.kv_cache import FP8, KVCache
-from engine.kv_layout import KVLayout
-from engine.linear import FP8_KERNEL_MAX_ROWS, Fp8Linear
+from engine.kv.cache import FP8, KVCache
+from engine.kv.layout import KVLayout
+from engine.model import cpu_kernels
+from engine.model.attention import AttentionMetadata, TorchReferenceAttention
+from engine.model.cpu_attention import BatchedAttention
+from engine.model.linear import FP8_KERNEL_MAX_ROWS, Fp8Linear
 
 HAS_TOOLCHAIN = shutil.which("g++") is not None or shutil.which("c++") is not None
 
@@ -40,7 +40,7 @@ SMOL_HEADS = ModelConfig(
 def test_kernel_is_built_where_a_compiler_is():
     """A machine with a C++ compiler gets the kernel: a silent fallback would hide a build break."""
     if not HAS_TOOLCHAIN:
-        pytest.skip("no C++ compiler here: the torch path runs (engine/cpu_kernels.py)")
+        pytest.skip("no C++ compiler here: the torch path runs (engine/model/cpu_kernels.py)")
     assert cpu_kernels.paged_decode_op() is not None, cpu_kernels.unavailable_reason()
 
 
@@ -98,7 +98,7 @@ def test_kernel_refuses_a_context_past_its_block_table():
         op(q, cache.data[:, 0].view(torch.uint8), cache.scales[:, 0], tables, lens, 0.125)
 
 
-# ---- the FP8 few-row GEMM (engine/csrc/fp8_linear.cpp) ------------------------------------------
+# ---- the FP8 few-row GEMM (engine/model/csrc/fp8_linear.cpp) ------------------------------------------
 
 
 def _fp8_layer(n_out: int, n_in: int, seed: int = 0) -> Fp8Linear:

@@ -3,7 +3,7 @@ for byte tokens that split multi-byte characters, invalid bytes and specials tha
 
 import random
 
-from engine.tokenizer import ByteTokenizer, Detokenizer
+from engine.checkpoint.tokenizer import ByteTokenizer, Detokenizer
 
 
 def test_deltas_concatenate_to_the_full_decode():

@@ -1,13 +1,13 @@
-"""The auto dispatcher's queue model and shared-core factors (router/dispatch.py,
-router/shared_cores.py), on hand-made step fits and worker stats: the arithmetic, not a server."""
+"""The auto dispatcher's queue model and shared-core factors (router/dispatch/dispatcher.py,
+router/dispatch/shared_cores.py), on hand-made step fits and worker stats: the arithmetic, not a server."""
 
 import pytest
 
 from contracts.worker import WorkerStats
-from costmodel.cost_model import Calibration, ModelSpec
-from costmodel.step_fit import OnlineStepFit, StepCostFit, StepShape
-from router.dispatch import AutoDispatcher, Job, Slowdown, Stream, WorkerQueue
-from router.shared_cores import SharedCores
+from costmodel.article.cost_model import Calibration, ModelSpec
+from costmodel.fit.step_fit import OnlineStepFit, StepCostFit, StepShape
+from router.dispatch.dispatcher import AutoDispatcher, Job, Slowdown, Stream, WorkerQueue
+from router.dispatch.shared_cores import SharedCores
 
 FIT = StepCostFit(0.004, 50e-6, 0.1e-6, 1e-3)  # 4 ms a step, 50 us a token, 1 ms a decode sequence
 

@@ -27,7 +27,7 @@ ray = pytest.importorskip("ray")
 from openai import APIError, OpenAI  # noqa: E402
 
 from router.config import ServeConfig  # noqa: E402
-from router.orchestrator import HEALTH_INTERVAL_S  # noqa: E402
+from router.lifecycle.orchestrator import HEALTH_INTERVAL_S  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
 from tests.helpers import samples, value, wait_until  # noqa: E402
 from tests.ray_session import shared_ray  # noqa: E402

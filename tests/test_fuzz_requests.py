@@ -13,11 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine.checkpoint.tokenizer import ByteTokenizer, HFTokenizer
 from engine.config import PRESETS
-from engine.tokenizer import ByteTokenizer, HFTokenizer
-from router.app import create_app
 from router.config import ServeConfig
-from router.openai_protocol import Limits, OpenAIError, parse_json, prepare_chat, prepare_completion
+from router.http.app import create_app
+from router.openai.protocol import Limits, OpenAIError, parse_json, prepare_chat, prepare_completion
 from tests.fakes import FakeOrchestrator
 
 FUZZ = settings(

@@ -1,9 +1,9 @@
-"""benchmarks/gc_pauses.py: what exists before a timed run is frozen, and the run's collections are
+"""benchmarks/client/gc_pauses.py: what exists before a timed run is frozen, and the run's collections are
 recorded."""
 
 import gc
 
-from benchmarks.gc_pauses import QuietGC
+from benchmarks.client.gc_pauses import QuietGC
 
 
 def test_quiet_gc_freezes_before_and_records_the_collections_during():

@@ -19,10 +19,10 @@ import sys
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, TorchReferenceAttention
 from engine.config import PRESETS, CacheConfig, ModelConfig
-from engine.kv_cache import KVCache
-from engine.kv_layout import KVLayout
+from engine.kv.cache import KVCache
+from engine.kv.layout import KVLayout
+from engine.model.attention import AttentionMetadata, TorchReferenceAttention
 
 GQA_CFG = ModelConfig(
     name="gqa",
@@ -80,7 +80,7 @@ def _interpreter_checks() -> dict:
     """Runs inside the TRITON_INTERPRET=1 subprocess; returns max abs errors."""
     from engine.gpu.attention import CudaAttention  # noqa: PLC0415
     from engine.gpu.paged_decode import paged_decode  # noqa: PLC0415
-    from engine.model_runner import ModelRunner, StepItem  # noqa: PLC0415
+    from engine.runner.model_runner import ModelRunner, StepItem  # noqa: PLC0415
 
     errors: dict = {}
     scale = GQA_CFG.head_dim**-0.5
@@ -143,7 +143,7 @@ def test_paged_decode_cuda(kv_dtype):
 
 @cuda
 def test_fp8_linear_scaled_mm_matches_dequantized():
-    from engine.linear import Fp8Linear  # noqa: PLC0415
+    from engine.model.linear import Fp8Linear  # noqa: PLC0415
 
     lin = Fp8Linear(512, 384, device="cuda")
     lin.load(torch.randn(384, 512, device="cuda") / 512**0.5)
@@ -157,7 +157,7 @@ def test_fp8_linear_scaled_mm_matches_dequantized():
 def test_cuda_graph_decode_matches_eager():
     from engine.gpu.attention import CudaAttention  # noqa: PLC0415
     from engine.gpu.cuda_graphs import DecodeGraphRunner  # noqa: PLC0415
-    from engine.model_runner import ModelRunner, StepItem  # noqa: PLC0415
+    from engine.runner.model_runner import ModelRunner, StepItem  # noqa: PLC0415
 
     cc = CacheConfig(block_size=16, num_blocks=64)
     runner = ModelRunner(PRESETS["tiny"], cc, device="cuda", backend=CudaAttention())
@@ -177,9 +177,9 @@ def test_cuda_graph_decode_matches_eager():
 
 @cuda
 def test_green_context_disagg_gives_colocated_tokens():
+    from engine.core.llm_engine import LLMEngine  # noqa: PLC0415
     from engine.gpu.green_contexts import SingleGpuDisagg, SmPartition, green_contexts_supported, share_model  # noqa: PLC0415,E501
-    from engine.llm_engine import LLMEngine  # noqa: PLC0415
-    from engine.model_runner import ModelRunner  # noqa: PLC0415
+    from engine.runner.model_runner import ModelRunner  # noqa: PLC0415
     from engine.sequence import SamplingParams, Sequence  # noqa: PLC0415
 
     if not green_contexts_supported():
@@ -224,10 +224,10 @@ if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
 def test_serving_engine_replays_decode_graphs_with_eager_tokens():
     """The serving path: an engine with graphs attached (as every decoding worker builds it) gives
     the --enforce-eager engine's greedy tokens, and its decode-only steps replayed graphs."""
+    from engine.core.llm_engine import LLMEngine  # noqa: PLC0415
     from engine.gpu.attention import CudaAttention  # noqa: PLC0415
     from engine.gpu.cuda_graphs import attach_decode_graphs  # noqa: PLC0415
-    from engine.llm_engine import LLMEngine  # noqa: PLC0415
-    from engine.model_runner import ModelRunner  # noqa: PLC0415
+    from engine.runner.model_runner import ModelRunner  # noqa: PLC0415
     from engine.sequence import SamplingParams, Sequence  # noqa: PLC0415
 
     def run(graphs: bool) -> tuple[list[list[int]], int]:
@@ -256,7 +256,7 @@ def test_serving_engine_replays_decode_graphs_with_eager_tokens():
 def test_device_sampler_seeded_rows_are_batch_independent_on_cuda():
     """Sampling on the GPU: a seeded row draws the same token alone and among 32 rows, and only
     the ids come back."""
-    from engine.sampler import Sampler, SamplingRows  # noqa: PLC0415
+    from engine.runner.sampler import Sampler, SamplingRows  # noqa: PLC0415
     from engine.sequence import SamplingParams  # noqa: PLC0415
 
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -1,4 +1,4 @@
-"""The persistent batch (engine/input_batch.py): per-row state updated from diffs gives the same
+"""The persistent batch (engine/runner/input_batch.py): per-row state updated from diffs gives the same
 step inputs as building them from scratch, through joins, leaves (compaction) and block
 boundaries; and a seeded request samples the same tokens alone and inside a batch of 32."""
 
@@ -9,10 +9,10 @@ import random
 import torch
 
 from engine.config import PRESETS, CacheConfig
-from engine.input_batch import InputBatch
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
-from engine.sampler import sample
+from engine.core.llm_engine import LLMEngine
+from engine.runner.input_batch import InputBatch
+from engine.runner.model_runner import ModelRunner
+from engine.runner.sampler import sample
 from engine.sequence import SamplingParams, Sequence
 from tests.helpers import run_to_completion
 

@@ -1,4 +1,4 @@
-"""The article's KV accounting applied to a pool (costmodel/kv_capacity.py), and the capacity
+"""The article's KV accounting applied to a pool (costmodel/article/kv_capacity.py), and the capacity
 benchmark's reserved policy against it: reserving prompt + max_tokens must hold exactly the
 whole-block arithmetic's number of sequences while requests wait."""
 
@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from benchmarks.bench_kvcache import CapacityConfig, draw_requests, run_capacity
-from costmodel import cost_model as cm
-from costmodel import kv_capacity as kv
+from benchmarks.engine.kvcache import CapacityConfig, draw_requests, run_capacity
+from costmodel.article import cost_model as cm
+from costmodel.article import kv_capacity as kv
 from engine.config import PRESETS
 
 

@@ -11,7 +11,7 @@ import torch
 
 from contracts.worker import GenerateRequest, StreamEvent, WorkerConfig
 from decode_worker.worker import DecodeWorker
-from engine.kv_layout import KVLayout
+from engine.kv.layout import KVLayout
 from engine.sequence import SamplingParams
 from prefill_worker.worker import PrefillWorker
 from tests.helpers import wait_until

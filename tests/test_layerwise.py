@@ -18,7 +18,7 @@ decodes, its blocks always come back, and a fault mid-stream ends that request a
   the workers serve the next one.
 - One server end to end (Ray, NIXL, uvicorn, the openai client): per-request `kv_transfer`, the
   timeline's mode and overlap, a 400 for an unknown mode, no block left in use.
-- router/kv_transfer_policy.py's decisions (fast) and ServeConfig's checks of --kv-transfer and
+- router/dispatch/kv_transfer_policy.py's decisions (fast) and ServeConfig's checks of --kv-transfer and
   --kv-stream-layers.
 """
 
@@ -37,13 +37,13 @@ import pytest
 from contracts.worker import GenerateRequest, PrefillResult, StreamEvent, WorkerConfig, WorkerError
 from decode_worker.worker import DecodeWorker
 from engine.config import PRESETS, CacheConfig
-from engine.kv_layout import KVLayout
+from engine.kv.layout import KVLayout
 from engine.sequence import SamplingParams
 from prefill_worker.kv_stream import layer_groups
 from prefill_worker.worker import PrefillWorker
-from router.kv_transfer_policy import KVTransferPolicy
-from router.orchestrator import Orchestrator
-from router.worker_handle import WorkerHandle
+from router.dispatch.kv_transfer_policy import KVTransferPolicy
+from router.lifecycle.orchestrator import Orchestrator
+from router.workers.handle import WorkerHandle
 from tests.helpers import wait_until
 from transport.wire import KVHandle, TransferStats
 
@@ -306,7 +306,7 @@ def _generate_all(orch: Orchestrator, reqs: list[GenerateRequest]) -> dict[str, 
                 [ev async for ev in orch.generate(req)]
 
             await asyncio.gather(*(one(r) for r in reqs))
-            return {r.request_id: orch.timeline(r.request_id) for r in reqs}
+            return {r.request_id: orch.timeline(r.request_id).to_dict() for r in reqs}
         finally:
             await orch.shutdown()
 
@@ -557,7 +557,7 @@ def test_group_corrupted_after_its_announcement(workers, monkeypatch, transport,
             with pytest.raises(WorkerError) as err:
                 [ev async for ev in orch.generate(_req("corrupt"))]
             after = [ev.token_id async for ev in orch.generate(_req("after"))]
-            assert orch.timeline("corrupt")["finish_reason"] == "error"
+            assert orch.timeline("corrupt").finish_reason == "error"
             return before, str(err.value), after
         finally:
             await orch.shutdown()
@@ -720,7 +720,7 @@ def test_policy_auto_pulls_whole_until_it_knows_a_prefill_and_a_link():
 
 
 def test_policy_auto_streams_long_prompts_not_tiny_ones_on_a_slow_link():
-    from costmodel.layerwise import LinkSpec, layerwise_threshold_tokens
+    from costmodel.article.layerwise import LinkSpec, layerwise_threshold_tokens
 
     slow = _policy("auto", link_gbps=1.0)
     slow.observe_prefill(1000, 1.0)  # 1 ms a token
@@ -780,8 +780,8 @@ def test_serve_config_checks_kv_transfer_flags():
 def test_request_body_kv_transfer_is_checked_and_carried():
     """The body field `kv_transfer` (completions and chat): one of bulk, layerwise, auto, carried to
     the orchestrator's request; anything else is a 400 naming the field; absent: the server's."""
-    from engine.tokenizer import ByteTokenizer
-    from router import openai_protocol as oa
+    from engine.checkpoint.tokenizer import ByteTokenizer
+    from router.openai import protocol as oa
 
     tok, lim = ByteTokenizer(), oa.Limits("tiny", frozenset({"tiny"}), 256, 320, 32)
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}

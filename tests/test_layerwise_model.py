@@ -1,12 +1,12 @@
-"""The layer-wise KV streaming arithmetic (costmodel/layerwise.py) against its closed forms, and the
+"""The layer-wise KV streaming arithmetic (costmodel/article/layerwise.py) against its closed forms, and the
 cost model's use of it for a real model (what `pdserve cost` prints)."""
 
 from __future__ import annotations
 
 import pytest
 
-from costmodel import cost_model as cm
-from costmodel.layerwise import (
+from costmodel.article import cost_model as cm
+from costmodel.article.layerwise import (
     DEFAULT_GROUP_OVERHEAD_S,
     DEFAULT_OPEN_S,
     LinkSpec,
@@ -96,7 +96,7 @@ def test_cost_model_feeds_the_model_into_it():
 def test_a_cpu_prefill_slowed_by_its_own_transfer_can_make_streaming_lose():
     """On shared cores the prefill runs ~3% longer beside its transfer (CPU_OVERLAP_COST): a 1.7k-token
     SmolLM2 document (21.3 MB, 7.5 s of CPU prefill) gains at 0.1 Gbit/s, not at 1 Gbit/s, as measured."""
-    from costmodel.layerwise import CPU_OVERLAP_COST  # noqa: PLC0415
+    from costmodel.article.layerwise import CPU_OVERLAP_COST  # noqa: PLC0415
 
     kv, prefill, groups = 21.35e6, 7.5, 30
     slow, fast = LinkSpec.gbits(0.1, 0.0033), LinkSpec.gbits(1.0, 0.0033)

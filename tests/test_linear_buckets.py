@@ -1,4 +1,4 @@
-"""GEMM row buckets (engine/linear.py `RowBuckets`): a bounded set of oneDNN shapes, same bits.
+"""GEMM row buckets (engine/model/linear.py `RowBuckets`): a bounded set of oneDNN shapes, same bits.
 
 The buckets exist to bound oneDNN's per-shape primitive caches (issue 22); they are only
 acceptable because they change no output: a row of a oneDNN GEMM does not depend on how many
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import torch_compat
-from engine.linear import PackedWeight, RowBuckets, row_buckets, set_row_buckets
+from engine.model.linear import PackedWeight, RowBuckets, row_buckets, set_row_buckets
 
 pytestmark = pytest.mark.skipif(
     not torch_compat.ONEDNN_LINEAR, reason="oneDNN's fused linear ops not available in this torch build"
@@ -62,7 +62,7 @@ def test_bucketed_gemm_is_bit_identical_to_unbucketed(post, buckets_off):
 def test_model_logits_bit_identical_with_and_without_buckets(buckets_off):
     """A whole prefill of the tiny model, several lengths in one batch: same logits, bit for bit."""
     from engine.config import CacheConfig, resolve_model_config  # noqa: PLC0415
-    from engine.model_runner import ModelRunner, StepItem  # noqa: PLC0415
+    from engine.runner.model_runner import ModelRunner, StepItem  # noqa: PLC0415
 
     runner = ModelRunner(resolve_model_config("tiny"), CacheConfig(block_size=16, num_blocks=256))
     g = torch.Generator().manual_seed(1)

@@ -6,11 +6,11 @@ import math
 
 import torch
 
-from benchmarks.demo_samples import report_section
-from engine.logprobs import token_logprobs
+from benchmarks.compare.demo_samples import report_section
+from engine.checkpoint.tokenizer import ByteTokenizer
+from engine.runner.logprobs import token_logprobs
 from engine.sequence import TokenLogprob
-from engine.tokenizer import ByteTokenizer
-from router import logprobs_format as lpf
+from router.openai import logprobs_format as lpf
 
 
 def test_token_logprobs_against_log_softmax():

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from contracts.worker import WorkerStats
-from router.rss_watch import RssWatch
+from router.workers.rss_watch import RssWatch
 from tests.helpers import samples, wait_until
 
 MB = 1024**2
@@ -61,7 +61,7 @@ def watched_server(ray_cluster):
     """A disaggregated tiny server whose watch warns at any growth (a 4 KB page), after no warm-up;
     the health loop reads the stats for it every half second (no scrape needed)."""
     pytest.importorskip("ray")
-    import router.orchestrator as orchestrator  # noqa: PLC0415
+    import router.lifecycle.orchestrator as orchestrator  # noqa: PLC0415
     from router.config import ServeConfig  # noqa: PLC0415
     from router.serve_cli import ServerThread  # noqa: PLC0415
 

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from cli import main as cli_main
-from engine.block_manager import BlockManager
 from engine.config import CacheConfig, resolve_model_config
-from engine.linear import Fp8Linear
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner, StepItem
+from engine.core.llm_engine import LLMEngine
+from engine.kv.block_manager import BlockManager
+from engine.model.linear import Fp8Linear
+from engine.runner.model_runner import ModelRunner, StepItem
 from engine.sequence import SamplingParams, Sequence
 from tests.helpers import run_to_completion
 

@@ -1,10 +1,10 @@
-"""costmodel/nnls.py: the one non-negative least-squares solver the step and probe fits share."""
+"""costmodel/fit/nnls.py: the one non-negative least-squares solver the step and probe fits share."""
 
 from __future__ import annotations
 
 import pytest
 
-from costmodel.nnls import nnls_rel, solve_spd
+from costmodel.fit.nnls import nnls_rel, solve_spd
 
 
 def _rows(coef, xs):

@@ -279,7 +279,7 @@ def _tl(**kw) -> dict:
 
 
 def test_phases_partition_the_request_and_clamp_skewed_clocks():
-    from router import trace_phases
+    from router.observe import trace_phases
 
     t0, t1 = int(999.999e9), int(1000.045e9)
     rt = trace_phases.build(_tl(), t0, t1, "ok", None, chunk_size=16)
@@ -302,7 +302,7 @@ def test_phases_partition_the_request_and_clamp_skewed_clocks():
 
 
 def test_collector_down_costs_only_dropped_spans(monkeypatch):
-    from router.tracing import Tracing
+    from router.observe.tracing import Tracing
 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "1")
     tr = Tracing("http://127.0.0.1:9", max_queue=16)  # nothing listens on port 9
@@ -319,7 +319,7 @@ def test_collector_down_costs_only_dropped_spans(monkeypatch):
 
 
 def test_tracing_is_off_unless_configured():
-    from router.tracing import enabled, traces_url
+    from router.observe.tracing import enabled, traces_url
 
     assert not enabled(None, {})
     assert enabled("http://c:4318", {}) and enabled(None, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"})
@@ -331,7 +331,7 @@ def test_tracing_is_off_unless_configured():
 def test_json_formatter_line():
     import logging
 
-    from router import logs
+    from router.observe import logs
 
     rec = logging.LogRecord("pdserve.app", logging.ERROR, __file__, 1, "request %s failed", ("r1",), None)
     token = logs.request_id.set("r1")

@@ -15,8 +15,8 @@ from openai import APIError, APIStatusError, OpenAI  # noqa: E402
 from contracts.worker import GenerateRequest, WorkerConfig  # noqa: E402
 from engine.sequence import SamplingParams  # noqa: E402
 from router.config import ServeConfig  # noqa: E402
-from router.ray_cluster import ensure_local_token  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
+from router.workers.ray_cluster import ensure_local_token  # noqa: E402
 from tests.helpers import wait_until  # noqa: E402
 from tests.ray_session import fresh_ray, shared_ray  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The probe's arithmetic (costmodel/probe_fit.py) and its inferences (benchmarks/probe_run.py) on
+"""The probe's arithmetic (costmodel/fit/probe_fit.py) and its inferences (benchmarks/probe/run.py) on
 numbers made up to have known answers: no server."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import shlex
 
 import pytest
 
-from benchmarks import bench_serve
-from benchmarks.probe_measure import TaxSample, step_residuals
-from benchmarks.probe_plan import ProbePlan, article_check
-from benchmarks.probe_run import Chunking, infer_chunking, mixed_steps
-from costmodel import probe_fit as pf
-from costmodel.step_fit import StepCostFit, StepShape
-from costmodel.step_fit import fit as fit_steps
+from benchmarks.client import bench_serve
+from benchmarks.probe.measure import TaxSample, step_residuals
+from benchmarks.probe.plan import ProbePlan, article_check
+from benchmarks.probe.run import Chunking, infer_chunking, mixed_steps
+from costmodel.fit import probe_fit as pf
+from costmodel.fit.step_fit import StepCostFit, StepShape
+from costmodel.fit.step_fit import fit as fit_steps
 
 
 def test_fits_recover_the_terms_that_made_the_points():

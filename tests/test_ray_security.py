@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _may_unshare_net() -> bool:
-    code = "import sys; from router.ray_cluster import enter_private_network as e; sys.exit(0 if e() else 1)"
+    code = "import sys; from router.workers.ray_cluster import enter_private_network as e; sys.exit(0 if e() else 1)"
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True).returncode == 0
 
 
@@ -100,7 +100,7 @@ def test_pdserve_serve_opens_no_socket_on_the_network(tmp_path):
 
 
 def test_auth_mode_other_than_token_is_refused(monkeypatch):
-    from router.ray_cluster import RayAuthError, require_token_auth
+    from router.workers.ray_cluster import RayAuthError, require_token_auth
 
     monkeypatch.setenv("RAY_AUTH_MODE", "off")
     with pytest.raises(RayAuthError, match="only with token authentication"):
@@ -110,7 +110,7 @@ def test_auth_mode_other_than_token_is_refused(monkeypatch):
 def test_embedded_token_is_private(monkeypatch):
     """The embedded cluster's token: random, in a 0600 file in a 0700 directory, named to Ray's
     processes through RAY_AUTH_TOKEN_PATH."""
-    import router.ray_cluster as rc
+    import router.workers.ray_cluster as rc
 
     monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
     monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)

@@ -12,11 +12,11 @@ import json
 import pytest
 import torch
 
+from engine.checkpoint.tokenizer import load_tokenizer
 from engine.config import CacheConfig, resolve_model_config
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
+from engine.core.llm_engine import LLMEngine
+from engine.runner.model_runner import ModelRunner
 from engine.sequence import SamplingParams, Sequence
-from engine.tokenizer import load_tokenizer
 
 # the real 135M model, often beside transformers: tens of seconds on 2 cores
 pytestmark = [pytest.mark.real_model]

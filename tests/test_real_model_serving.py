@@ -9,7 +9,7 @@ import pytest
 ray = pytest.importorskip("ray")
 from openai import OpenAI  # noqa: E402
 
-from engine.model_registry import DEFAULT_MODEL  # noqa: E402
+from engine.checkpoint.registry import DEFAULT_MODEL  # noqa: E402
 from router.config import ServeConfig  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
 from tests.ray_session import shared_ray  # noqa: E402

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from contracts.worker import GenerateRequest, StreamEvent
 from engine.sequence import SamplingParams
-from router.decode_streams import DecodeStreams
-from router.request_state import RequestState
-from router.timeline import Timeline
-from router.worker_handle import WorkerHandle
+from router.lifecycle.decode_streams import DecodeStreams
+from router.lifecycle.request_state import RequestState
+from router.observe.timeline import Timeline
+from router.workers.handle import WorkerHandle
 
 PREFILL = WorkerHandle("prefill-0", "prefill", object(), is_ray=False)
 DECODE = WorkerHandle("decode-0", "decode", object(), is_ray=False)

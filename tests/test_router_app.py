@@ -13,10 +13,10 @@ import httpx
 import pytest
 import uvicorn
 
+from engine.checkpoint.tokenizer import ByteTokenizer
 from engine.config import PRESETS
-from engine.tokenizer import ByteTokenizer
-from router.app import create_app
 from router.config import ServeConfig
+from router.http.app import create_app
 from tests.fakes import FakeOrchestrator
 from tests.helpers import async_wait_until, value, wait_until
 

@@ -10,10 +10,10 @@ import math
 
 import pytest
 
-from engine.tokenizer import ByteTokenizer
-from router import openai_protocol as oa
-from router import openai_responses as oar
+from engine.checkpoint.tokenizer import ByteTokenizer
 from router.config import ConfigError, ServeConfig
+from router.openai import protocol as oa
+from router.openai import responses as oar
 
 TOK = ByteTokenizer()
 LIM = oa.Limits("tiny", frozenset({"tiny"}), context_len=64, vocab_size=320, max_tokens_limit=32)

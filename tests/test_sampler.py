@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from engine.config import PRESETS, CacheConfig
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
-from engine.sampler import sample
+from engine.core.llm_engine import LLMEngine
+from engine.runner.model_runner import ModelRunner
+from engine.runner.sampler import sample
 from engine.sequence import SamplingParams, Sequence
 
 

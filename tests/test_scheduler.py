@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 
 from engine.config import PRESETS, CacheConfig
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
-from engine.scheduler import PrefillChunk, ScheduledBatch
+from engine.core.llm_engine import LLMEngine
+from engine.core.scheduler import PrefillChunk, ScheduledBatch
+from engine.runner.model_runner import ModelRunner
 from engine.sequence import SamplingParams, Sequence, Status
 
 

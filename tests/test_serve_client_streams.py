@@ -17,9 +17,9 @@ import json
 
 import pytest
 
-from benchmarks.bench_serve import BenchConfig, cached_documents_warning, run_benchmark
-from benchmarks.probe_client import ProbeClient
-from benchmarks.serve_client import ClientConfig, StreamRecord, classify_chunk, shape_warning
+from benchmarks.client.bench_serve import BenchConfig, cached_documents_warning, run_benchmark
+from benchmarks.client.serve_client import ClientConfig, StreamRecord, classify_chunk, shape_warning
+from benchmarks.probe.client import ProbeClient
 from cli import main as cli_main
 from costmodel.workloads import RequestSpec
 from tests.fakes import FakeCompletionsServer, FakeScript

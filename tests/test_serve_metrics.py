@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from benchmarks.bench_serve import BenchConfig, format_table, run_benchmark
-from benchmarks.serve_client import ClientConfig
+from benchmarks.client.bench_serve import BenchConfig, format_table, run_benchmark
+from benchmarks.client.serve_client import ClientConfig
 from cli import main as cli_main
 from costmodel.serve_metrics import RequestRecord, compute_metrics, percentile
 from costmodel.workloads import RequestSpec, WorkloadConfig, build_workload

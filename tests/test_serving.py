@@ -17,11 +17,11 @@ import pytest
 pytest.importorskip("ray")  # the servers below run on Ray (conftest.ray_cluster)
 from openai import APIStatusError, AsyncOpenAI, OpenAI  # noqa: E402
 
+from engine.checkpoint.tokenizer import ByteTokenizer  # noqa: E402
 from engine.config import PRESETS, CacheConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
+from engine.core.llm_engine import LLMEngine  # noqa: E402
+from engine.runner.model_runner import ModelRunner  # noqa: E402
 from engine.sequence import SamplingParams, Sequence  # noqa: E402
-from engine.tokenizer import ByteTokenizer  # noqa: E402
 from router.config import ServeConfig  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
 from tests.helpers import samples, wait_until  # noqa: E402

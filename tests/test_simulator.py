@@ -10,8 +10,8 @@ import random
 import pytest
 
 from cli import main as cli_main
-from costmodel import cost_model as cm
-from costmodel.sim_engine import Sim, SimConfig, StepModel, Workload, simulate
+from costmodel.article import cost_model as cm
+from costmodel.sim.engine import Sim, SimConfig, StepModel, Workload, simulate
 from costmodel.simulate import capacity_special_case, percentiles, summarize
 
 M, HW = cm.ARTICLE_MODEL, cm.ARTICLE_HW
@@ -212,7 +212,7 @@ def _by_kv_transfer(link: cm.Link, **kw) -> dict[str, dict[int, object]]:
 
 
 def test_single_request_layerwise_leaves_the_last_group():
-    from costmodel.layerwise import layerwise_exposed_s
+    from costmodel.article.layerwise import layerwise_exposed_s
 
     p, link = 4096, cm.LINKS["ib-100g"]
     cfg = SimConfig("disagg", link=link, kv_transfer="layerwise", **RDMA)

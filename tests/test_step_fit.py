@@ -1,13 +1,13 @@
-"""The step-cost fit (costmodel/step_fit.py): fitting, online refinement, calibration files, CLI."""
+"""The step-cost fit (costmodel/fit/step_fit.py): fitting, online refinement, calibration files, CLI."""
 
 import json
 import random
 
 import pytest
 
-from costmodel import cost_model as cm
-from costmodel.sim_engine import Request, StepModel
-from costmodel.step_fit import OnlineStepFit, StepCostFit, StepShape, fit
+from costmodel.article import cost_model as cm
+from costmodel.fit.step_fit import OnlineStepFit, StepCostFit, StepShape, fit
+from costmodel.sim.engine import Request, StepModel
 
 TRUE = StepCostFit(0.005, 90e-6, 0.03e-9 * 1e3, 800e-6)  # fixed, per token, per pair, per sequence
 

@@ -1,7 +1,7 @@
 """The request timeline's JSON, pinned: the keys (in order) and value types that clients read from
 `pdserve.timeline` (responses, the SSE final chunk) and `GET /v1/requests/{id}/timeline`.
 
-The API returns `Orchestrator.timeline(rid)` through `json_safe`, so the orchestrator's view is
+The API returns `Orchestrator.timeline(rid).to_dict()` through `json_safe`, so the orchestrator's view is
 the API's. Driven over in-process workers (no Ray, no server) for each way a request is served:
 colocated, disaggregated (prefix policy, a nominal link), and auto's local and remote placements.
 A change here is a change of the API: clients (bench serve, bench compare, link_probe) parse it.
@@ -19,18 +19,18 @@ import json
 import pytest
 
 from contracts.worker import GenerateRequest, WorkerConfig
-from costmodel.cost_model import Calibration, ModelSpec
-from costmodel.step_fit import StepCostFit
+from costmodel.article.cost_model import Calibration, ModelSpec
+from costmodel.fit.step_fit import StepCostFit
 from decode_worker.worker import DecodeWorker
 from engine.config import PRESETS
 from engine.sequence import SamplingParams
 from prefill_worker.worker import PrefillWorker
-from router import trace_phases
-from router.dispatch import AutoDispatcher
-from router.kv_transfer_policy import KVTransferPolicy
-from router.orchestrator import Orchestrator
-from router.timeline import KVTransfer, Timeline
-from router.worker_handle import WorkerHandle
+from router.dispatch.dispatcher import AutoDispatcher
+from router.dispatch.kv_transfer_policy import KVTransferPolicy
+from router.lifecycle.orchestrator import Orchestrator
+from router.observe import trace_phases
+from router.observe.timeline import KVTransfer, Timeline
+from router.workers.handle import WorkerHandle
 
 _names = itertools.count()
 PROMPT = list(b"the quick brown fox jumps over")  # 30 tokens: 1 full block of 16 and a partial one
@@ -108,7 +108,7 @@ def _serve(orch: Orchestrator, rids: list[str]) -> list[dict]:
         try:
             for rid in rids:
                 [ev async for ev in orch.generate(_req(rid))]
-            return [json.loads(json.dumps(orch.timeline(rid))) for rid in rids]
+            return [json.loads(json.dumps(orch.timeline(rid).to_dict())) for rid in rids]
         finally:
             await orch.shutdown()
 

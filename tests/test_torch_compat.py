@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import torch_compat
-from engine.linear import DenseLinear, Fp8Linear
+from engine.model.linear import DenseLinear, Fp8Linear
 
 POSTS = ("none", "silu", "mul", "add")
 

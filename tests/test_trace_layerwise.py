@@ -21,12 +21,12 @@ from decode_worker.worker import DecodeWorker
 from engine.config import PRESETS
 from engine.sequence import SamplingParams
 from prefill_worker.worker import PrefillWorker
-from router import trace_phases
-from router.kv_transfer_policy import KVTransferPolicy
-from router.orchestrator import Orchestrator
-from router.timeline import Timeline
-from router.tracing import Tracing
-from router.worker_handle import WorkerHandle
+from router.dispatch.kv_transfer_policy import KVTransferPolicy
+from router.lifecycle.orchestrator import Orchestrator
+from router.observe import trace_phases
+from router.observe.timeline import Timeline
+from router.observe.tracing import Tracing
+from router.workers.handle import WorkerHandle
 from transport.wire import TransferStats
 
 T0 = 1000.0  # the request's arrival, unix seconds
@@ -224,7 +224,7 @@ def _served_timeline() -> dict:
         await orch.start()
         try:
             [ev async for ev in orch.generate(req)]
-            return json.loads(json.dumps(orch.timeline("lw-served")))
+            return json.loads(json.dumps(orch.timeline("lw-served").to_dict()))
         finally:
             await orch.shutdown()
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from engine.config import PRESETS, CacheConfig
-from engine.kv_layout import KVLayout
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
+from engine.core.llm_engine import LLMEngine
+from engine.kv.layout import KVLayout
+from engine.runner.model_runner import ModelRunner
 from engine.sequence import SamplingParams, Sequence
 from tests.helpers import wait_until
 from transport import LayoutMismatch, TransferTimeout, TransportError, make_transport

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-import router.worker_handle as wh
-from router.worker_handle import WorkerHandle, WorkerUnavailable
+import router.workers.handle as wh
+from router.workers.handle import WorkerHandle, WorkerUnavailable
 from tests.fakes import FakeActorTarget
 
 

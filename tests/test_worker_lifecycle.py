@@ -21,8 +21,8 @@ from decode_worker.worker import DecodeWorker
 from engine.config import PRESETS
 from engine.sequence import SamplingParams
 from prefill_worker.worker import PrefillWorker
-from router.orchestrator import STATS_REFRESH_S, Orchestrator
-from router.worker_handle import WorkerHandle
+from router.lifecycle.orchestrator import STATS_REFRESH_S, Orchestrator
+from router.workers.handle import WorkerHandle
 from tests.helpers import async_wait_until, wait_until
 
 _names = itertools.count()
@@ -331,14 +331,14 @@ def test_orchestrator_colocated_timeline_and_active_counts():
             evs = await _drain(orch, _req("o1", 5))
             assert [e.index for e in evs] == list(range(5)) and evs[-1].finish_reason == "length"
             tl = orch.timeline("o1")
-            assert tl["finish_reason"] == "length" and tl["output_tokens"] == 5
-            assert tl["token_ids"] == [e.token_id for e in evs] and tl["prefill_worker"] is None
-            assert 0 <= tl["first_token_ms"] <= tl["last_token_ms"]
+            assert tl.finish_reason == "length" and tl.output_tokens == 5
+            assert tl.token_ids == [e.token_id for e in evs] and tl.prefill_worker is None
+            assert 0 <= tl.first_token_ms <= tl.last_token_ms
             # a consumer that stops early: the request is aborted on the worker, active drops back
             gen = orch.generate(_req("o2", 50))
             await gen.__anext__()
             await gen.aclose()
-            assert orch.timeline("o2")["finish_reason"] == "abort"
+            assert orch.timeline("o2").finish_reason == "abort"
             assert all(w.active == 0 for w in orch.decode)
         finally:
             await orch.shutdown()  # waits for the abort it sent to the worker
@@ -368,7 +368,7 @@ def test_least_loaded_reads_stats_refreshed_without_a_metrics_scrape():
             )
             await asyncio.sleep(3 * STATS_REFRESH_S)  # at least one refresh after it took them
             await _drain(orch, _req("ll1", 2))
-            assert orch.timeline("ll1")["decode_worker"] == idle.name
+            assert orch.timeline("ll1").decode_worker == idle.name
         finally:
             await orch.shutdown()
 
@@ -395,7 +395,7 @@ def test_orchestrator_failed_transfer_is_an_error_and_frees_both_pools(make_pair
         try:
             with pytest.raises(WorkerError, match="link down"):
                 await _drain(orch, _req("f1", 5))
-            assert orch.timeline("f1")["finish_reason"] == "error"  # not "abort"
+            assert orch.timeline("f1").finish_reason == "error"  # not "abort"
             assert all(w.active == 0 for w in orch.prefill + orch.decode)
             assert all(w.alive for w in orch.prefill + orch.decode)  # failed, not dead
         finally:

@@ -19,8 +19,8 @@ import pytest
 from contracts.worker import GenerateRequest, WorkerConfig, WorkerError
 from engine.sequence import SamplingParams
 from router.config import ConfigError, ServeConfig
-from router.worker_host import CALLS_IN_FLIGHT, METHOD_GROUPS, WorkerHost, concurrency_groups
-from router.worker_threads import auto_threads, choose_threads, parse_threads
+from router.workers.host import CALLS_IN_FLIGHT, METHOD_GROUPS, WorkerHost, concurrency_groups
+from router.workers.threads import auto_threads, choose_threads, parse_threads
 
 THREADS_BOUND = 100  # a worker process held ~535 threads with max_concurrency=512; ~50-80 now
 
@@ -36,7 +36,7 @@ def test_auto_shares_the_cores_evenly_at_least_one_each(cores, workers, threads)
 
 def test_an_explicit_count_beats_the_environment_which_beats_auto():
     no_env: dict[str, str] = {}
-    # one core of the router's host is left to the router (router/worker_threads.py says why)
+    # one core of the router's host is left to the router (router/workers/threads.py says why)
     assert choose_threads(None, 1, cores=2, env=no_env).threads == 1  # colocated alone on 2 cores
     assert choose_threads(None, 1, cores=8, env=no_env).threads == 7
     assert choose_threads(None, 2, cores=8, env=no_env).threads == 3  # 1P1D on 8 cores
@@ -142,10 +142,10 @@ def test_every_worker_call_has_a_concurrency_group():
 def test_calibrations_record_the_threads_and_predictions_carry_them(tmp_path: Path):
     import json
 
-    from benchmarks.compare_calibration import StepLogRecorder, fit_pools, prediction_setup
-    from benchmarks.compare_calibration import build as build_self_calibration
-    from costmodel import cost_model as cm
-    from costmodel.compare_predict import setup_from_calibration
+    from benchmarks.compare.calibration import StepLogRecorder, fit_pools, prediction_setup
+    from benchmarks.compare.calibration import build as build_self_calibration
+    from costmodel.article import cost_model as cm
+    from costmodel.sim.compare_predict import setup_from_calibration
 
     # a server's step log, as GET /v1/workers/steps answers it
     entry = {"prefill_tokens": 0, "attention_pairs": 100.0, "seconds": 0.01, "end_unix_s": 1.0, "torch_threads": 2}
@@ -174,8 +174,8 @@ def test_simulate_says_which_threads_its_calibration_was_measured_with(tmp_path:
     import json
 
     from cli import build_parser
-    from costmodel import cost_model as cm
     from costmodel import simulate
+    from costmodel.article import cost_model as cm
 
     path = tmp_path / "c.calibration.json"
     path.write_text(json.dumps(cm.Calibration(device="cpu", dtype="fp32", peak_tflops=0.1, torch_threads=3).to_dict()))

@@ -5,7 +5,7 @@ it, or reads it through an imported name, breaks the day the owner renames it, a
 so. Flagged, in every Python file of the repository (tests and tools included):
 
 - `from M import _x`: a private name imported from another module (ruff's PLC2701 checks this
-  only across top-level packages, so `benchmarks.bench_probe` importing `benchmarks.bench_serve`'s
+  only across top-level packages, so `benchmarks.probe.command` importing `benchmarks.client.bench_serve`'s
   private name passed); `from a._m import x`, `import a._m`: a private module;
 - `M._x`, `M.a._x`: a private attribute read through a name an import statement bound (a
   module, or a class from one): `torch.ops.mkldnn._reorder_linear_weight`, `linear._MKLDNN`;

@@ -1,7 +1,7 @@
 """Turn a block-id mapping into as few byte ranges as possible.
 
 A transfer moves remote block r[i] into local block l[i]. In the block-major pool (see
-engine/kv_layout.py) a block is one contiguous byte range, so wherever both r and l step by +1
+engine/kv/layout.py) a block is one contiguous byte range, so wherever both r and l step by +1
 the blocks merge into one range. A fresh block manager hands out ascending ids, so a long prompt
 usually becomes one descriptor instead of thousands: descriptor count, not bytes, is what makes
 naive KV transfers crawl (each descriptor costs a post, a completion and, over RDMA, a work

@@ -11,7 +11,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 
-from engine.kv_layout import KVLayout
+from engine.kv.layout import KVLayout
 
 __all__ = ["KVLayout", "PeerInfo", "KVHandle", "TransferStats", "StreamTarget", "StreamProgress", "LINKS_GBPS"]
 

@@ -17,7 +17,7 @@ def gemm_shapes(cfg) -> dict[str, tuple[int, int]]:
 
 
 def bench_ceilings(cfgs, cap_s: float) -> dict:
-    from engine.kv_cache import FP8  # noqa: PLC0415
+    from engine.kv.cache import FP8  # noqa: PLC0415
 
     end = time.perf_counter() + cap_s
     n = 2 << 30

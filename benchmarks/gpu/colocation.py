@@ -17,7 +17,7 @@ def bench_green(
     runner, graphs, sm_list: list[int], cap_s: float, B: int = 32, P: int = 8192, mode_s: float = 6.0
 ) -> dict:
     from engine.gpu.green_contexts import SmPartition, green_contexts_supported  # noqa: PLC0415
-    from engine.model_runner import StepItem  # noqa: PLC0415
+    from engine.runner.model_runner import StepItem  # noqa: PLC0415
 
     end = time.perf_counter() + cap_s
     per_seq = CTX // 16

@@ -29,8 +29,8 @@ def build_runner(preset: str, batches: list[int], extra_blocks: int, reserve_gb:
     """The model, then a pool as large as the biggest decode batch (4k each) needs and memory allows."""
     from engine.config import PRESETS, CacheConfig  # noqa: PLC0415
     from engine.gpu.attention import CudaAttention  # noqa: PLC0415
-    from engine.kv_layout import KVLayout  # noqa: PLC0415
-    from engine.model_runner import ModelRunner  # noqa: PLC0415
+    from engine.kv.layout import KVLayout  # noqa: PLC0415
+    from engine.runner.model_runner import ModelRunner  # noqa: PLC0415
 
     cfg = PRESETS[preset]
     t0 = time.perf_counter()
@@ -45,7 +45,7 @@ def build_runner(preset: str, batches: list[int], extra_blocks: int, reserve_gb:
     nb = min(nb, int(free // per_block))
     cache_cfg = CacheConfig(block_size=16, num_blocks=nb)
     del runner.cache
-    from engine.kv_cache import KVCache  # noqa: PLC0415
+    from engine.kv.cache import KVCache  # noqa: PLC0415
 
     runner.cache_cfg, runner.layout = cache_cfg, KVLayout.build(cfg, cache_cfg)
     runner.cache = KVCache(runner.layout, "cuda")
@@ -57,7 +57,7 @@ def build_runner(preset: str, batches: list[int], extra_blocks: int, reserve_gb:
 
 def bench_decode(runner, fit: list[int], copy_bw: float, cap_s: float) -> dict:
     from engine.gpu.cuda_graphs import DecodeGraphRunner  # noqa: PLC0415
-    from engine.model_runner import StepItem  # noqa: PLC0415
+    from engine.runner.model_runner import StepItem  # noqa: PLC0415
 
     end = time.perf_counter() + cap_s
     nb = runner.cache_cfg.num_blocks
@@ -104,7 +104,7 @@ def prefill_flops(cfg, T: int) -> float:
 
 
 def bench_prefill(runner, lens: list[int], fp8_peak: float | None, cap_s: float) -> list[dict]:
-    from engine.model_runner import StepItem  # noqa: PLC0415
+    from engine.runner.model_runner import StepItem  # noqa: PLC0415
 
     end = time.perf_counter() + cap_s
     rows = []

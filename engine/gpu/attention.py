@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionBackend, AttentionMetadata
 from engine.gpu.paged_decode import paged_decode
-from engine.kv_cache import KVCache, quantize_fp8
+from engine.kv.cache import KVCache, quantize_fp8
+from engine.model.attention import AttentionBackend, AttentionMetadata
 
 
 def as_read_back(cache: KVCache, x: torch.Tensor) -> torch.Tensor:

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner, StepItem
+from engine.core.llm_engine import LLMEngine
+from engine.model.attention import AttentionMetadata
+from engine.runner.model_runner import ModelRunner, StepItem
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 

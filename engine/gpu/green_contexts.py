@@ -32,11 +32,11 @@ from typing import Any
 import torch
 
 from engine.config import CacheConfig
-from engine.kv_cache import KVCache
-from engine.kv_layout import KVLayout
-from engine.llm_engine import LLMEngine, TokenEvent
-from engine.model_runner import ModelRunner
-from engine.sampler import Sampler
+from engine.core.llm_engine import LLMEngine, TokenEvent
+from engine.kv.cache import KVCache
+from engine.kv.layout import KVLayout
+from engine.runner.model_runner import ModelRunner
+from engine.runner.sampler import Sampler
 from engine.sequence import Sequence
 
 

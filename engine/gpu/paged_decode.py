@@ -2,7 +2,7 @@
 
 One decode step: B sequences, one new query token each. Query head i attends with KV head
 i // G (G = Hq / Hkv, the GQA group, as `repeat_interleave` in the torch reference). The pool is
-the raw byte tensor of engine/kv_cache.py:
+the raw byte tensor of engine/kv/cache.py:
 
     raw [num_blocks, block_bytes] uint8, per block:
         data   [L, 2, block_size, Hkv, D]  e4m3 (or bf16 / fp32)
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kv_cache import KVCache
+from engine.kv.cache import KVCache
 
 
 @triton.jit

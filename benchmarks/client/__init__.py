@@ -1,0 +1,8 @@
+"""Talking to an OpenAI-compatible server under load, and `pdserve bench serve`.
+
+`serve_client` (the async load generator and its records), `bench_serve` (the command),
+`multiturn` (the chat workload whose history grows), `gc_pauses` (the collector kept out of
+timed runs).
+
+May import: `costmodel`; nothing else of `benchmarks`.
+"""

@@ -1,0 +1,324 @@
+"""Self-calibration for `bench compare`: the step-cost model fitted to the server's own steps.
+
+A prediction is only as good as the step prices it runs on. A calibration file made earlier (on
+another machine, or before an engine change) prices steps that no longer exist, and nothing in
+the prediction says so. So by default each mode is predicted from the steps that very server ran
+in its warm-up, in the same run:
+
+- `StepLogRecorder` polls `GET /v1/workers/steps` (each worker's last 256 steps: shape and
+  seconds) through the warm-up and keeps every step once;
+- `fit_pools` fits the four-term step model (`costmodel/fit/step_fit.py`) per pool: colocated workers'
+  steps into one fit; a disaggregated run's prefill and decode workers apart, because on a CPU
+  they share cores and each pool's steps must be priced as they ran beside the other;
+- `hop_ms` times what a warm request waits beyond its worker's queue and prefill (HTTP/SSE,
+  router, Ray hops), from a few requests sent one at a time after the warm-up (`hop_specs`): the
+  warm-up's own requests queue behind each other.
+
+A step that ran cold (the first of its shape: allocator growth, oneDNN weight layouts) would pull
+the fit up, so the fit is trimmed: steps the first fit misprices by far more than the typical
+step (`TRIM_FACTOR` times the median relative error) are dropped, at most `TRIM_MAX_SHARE` of
+them, and the rest refitted.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import httpx
+
+from costmodel.fit.step_fit import StepCostFit, StepShape, fit
+from costmodel.sim import compare_predict as cp
+from costmodel.sim.compare_predict import PredictionSetup
+from costmodel.workloads import RequestSpec
+
+POLL_S = 1.0  # a worker keeps its last 256 steps; at >= 4 ms a step none is missed between polls
+TRIM_FACTOR = 4.0
+TRIM_MAX_SHARE = 0.1
+MIN_STEPS = 8  # fewer steps than this and a pool's fit is not trusted
+
+
+@dataclass(frozen=True)
+class LoggedStep:
+    worker: str
+    role: str  # "colocated" | "prefill" | "decode"
+    shape: StepShape
+    seconds: float
+    end_unix_s: float = 0.0  # the worker's wall clock: steps of one host line up across pools
+    torch_threads: int = 0  # intra-op threads the step ran with (0: the server did not say)
+
+
+class StepLogRecorder:
+    """Polls a pdserve server's step log in a background thread while the caller runs load.
+
+    with StepLogRecorder(root_url, api_key) as rec:
+        ...                      # the warm-up
+    rec.steps                    # every step seen, each once
+    """
+
+    def __init__(self, root_url: str, api_key: str | None = None, poll_s: float = POLL_S):
+        self.url = root_url.rstrip("/") + "/v1/workers/steps"
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.poll_s = poll_s
+        self._seen: dict[tuple[str, int], LoggedStep] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="step-log-recorder", daemon=True)
+        self.error: str | None = None
+
+    def __enter__(self) -> StepLogRecorder:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._poll_once()  # the steps of the last second
+
+    @property
+    def steps(self) -> list[LoggedStep]:
+        return list(self._seen.values())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self._poll_once()
+
+    def _poll_once(self) -> None:
+        try:
+            r = httpx.get(self.url, headers=self.headers, timeout=10.0)
+            r.raise_for_status()
+            self.add(r.json()["data"])
+        except (httpx.HTTPError, KeyError, ValueError) as e:
+            self.error = f"{type(e).__name__}: {e}"  # the fit says it had no steps; the run goes on
+
+    def add(self, workers: Sequence[dict[str, Any]]) -> None:
+        """One `GET /v1/workers/steps` answer's `data`."""
+        for w in workers:
+            for s in w["steps"]:
+                shape = StepShape(int(s["prefill_tokens"]), float(s["attention_pairs"]), int(s["decode_seqs"]))
+                self._seen[(w["worker"], int(s["step"]))] = LoggedStep(
+                    w["worker"],
+                    w["role"],
+                    shape,
+                    s["seconds"],
+                    float(s.get("end_unix_s", 0.0)),
+                    int(s.get("torch_threads", w.get("torch_threads", 0))),
+                )
+
+
+@dataclass(frozen=True)
+class PoolFit:
+    """One pool's step-cost fit and what it was fitted on."""
+
+    pool: str  # "colocated" | "prefill" | "decode"
+    fit: StepCostFit
+    steps: int  # steps the fit kept
+    trimmed: int  # cold or disturbed steps dropped (see the module docstring)
+    torch_threads: int | None = None  # intra-op threads its steps ran with (the most common; None: unknown)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pool": self.pool,
+            "steps": self.steps,
+            "trimmed": self.trimmed,
+            "torch_threads": self.torch_threads,
+            "fit": self.fit.to_dict(),
+        }
+
+
+def trimmed_fit(samples: Sequence[tuple[StepShape, float]]) -> tuple[StepCostFit, int]:
+    """The NNLS fit after dropping the steps it misprices by far more than the typical step."""
+    first = fit(samples)
+    errs = [abs(first.seconds(s) - y) / y for s, y in samples]
+    typical = statistics.median(errs) or 1e-9
+    worst = sorted(range(len(samples)), key=lambda i: errs[i], reverse=True)
+    drop = {i for i in worst[: int(len(samples) * TRIM_MAX_SHARE)] if errs[i] > TRIM_FACTOR * typical}
+    if not drop:
+        return first, 0
+    return fit([x for i, x in enumerate(samples) if i not in drop]), len(drop)
+
+
+def fit_pools(steps: Sequence[LoggedStep]) -> dict[str, PoolFit]:
+    """A fit per pool role that ran at least MIN_STEPS steps. A decode pool is fitted on its steps
+    that ran while no prefill step did, where there are enough of them: the others are priced by
+    `beside_prefill_slowdown`."""
+    by_role: dict[str, list[LoggedStep]] = {}
+    for s in steps:
+        if s.seconds > 0:
+            by_role.setdefault(s.role, []).append(s)
+    if "decode" in by_role and "prefill" in by_role:
+        alone = [s for s in by_role["decode"] if overlap(s, by_role["prefill"]) == 0.0]
+        if len(alone) >= MIN_STEPS:
+            by_role["decode"] = alone
+    out = {}
+    for role, logged in by_role.items():
+        if len(logged) >= MIN_STEPS:
+            f, trimmed = trimmed_fit([(s.shape, s.seconds) for s in logged])
+            out[role] = PoolFit(role, f, len(logged) - trimmed, trimmed, threads_of(logged))
+    return out
+
+
+def threads_of(steps: Sequence[LoggedStep]) -> int | None:
+    """The intra-op thread count most of `steps` ran with (None if the server reported none)."""
+    counts = Counter(s.torch_threads for s in steps if s.torch_threads > 0)
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def overlap(step: LoggedStep, others: Sequence[LoggedStep]) -> float:
+    """The share of `step` during which any of `others` ran (on the workers' wall clocks)."""
+    start, end = step.end_unix_s - step.seconds, step.end_unix_s
+    spans = sorted((max(start, o.end_unix_s - o.seconds), min(end, o.end_unix_s)) for o in others)
+    covered, reach = 0.0, start
+    for a, b in spans:
+        if b > max(a, reach):
+            covered += b - max(a, reach)
+            reach = b
+    return covered / step.seconds if step.seconds > 0 else 0.0
+
+
+def beside_prefill_slowdown(steps: Sequence[LoggedStep], decode: StepCostFit | None) -> float:
+    """How many times its own price a decode step costs while a prefill step runs beside it: 1 on
+    separate GPUs; on one host's CPU cores the two pools compete (measured 1.5-3x on 2 cores).
+    The median over decode steps at least half overlapped, each read as 1 + (ratio - 1) / share."""
+    prefill = [s for s in steps if s.role == "prefill"]
+    if decode is None or not prefill:
+        return 1.0
+    reads = []
+    for s in steps:
+        share = overlap(s, prefill) if s.role == "decode" else 0.0
+        if share >= 0.5:
+            reads.append(1.0 + (s.seconds / decode.seconds(s.shape) - 1.0) / share)
+    return max(1.0, statistics.median(reads)) if len(reads) >= 3 else 1.0
+
+
+@dataclass
+class SelfCalibration:
+    """What `bench compare` measured on one server to predict that server."""
+
+    pools: dict[str, PoolFit]
+    hop_ms: float | None  # a warm request's wait beyond its worker's queue and prefill (median)
+    hop_requests: int
+    link_gbytes_per_s: float | None  # disagg: the KV pulls of the warm-up (model's KV bytes / time)
+    recorder_error: str | None = None
+    decode_slowdown_beside_prefill: float = 1.0  # disagg on shared cores (beside_prefill_slowdown)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def decode_fit(self) -> StepCostFit | None:
+        p = self.pools.get("decode") or self.pools.get("colocated")
+        return p.fit if p else None
+
+    @property
+    def prefill_fit(self) -> StepCostFit | None:
+        p = self.pools.get("prefill")
+        return p.fit if p else None
+
+    @property
+    def steps(self) -> int:
+        return sum(p.steps for p in self.pools.values())
+
+    @property
+    def torch_threads(self) -> int | None:
+        """The threads the decode-side pool's steps ran with (every pool has --threads-per-worker's)."""
+        p = self.pools.get("decode") or self.pools.get("colocated")
+        return p.torch_threads if p else None
+
+    def usable_for(self, mode: str) -> bool:
+        need = ("prefill", "decode") if mode == "disagg" else ("colocated",)
+        return all(r in self.pools for r in need)
+
+    def summary(self) -> str:
+        """One line for the progress log."""
+        if not self.pools:
+            return "none (" + "; ".join(self.notes + ([self.recorder_error] if self.recorder_error else [])) + ")"
+        pools = ", ".join(
+            f"{k} {p.steps} steps ({p.trimmed} trimmed{f', {p.torch_threads} threads' if p.torch_threads else ''})"
+            for k, p in self.pools.items()
+        )
+        hop = f"{self.hop_ms:.1f} ms" if self.hop_ms is not None else "not measured"
+        link = f", KV pulls at {self.link_gbytes_per_s:.2f} GB/s" if self.link_gbytes_per_s else ""
+        k = self.decode_slowdown_beside_prefill
+        beside = f", decode steps {k:.2f}x beside a prefill" if k > 1.0 else ""
+        return f"{pools}; serving hop {hop}{link}{beside}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "source": "self: the server's own warm-up steps (GET /v1/workers/steps)",
+            "pools": {k: p.to_dict() for k, p in self.pools.items()},
+            "steps": self.steps,
+            "torch_threads": self.torch_threads,
+            "hop_ms": self.hop_ms,
+            "hop_requests": self.hop_requests,
+            "link_gbytes_per_s": self.link_gbytes_per_s,
+            "decode_slowdown_beside_prefill": self.decode_slowdown_beside_prefill,
+            "recorder_error": self.recorder_error,
+            "notes": self.notes,
+        }
+
+
+def hop_ms(records: Sequence[Any]) -> tuple[float | None, int]:
+    """Median over finished requests of client TTFT minus the worker's queue and prefill (ms)."""
+    hops = [
+        (r.chunk_times_s[0] - r.send_s) * 1e3 - r.worker_queue_ms - r.worker_prefill_ms
+        for r in records
+        if r.ok and r.send_s is not None and r.worker_queue_ms is not None and r.worker_prefill_ms is not None
+    ]
+    return (statistics.median(hops) if hops else None), len(hops)
+
+
+def link_rate(records: Sequence[Any], kv_bytes_per_token: int) -> float | None:
+    """GB/s at which the warm-up's KV pulls moved the model's KV of their prompts: the simulator
+    prices a pull as prompt tokens x KV bytes per token / rate, so the rate is fitted in those
+    terms (block padding and per-pull latency included)."""
+    pulls = [
+        (r.prompt_tokens or r.prompt_len) * kv_bytes_per_token / (r.transfer["ms"] / 1e3)
+        for r in records
+        if r.transfer and r.transfer.get("ms")
+    ]
+    return statistics.median(pulls) / 1e9 if pulls else None
+
+
+def hop_specs(warmup: Sequence[RequestSpec], n: int = 4, spacing_s: float = 0.4) -> list[RequestSpec]:
+    """`n` short requests, one at a time, on a warm server: the first chat of the warm-up (its text,
+    so no timed prompt lands in the prefix cache), two tokens each."""
+    chat = next((s for s in warmup if s.kind == "chat"), warmup[0])
+    return [replace(chat, request_id=f"hop-{i}", max_tokens=2, arrival_s=i * spacing_s) for i in range(n)]
+
+
+def build(
+    steps: Sequence[LoggedStep],
+    warmup_records: Sequence[Any],
+    hop_records: Sequence[Any],
+    kv_bytes_per_token: int,
+    recorder_error: str | None = None,
+) -> SelfCalibration:
+    """The self-calibration of one server from what its warm-up and hop requests measured."""
+    hop, n = hop_ms(hop_records)
+    pools = fit_pools(steps)
+    decode = pools.get("decode")
+    slowdown = beside_prefill_slowdown(steps, decode.fit if decode else None)
+    cal = SelfCalibration(pools, hop, n, link_rate(warmup_records, kv_bytes_per_token), recorder_error, slowdown)
+    if not cal.pools:
+        cal.notes.append(f"no pool ran {MIN_STEPS} steps in the warm-up ({len(steps)} steps seen)")
+    return cal
+
+
+def prediction_setup(model: str, mode: str, cal: SelfCalibration | None) -> tuple[PredictionSetup | None, str | None]:
+    """The simulator's device model from a server's self-calibration, or why there is none."""
+    if cal is None:
+        return None, "no self-calibration (the server's steps were not recorded)"
+    if not cal.usable_for(mode):
+        have = ", ".join(f"{k} {p.steps}" for k, p in cal.pools.items()) or "none"
+        return None, f"too few warm-up steps to fit every pool of a {mode} run (steps per pool: {have})"
+    decode = cal.decode_fit
+    assert decode is not None  # usable_for checked the pools
+    src = f"self-calibrated: fitted to {cal.steps} steps this server ran in its warm-up " + ", ".join(
+        f"{k} {p.steps}" for k, p in cal.pools.items()
+    )
+    setup = cp.setup_from_steps(
+        model, decode, cal.prefill_fit, cal.link_gbytes_per_s, src, cal.steps, torch_threads=cal.torch_threads
+    )
+    return replace(setup, decode_slowdown=cal.decode_slowdown_beside_prefill), None

@@ -1,0 +1,189 @@
+"""What one engine step costs on this device, fitted from measured steps.
+
+The article prices a prefill at one FLOP rate. On a real engine (and, starkly, on a CPU) that
+under-prices long prompts: attention runs far below the GEMMs' rate, and every step pays a fixed
+cost (Python, launches, sampling) whatever it holds. So a step is priced from its *shape*:
+
+    seconds = fixed                                   # per step, whatever it holds
+            + per_token     * new tokens               # GEMMs: prompt tokens + one per decode sequence
+            + attention     * sum_i n_i * end_i        # attention pairs, quadratic in context
+            + per_sequence  * decode sequences         # per-stream bookkeeping and KV reads
+
+Item i of a step computes n_i new positions [start_i, end_i): a prefill chunk [p, p + n) or a
+decode token [c, c + 1). Its attention work is n_i * end_i: each new token scores every position
+up to the chunk's end, as the engine's attention computes it (a causal mask hides the upper
+triangle but the kernel still computes the n x end score block). A whole prompt of T tokens is T^2
+(the article's term); its chunks add up to less (the triangle above each chunk is skipped), which
+is what `bench chunks` measures: a 1,024-token prompt in two chunks of 512 ran faster than whole.
+A decode token at context c costs c + 1: the same term, linear in context for decode.
+
+`fit()` fits the four terms by non-negative least squares on *relative* error (a 7 ms chunk and a
+700 ms prompt count alike), from the steps `pdserve bench chunks` times. `OnlineStepFit` refines
+them from the step timings workers report while serving, exponentially weighted (a step `half_life`
+steps old weighs half), pulled towards the calibration so a few odd steps cannot swing it.
+Pure Python: the router uses it and imports no numpy-heavy or torch code.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from costmodel.fit.nnls import nnls_rel, solve_spd
+
+TERMS = ("fixed_ms", "per_token_us", "attention_ns_per_pair", "per_sequence_us")
+# seconds per unit of each feature, to display units (ms, us, ns, us)
+_UNIT = (1e3, 1e6, 1e9, 1e6)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The features of one step: what a worker reports and what the fit prices."""
+
+    prefill_tokens: int = 0
+    attention_pairs: float = 0.0
+    decode_seqs: int = 0
+
+    @classmethod
+    def of(cls, decode_contexts: Iterable[int] = (), chunks: Iterable[tuple[int, int]] = ()) -> StepShape:
+        """A step of decode sequences at `decode_contexts` (cached tokens each) plus prompt chunks
+        `(start, n)`."""
+        ctxs = list(decode_contexts)
+        pairs = sum(c + 1 for c in ctxs)
+        toks = 0
+        for start, n in chunks:
+            pairs += n * (start + n)
+            toks += n
+        return cls(toks, float(pairs), len(ctxs))
+
+    def features(self) -> tuple[float, float, float, float]:
+        return (1.0, float(self.prefill_tokens + self.decode_seqs), self.attention_pairs, float(self.decode_seqs))
+
+
+@dataclass(frozen=True)
+class StepCostFit:
+    """The four fitted terms, in seconds per unit (see the module docstring)."""
+
+    fixed_s: float
+    per_token_s: float
+    attention_s: float  # per attention pair
+    per_sequence_s: float
+    samples: int = 0  # steps it was fitted from
+    rms_rel_error: float | None = None  # of the fit over those steps
+
+    @property
+    def coef(self) -> tuple[float, float, float, float]:
+        return (self.fixed_s, self.per_token_s, self.attention_s, self.per_sequence_s)
+
+    def seconds(self, shape: StepShape) -> float:
+        return sum(c * x for c, x in zip(self.coef, shape.features()))
+
+    def decode_seconds(self, contexts: Sequence[int]) -> float:
+        return self.seconds(StepShape.of(contexts))
+
+    def prefill_seconds(self, tokens: int, cached: int = 0) -> float:
+        """A whole prompt (or its uncached suffix after `cached` tokens) in one step, alone."""
+        return self.seconds(StepShape.of((), [(cached, tokens - cached)]))
+
+    def chunk_extra_seconds(self, start: int, n: int) -> float:
+        """What adding a chunk to a step that runs anyway costs (no fixed cost)."""
+        s = StepShape.of((), [(start, n)])
+        return self.seconds(s) - self.fixed_s
+
+    def to_dict(self) -> dict:
+        d: dict[str, Any] = {t: c * u for t, c, u in zip(TERMS, self.coef, _UNIT)}
+        d.update(samples=self.samples, rms_rel_error=self.rms_rel_error)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StepCostFit:
+        unknown = set(d) - set(TERMS) - {"samples", "rms_rel_error"}
+        if unknown:
+            raise ValueError(f"unknown step_fit fields: {', '.join(sorted(unknown))}")
+        missing = [t for t in TERMS if t not in d]
+        if missing:
+            raise ValueError(f"step_fit lacks {', '.join(missing)}")
+        coef = [float(d[t]) / u for t, u in zip(TERMS, _UNIT)]
+        if any(c < 0 or not math.isfinite(c) for c in coef):
+            raise ValueError("step_fit terms must be finite and >= 0")
+        return cls(coef[0], coef[1], coef[2], coef[3], int(d.get("samples", 0)), d.get("rms_rel_error"))
+
+    def describe(self) -> str:
+        return (
+            f"{self.fixed_s * 1e3:.3f} ms/step + {self.per_token_s * 1e6:.2f} us/token + "
+            f"{self.attention_s * 1e9:.4f} ns/attention pair + {self.per_sequence_s * 1e6:.1f} us/decode sequence"
+        )
+
+
+# ---- fitting ----------------------------------------------------------------------------------
+def fit(samples: Sequence[tuple[StepShape, float]]) -> StepCostFit:
+    """Non-negative least squares of the four terms on relative error, over (shape, seconds)
+    (costmodel/fit/nnls.py: exact NNLS for four terms)."""
+    rows = [(s.features(), y) for s, y in samples if y > 0]
+    if len(rows) < 2:
+        raise ValueError("need at least two timed steps to fit the step cost")
+    try:
+        coef, err = nnls_rel([x for x, _ in rows], [y for _, y in rows])
+    except ValueError as e:
+        raise ValueError("the timed steps admit no non-negative step-cost fit") from e
+    return StepCostFit(coef[0], coef[1], coef[2], coef[3], samples=len(rows), rms_rel_error=err)
+
+
+class OnlineStepFit:
+    """The calibration's fit, refined from live step timings.
+
+    Exponentially weighted least squares on relative error: each new step multiplies the weight
+    of everything seen before by 0.5 ** (1 / half_life). A ridge term holds each coefficient near
+    the calibration's (`prior_steps` steps' worth of evidence), so a term the recent steps do not
+    exercise (no long prompt lately) keeps its calibrated value instead of drifting. Cheap: a 4x4
+    solve per `refit()`, nothing per step beyond a 4x4 accumulate."""
+
+    def __init__(self, prior: StepCostFit, half_life: float = 200.0, prior_steps: float = 1.0):
+        if half_life <= 0 or prior_steps <= 0:
+            raise ValueError("half_life and prior_steps must be positive")
+        self.prior = prior
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.prior_steps = prior_steps
+        self._a = [[0.0] * 4 for _ in range(4)]
+        self._b = [0.0] * 4
+        self.observed = 0
+        self.current = prior
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        if seconds <= 0 or not math.isfinite(seconds):
+            return
+        x, w = shape.features(), 1.0 / (seconds * seconds)
+        d = self.decay
+        for i in range(4):
+            self._b[i] = d * self._b[i] + w * x[i] * seconds
+            for j in range(4):
+                self._a[i][j] = d * self._a[i][j] + w * x[i] * x[j]
+        self.observed += 1
+
+    def refit(self) -> StepCostFit:
+        if not self.observed:
+            return self.current
+        # Ridge towards the prior: a coefficient at its prior value costs nothing; moving it by its
+        # own size costs as much as `prior_steps` steps mispredicted by 100%. A zero prior term
+        # gets the scale the data gives it (one typical step's worth).
+        diag = [self._a[i][i] for i in range(4)]
+        a = [row[:] for row in self._a]
+        b = self._b[:]
+        for i, p in enumerate(self.prior.coef):
+            lam = self.prior_steps * (1.0 / (p * p) if p > 0 else diag[i] / max(self.observed, 1))
+            a[i][i] += lam
+            b[i] += lam * p
+        scale = [math.sqrt(a[i][i]) or 1.0 for i in range(4)]  # Jacobi preconditioning
+        sol = solve_spd(
+            [[a[i][j] / (scale[i] * scale[j]) for j in range(4)] for i in range(4)], [b[i] / scale[i] for i in range(4)]
+        )
+        if sol is None:
+            return self.current
+        coef = [max(0.0, v / s) for v, s in zip(sol, scale)]
+        self.current = StepCostFit(coef[0], coef[1], coef[2], coef[3], samples=self.prior.samples + self.observed)
+        return self.current
+
+    def to_dict(self) -> dict:
+        return {"observed_steps": self.observed, "current": self.current.to_dict(), "prior": asdict(self.prior)}

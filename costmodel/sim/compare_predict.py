@@ -1,0 +1,294 @@
+"""Predictions for `pdserve bench compare`: the simulator run on exactly the benchmark's workload.
+
+Every request of the seeded workload (same arrival offsets, prompt lengths and max_tokens) is fed
+to the discrete-event simulator (`costmodel/sim/engine.py`) for each serving mode, with step
+times from the cost model evaluated on a calibrated device spec (`costmodel/article/cost_model.py`
+Calibration, e.g. the one `pdserve bench chunks` writes for this device). The simulated token
+times are turned into `RequestRecord`s and go through the same `compute_metrics` as the measured
+run, so a predicted TTFT/ITL/stall is computed by the same formula as the measured one. A
+disaggregated server's `--kv-transfer` and `--kv-stream-layers` reach the simulator too, so a
+layer-wise server is predicted with its KV crossing while the prefill runs.
+
+What the simulator does not model (so the prediction error includes it): HTTP/SSE and Ray call
+latency per token, the router's event pump, Python scheduling, and on a CPU the prefill and
+decode processes of a disaggregated run sharing the same cores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from costmodel.article import cost_model as cm
+from costmodel.fit.step_fit import StepCostFit
+from costmodel.serve_metrics import RequestRecord, ServeMetrics, compute_metrics
+from costmodel.sim.engine import Request, Sim, SimConfig, StepModel, Workload
+from costmodel.workloads import RequestSpec
+
+
+@dataclass(frozen=True)
+class PredictionSetup:
+    """The device model the simulator prices steps with."""
+
+    steps: StepModel
+    link: cm.Link
+    source: str  # where the numbers come from (calibration file, or datasheet)
+    # "self": fitted to this server's own steps in this run; "file": a calibration file
+    kind: str = "file"
+    fitted_steps: int | None = None  # steps the fit was made from
+    warning: str | None = None  # a calibration file measured on another CPU or commit
+    admit_s: float = 0.0  # disagg: decode admission beyond pull and step boundary (SimConfig.admit_s)
+    decode_slowdown: float = 1.0  # disagg: a decode step beside a prefill step (SimConfig.decode_slowdown)
+    torch_threads: int | None = None  # intra-op threads the priced steps were measured with (None: unknown)
+
+    def describe(self) -> dict[str, Any]:
+        hw = self.steps.hw
+        return {
+            "source": self.source,
+            "kind": self.kind,
+            "fitted_steps": self.fitted_steps,
+            "torch_threads": self.torch_threads,
+            "warning": self.warning,
+            "decode_admission_ms": self.admit_s * 1e3,
+            "decode_slowdown_beside_prefill": self.decode_slowdown,
+            "prefill_pool_step_fit": self.steps.prefill_fit.to_dict() if self.steps.prefill_fit else None,
+            "hardware": hw.name,
+            "mem_bw_gbps": hw.mem_bw / cm.GB,
+            "peak_tflops": {k: v / cm.TFLOP for k, v in hw.peak_flops.items()},
+            "mfu": self.steps.mfu,
+            "weight_dtype": self.steps.weight_dtype,
+            "kv_dtype": self.steps.kv_dtype,
+            "decode_step_overhead_ms": hw.step_overhead_s * 1e3,
+            "prefill_overhead_ms": hw.prefill_overhead_s * 1e3,
+            "step_fit": self.steps.fit.to_dict() if self.steps.fit is not None else None,
+            "link": {"name": self.link.name, "label": self.link.label, "gbytes_per_s": self.link.bw / cm.GB},
+        }
+
+
+def default_calibration_path(results_dir: Path, model: str, device_kind: str) -> Path:
+    """Where `pdserve bench chunks` leaves its calibration for this model and device kind."""
+    return results_dir / f"chunks-{model}-{device_kind}.calibration.json"
+
+
+def setup_from_calibration(model: str, calibration: Path, kv_dtype: str = "fp8") -> PredictionSetup:
+    """A StepModel for `model` on the calibrated device.
+
+    The calibration carries the measured bandwidth, GEMM peak, achieved prefill TFLOP/s and the
+    fixed per-step/per-chunk overheads; the base spec below only supplies the field layout. The
+    KV link is priced at the calibrated memory bandwidth unless the calibration measured links:
+    on one host the transfer is a memory copy.
+    """
+    cal = cm.Calibration.load(calibration)
+    if cal.peak_tflops is None:
+        raise ValueError(f"calibration {calibration} has no peak_tflops; cannot price prefill")
+    base = cm.HardwareSpec(cal.device, (cal.mem_bandwidth_gbps or 1.0) * cm.GB, {}, 0.0, "calibration only")
+    hw = cal.apply(base)
+    mfu = cal.effective_mfu(hw, cm.ARTICLE_MFU)
+    spec = cm.ModelSpec.resolve(model)
+    if cal.links_gbps:
+        name, gbps = next(iter(cal.links_gbps.items()))
+        link = cm.Link(name, f"{name} (measured {gbps:g} GB/s)", gbps * cm.GB)
+    else:
+        link = cm.Link("host-memory", f"host memory copy at {hw.mem_bw / cm.GB:.1f} GB/s (calibrated)", hw.mem_bw)
+    # On a CPU the weights are dequantized and the FLOPs run in the calibration's dtype (fp32).
+    steps = StepModel(spec, hw, mfu, weight_dtype=cal.dtype, kv_dtype=kv_dtype, fit=cal.fitted_steps())
+    fit = steps.fit
+    return PredictionSetup(
+        steps,
+        link,
+        f"{_shown(calibration)} ({cal.source or cal.device})",
+        fitted_steps=fit.samples if fit else None,
+        warning=cal.origin_warning(_shown(calibration)),
+        torch_threads=cal.torch_threads,
+    )
+
+
+def setup_from_steps(
+    model: str,
+    decode_fit: StepCostFit,
+    prefill_fit: StepCostFit | None,
+    link_gbytes_per_s: float | None,
+    source: str,
+    fitted_steps: int,
+    kv_dtype: str = "fp8",
+    torch_threads: int | None = None,
+) -> PredictionSetup:
+    """A StepModel priced by step-cost fits made on the server being predicted (bench compare's
+    self-calibration): `decode_fit` for colocated or decode workers, `prefill_fit` for a
+    disaggregated prefill pool; the KV link at the rate the warm-up's pulls ran."""
+    spec = cm.ModelSpec.resolve(model)
+    if link_gbytes_per_s:
+        link = cm.Link("measured", f"KV pulls of the warm-up ({link_gbytes_per_s:.2f} GB/s)", link_gbytes_per_s * cm.GB)
+    else:  # no pull in the warm-up (colocated): nothing crosses a link
+        link = cm.Link("none", "no KV pull measured", 10 * cm.GB)
+    hw = cm.HardwareSpec("this server (fitted steps)", link.bw, {}, 0.0, source)
+    steps = StepModel(spec, hw, weight_dtype="fp32", kv_dtype=kv_dtype, fit=decode_fit, prefill_fit=prefill_fit)
+    return PredictionSetup(steps, link, source, kind="self", fitted_steps=fitted_steps, torch_threads=torch_threads)
+
+
+def _shown(path: Path) -> str:
+    """The path relative to the repository when it is inside it (result files travel between machines)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        return str(Path(path).resolve().relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+def reference_points(
+    setup: PredictionSetup, calibration: Path, doc_prompt_len: int, chat_streams: int, chat_ctx: int
+) -> dict[str, Any]:
+    """The two step times that decide the comparison, as the cost model prices them, beside what
+    `bench chunks` measured for the same prompt (its JSON next to the calibration), if it did."""
+    r = Request(0, "chat", 0.0, chat_ctx, 1)
+    out: dict[str, Any] = {
+        "doc_prefill_ms_predicted": setup.steps.prefill(doc_prompt_len) * 1e3,
+        "decode_step_ms_predicted": setup.steps.decode([r] * chat_streams) * 1e3,
+        "decode_step_context": chat_ctx,
+        "decode_step_batch": chat_streams,
+    }
+    sweep = Path(str(calibration).replace(".calibration.json", ".json"))
+    try:
+        import json  # noqa: PLC0415
+
+        points = json.loads(sweep.read_text()).get("points", [])
+        hit = next((p for p in points if p.get("chunk") == doc_prompt_len), None)
+        if hit is not None:
+            out["doc_prefill_ms_measured_by_bench_chunks"] = hit["prefill_s"] * 1e3
+            out["bench_chunks_result"] = _shown(sweep)
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def sim_config(
+    mode: str,
+    chunk_size: int | None,
+    prefill: int,
+    decode: int,
+    max_num_seqs: int,
+    link: cm.Link,
+    admit_s: float = 0.0,
+    decode_slowdown: float = 1.0,
+    kv_transfer: str = "bulk",
+    kv_stream_layers: int = 1,
+) -> SimConfig:
+    """The simulator's view of one pdserve mode ("colocated" whole or chunked, or "disagg"; the
+    KV transfer settings only matter to "disagg": nothing crosses a link otherwise)."""
+    if mode == "disagg":
+        return SimConfig(
+            "disagg",
+            prefill_workers=prefill,
+            decode_workers=decode,
+            max_batch=max_num_seqs,
+            link=link,
+            admit_s=admit_s,
+            decode_slowdown=decode_slowdown,
+            kv_transfer=kv_transfer,
+            kv_stream_layers=kv_stream_layers,
+        )
+    if chunk_size:
+        return SimConfig("chunked", workers=decode, chunk=chunk_size, max_batch=max_num_seqs, link=link)
+    return SimConfig("colocated", workers=decode, max_batch=max_num_seqs, link=link)
+
+
+def simulate_requests(cfg: SimConfig, steps: StepModel, specs: list[RequestSpec]) -> list[Request]:
+    """Simulate exactly `specs` (no closed loop, no random arrivals): the simulator's requests, in
+    order, with their token times (and, disaggregated, their KV transfer and decode admission)."""
+    sim = Sim(cfg, steps, Workload(streams=0, chat_rate=0.0, doc_rate=0.0, duration=1.0))
+    reqs: list[Request] = []
+    for i, s in enumerate(specs):
+        r = Request(i, "doc" if s.kind == "document" else "chat", s.arrival_s, s.prompt_len, s.max_tokens)
+        sim.requests.append(r)
+        sim.at(s.arrival_s, sim.dispatch, r)
+        reqs.append(r)
+    sim.run()
+    return reqs
+
+
+def simulate_specs(
+    cfg: SimConfig, steps: StepModel, specs: list[RequestSpec], hop_s: float = 0.0
+) -> list[RequestRecord]:
+    """Simulate exactly `specs` and return client-style records; every token reaches the client
+    `hop_s` after the worker emits it (the serving path's hops, measured in bench compare's
+    warm-up: not simulated)."""
+    records = []
+    for s, r in zip(specs, simulate_requests(cfg, steps, specs)):
+        t = [x + hop_s for x in r.token_times]
+        records.append(
+            RequestRecord(
+                s.request_id,
+                s.kind,
+                s.prompt_len,
+                s.max_tokens,
+                s.arrival_s,
+                send_s=s.arrival_s,
+                chunk_times_s=list(t),
+                end_s=t[-1] if t else None,
+                prompt_tokens=s.prompt_len,
+                completion_tokens=len(t),
+                finish_reason="length" if r.done else None,
+                error=None if t else "not finished in the simulation",
+                worker_queue_ms=(r.prefill_start - s.arrival_s) * 1e3 if r.prefill_start is not None else None,
+                worker_prefill_ms=(r.token_times[0] - r.prefill_start) * 1e3
+                if t and r.prefill_start is not None
+                else None,
+            )
+        )
+    return records
+
+
+@dataclass
+class Prediction:
+    label: str
+    records: list[RequestRecord]
+    metrics: ServeMetrics
+
+
+def predict(
+    label: str,
+    cfg: SimConfig,
+    setup: PredictionSetup,
+    specs: list[RequestSpec],
+    slo_ttft_ms: float | None,
+    slo_tpot_ms: float | None,
+    hop_s: float = 0.0,
+) -> Prediction:
+    records = simulate_specs(cfg, setup.steps, specs, hop_s)
+    return Prediction(label, records, compute_metrics(records, slo_ttft_ms, slo_tpot_ms))
+
+
+def rel_error(predicted: float | None, measured: float | None) -> float | None:
+    """(predicted - measured) / measured; None when either is missing or measured is 0."""
+    if predicted is None or measured is None or measured == 0:
+        return None
+    return (predicted - measured) / measured
+
+
+# (key, label, getter) for every figure that gets a prediction beside it.
+COMPARED: list[tuple[str, str, Any]] = [
+    ("stall_max_ms", "max stall (ms)", lambda m: m.stall_ms.max),
+    ("tokens_lost_mean", "tokens lost / doc", lambda m: m.tokens_lost.mean),
+    ("ttft_chat_p50_ms", "TTFT chat p50 (ms)", lambda m: _kind(m, "chat").p50),
+    ("ttft_doc_p50_ms", "TTFT doc p50 (ms)", lambda m: _kind(m, "document").p50),
+    ("itl_p50_ms", "ITL p50 (ms)", lambda m: m.itl_ms.p50),
+    ("itl_p99_ms", "ITL p99 (ms)", lambda m: m.itl_ms.p99),
+    ("tpot_p50_ms", "TPOT p50 (ms)", lambda m: m.tpot_ms.p50),
+    ("output_tok_s", "output tok/s", lambda m: m.output_throughput),
+]
+
+
+def _kind(m: ServeMetrics, kind: str) -> Any:
+    from costmodel.serve_metrics import Dist  # noqa: PLC0415
+
+    return m.ttft_ms_by_kind.get(kind, Dist(0, None, None, None, None, None))
+
+
+def compare_figures(measured: ServeMetrics, predicted: ServeMetrics) -> dict[str, dict[str, float | None]]:
+    """{key: {measured, predicted, error}} for every figure in COMPARED."""
+    out = {}
+    for key, _, get in COMPARED:
+        m, p = get(measured), get(predicted)
+        out[key] = {"measured": m, "predicted": p, "error": rel_error(p, m)}
+    return out

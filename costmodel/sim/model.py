@@ -1,0 +1,167 @@
+"""What the simulator simulates (costmodel/sim/engine.py runs it): a request and its token times,
+what each step costs (`StepModel`, from the cost model or a measured step fit), and the serving
+configuration (`SimConfig`: mode, pool sizes, chunk, batch limit, KV link, and how the KV crosses
+the link: whole after the prefill, or layer by layer while it runs, priced by costmodel/article/layerwise.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from costmodel.article import cost_model as cm
+from costmodel.article.layerwise import DEFAULT_GROUP_OVERHEAD_S, LinkSpec, groups_of
+from costmodel.fit.step_fit import StepCostFit, StepShape
+
+MODES = ("colocated", "chunked", "disagg")
+# As pdserve's --kv-transfer: "auto" streams a request when costmodel/article/layerwise.py says it gains.
+KV_TRANSFERS = ("bulk", "layerwise", "auto")
+
+
+@dataclass
+class Request:
+    rid: int
+    kind: str  # "chat" | "doc"
+    arrival: float
+    prompt: int
+    output: int  # tokens to generate, the first (from prefill) included
+    prefilled: int = 0
+    token_times: list[float] = field(default_factory=list)
+    # disagg only: the KV bytes' own time on the link (streamed or not), and when a decode
+    # worker's batch took the request in (what pdserve's timeline calls decode_admitted; decode
+    # wait = admitted - first token - the pull, the link's queue included: `decode_wait_s`)
+    transfer_s: float | None = None
+    admitted: float | None = None
+    prefill_start: float | None = None  # when its first prefill step began
+    # disagg only: how its KV crossed ("bulk" or "layerwise"), and what of the crossing was left
+    # once its prefill had ended (the link's queue included), as pdserve's timeline says exposed_ms
+    kv_transfer: str | None = None
+    exposed_transfer_s: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return len(self.token_times) >= self.output
+
+    @property
+    def decode_wait_s(self) -> float | None:
+        """Prefill end to decode join, less the pull, as router/observe/timeline.py counts it: a streamed
+        request's pulls overlapped the prefill, so only their exposed part is taken off."""
+        if self.admitted is None or not self.token_times:
+            return None
+        pull = self.exposed_transfer_s if self.kv_transfer == "layerwise" else self.transfer_s
+        return self.admitted - self.token_times[0] - (pull or 0.0)
+
+    @property
+    def ctx(self) -> int:
+        return self.prompt + len(self.token_times)
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """Step durations from the cost model. `fixed_ctx` pins every decode sequence's context (the
+    article's "every stream at 4k"); None uses each sequence's real context."""
+
+    model: cm.ModelSpec
+    hw: cm.HardwareSpec
+    mfu: float = cm.ARTICLE_MFU
+    weight_dtype: str = "fp8"
+    kv_dtype: str = "fp8"
+    fixed_ctx: float | None = None
+    # A measured step-cost fit (costmodel/fit/step_fit.py): when set it prices every step from its
+    # shape, and a colocated whole prompt runs *with* the decode batch, as the engine does.
+    fit: StepCostFit | None = None
+    # A disaggregated run's prefill pool priced apart (fitted on its own steps: on a CPU the two
+    # pools share cores, so each pool's steps cost what they cost beside the other); None: `fit`.
+    prefill_fit: StepCostFit | None = None
+
+    def _ctx(self, r: Request) -> int:
+        return int(self.fixed_ctx) if self.fixed_ctx is not None else r.ctx
+
+    def step(self, batch: list[Request], parts: list[tuple[int, int]]) -> float:
+        """One engine step: the decode batch plus prompt chunks (start, n)."""
+        if self.fit is not None:
+            return self.fit.seconds(StepShape.of([self._ctx(r) for r in batch], parts))
+        return (self.decode(batch) if batch else 0.0) + sum(self.chunk(s, n) for s, n in parts)
+
+    def prefill_pool_step(self, prompts: list[int]) -> float:
+        """One step of a disaggregated prefill worker: these whole prompts, batched."""
+        f = self.prefill_fit or self.fit
+        if f is not None:
+            return f.seconds(StepShape.of((), [(0, n) for n in prompts]))
+        return self.prefill(prompts[0])
+
+    def decode(self, batch: list[Request]) -> float:
+        if self.fit is not None:
+            return self.fit.decode_seconds([self._ctx(r) for r in batch])
+        kv = self.fixed_ctx * len(batch) if self.fixed_ctx is not None else sum(r.ctx for r in batch)
+        return cm.decode_step_tokens(
+            self.model, self.hw, len(batch), kv, self.mfu, self.weight_dtype, self.kv_dtype
+        ).time_s
+
+    def prefill(self, tokens: int) -> float:
+        if self.fit is not None:
+            return self.fit.prefill_seconds(tokens)
+        return cm.prefill(self.model, self.hw, tokens, self.mfu, self.weight_dtype).time_s
+
+    def chunk(self, start: int, n: int) -> float:
+        if self.fit is not None:
+            return self.fit.chunk_extra_seconds(start, n)
+        return cm.prefill_chunk_seconds(self.model, self.hw, start, n, self.mfu, self.weight_dtype)
+
+    def transfer(self, tokens: int, link: cm.Link) -> float:
+        return cm.kv_transfer_seconds(self.model, tokens, link, self.kv_dtype)
+
+    def kv_bytes(self, tokens: int) -> float:
+        return tokens * cm.kv_bytes_per_token(self.model, self.kv_dtype)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    mode: str = "colocated"
+    workers: int = 1  # colocated workers (GPUs or nodes)
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    chunk: int = 512  # prompt tokens per step in chunked mode
+    max_batch: int = 256
+    link: cm.Link = cm.LINKS["nvlink"]
+    max_prefill_tokens: int = 8192  # whole prompts batched into one step, as the engine's default
+    # disagg: what a request waits beyond the pull and the next step boundary before a decode
+    # worker takes it in (router and Ray hops, the worker's inbox); measured, not modelled
+    admit_s: float = 0.0
+    # disagg with both pools on one host's CPU cores: a decode step costs this many times its
+    # price for the share of it during which a prefill step runs (1 on separate GPUs; measured)
+    decode_slowdown: float = 1.0
+    # disagg: how the KV crosses the link (pdserve's --kv-transfer): "bulk" pulls it whole after
+    # the prefill; "layerwise" pulls `kv_stream_layers` layers at a time while the prefill runs,
+    # each pull costing `kv_group_overhead_s` beyond its bytes, so only what the link has not
+    # caught up with by the prefill's end is left; "auto" streams when that gains
+    kv_transfer: str = "bulk"
+    kv_stream_layers: int = 1
+    kv_group_overhead_s: float = DEFAULT_GROUP_OVERHEAD_S
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if min(self.workers, self.prefill_workers, self.decode_workers, self.chunk, self.max_batch) < 1:
+            raise ValueError("workers, chunk and max_batch must be positive")
+        if self.kv_transfer not in KV_TRANSFERS:
+            raise ValueError(f"kv_transfer must be one of {KV_TRANSFERS}, got {self.kv_transfer!r}")
+        if self.kv_stream_layers < 1 or self.kv_group_overhead_s < 0:
+            raise ValueError("kv_stream_layers must be positive and kv_group_overhead_s non-negative")
+
+    def kv_link(self) -> LinkSpec:
+        """The link as costmodel/article/layerwise.py prices it: its rate, and each group's pull overhead."""
+        return cm.stream_link(self.link, self.kv_group_overhead_s)
+
+    def kv_groups(self, model: cm.ModelSpec) -> int:
+        return groups_of(model.num_layers, self.kv_stream_layers)
+
+    @property
+    def gpus(self) -> int:
+        return self.prefill_workers + self.decode_workers if self.mode == "disagg" else self.workers
+
+    @property
+    def label(self) -> str:
+        if self.mode == "disagg":
+            streamed = "" if self.kv_transfer == "bulk" else f" {self.kv_transfer}/{self.kv_stream_layers}"
+            return f"disagg {self.prefill_workers}P{self.decode_workers}D {self.link.name}{streamed}"
+        return f"chunked {self.chunk}" if self.mode == "chunked" else "colocated"

@@ -1,0 +1,212 @@
+"""The simulated workers (costmodel/sim/engine.py drives them): each plans its next step from its
+queue and running batch, prices it with the `StepModel`, and at the step's end hands out tokens.
+`ColocatedWorker` prefills whole prompts (freezing the decode batch) or in chunks beside it;
+`PrefillWorker` runs whole prompts and sends the KV on (streamed layer-wise, it opens the stream
+as the step starts); `DecodeWorker` takes requests in off its link and decodes. A worker sees the
+simulator only through `SimHost`, so this module does not import the simulator.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from costmodel.sim.model import Request, SimConfig, StepModel
+
+
+class SimHost(Protocol):
+    """What a worker uses of the simulator: the clock, the event queue and the request hand-offs."""
+
+    cfg: SimConfig
+    steps: StepModel
+    now: float
+    prefill: list[Worker]
+
+    def at(self, t: float, fn: Callable, *args: Any) -> None: ...
+
+    def finish(self, r: Request) -> None: ...
+
+    def open_kv_stream(self, r: Request, prefill_s: float) -> None: ...
+
+    def send_kv(self, r: Request) -> None: ...
+
+
+@dataclass
+class StepRecord:
+    start: float
+    end: float
+    prefill_tokens: int
+    decode_tokens: int
+
+
+class Worker:
+    def __init__(self, sim: SimHost, name: str):
+        self.sim, self.name = sim, name
+        self.queue: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.busy = False
+        self.log: list[StepRecord] = []
+
+    @property
+    def load(self) -> int:
+        return len(self.queue) + len(self.running)
+
+    def plan(self) -> tuple[float, int, int, Callable[[], None]] | None:
+        raise NotImplementedError
+
+    def kick(self) -> None:
+        if self.busy:
+            return
+        p = self.plan()
+        if p is None:
+            return
+        dur, ptok, dtok, fin = p
+        self.busy = True
+        self.log.append(StepRecord(self.sim.now, self.sim.now + dur, ptok, dtok))
+        self.sim.at(self.sim.now + dur, self._done, fin)
+
+    def _done(self, fin: Callable[[], None]) -> None:
+        fin()  # still busy: a request dispatched from inside fin() must not start a step here
+        self.busy = False
+        self.kick()
+
+    def _emit(self, reqs: list[Request]) -> None:
+        now = self.sim.now
+        for r in reqs:
+            r.token_times.append(now)
+        if any(r.done for r in reqs):
+            for r in [r for r in self.running if r.done]:
+                self.running.remove(r)
+                self.sim.finish(r)
+
+    def _decode_step(self) -> tuple[float, int, int, Callable[[], None]]:
+        batch = list(self.running)
+        return self.sim.steps.decode(batch), 0, len(batch), lambda: self._emit(batch)
+
+    def _take_whole(self, batch: int) -> list[Request]:
+        """Whole prompts for one step, FIFO, as the engine schedules them unchunked: the first
+        whatever its length, then more while they fit `max_prefill_tokens` and the batch limit."""
+        cfg, budget = self.sim.cfg, self.sim.cfg.max_prefill_tokens
+        out: list[Request] = []
+        while self.queue and batch + len(out) < cfg.max_batch and (not out or self.queue[0].prompt <= budget):
+            r = self.queue.popleft()
+            r.prefilled, r.prefill_start = r.prompt, self.sim.now
+            budget -= r.prompt
+            out.append(r)
+        return out
+
+    def _prefilled(self, r: Request) -> None:
+        """First token of `r` is out: decode it here, or finish."""
+        r.token_times.append(self.sim.now)
+        if r.done:
+            self.sim.finish(r)
+        else:
+            self.running.append(r)
+
+
+class ColocatedWorker(Worker):
+    def plan(self):
+        cfg, steps = self.sim.cfg, self.sim.steps
+        if cfg.mode == "colocated":
+            if self.queue and len(self.running) < cfg.max_batch:
+                if steps.fit is None:  # the article's freeze: the prefill runs instead of the decode step
+                    r = self.queue.popleft()
+                    r.prefilled, r.prefill_start = r.prompt, self.sim.now
+                    return steps.prefill(r.prompt), r.prompt, 0, lambda: self._prefilled(r)
+                # the engine's: one forward of the decode batch + every waiting prompt that fits
+                batch, prompts = list(self.running), self._take_whole(len(self.running))
+
+                def fin_mixed() -> None:
+                    self._emit(batch)
+                    for r in prompts:
+                        self._prefilled(r)
+
+                whole = [(0, r.prompt) for r in prompts]
+                return steps.step(batch, whole), sum(r.prompt for r in prompts), len(batch), fin_mixed
+            return self._decode_step() if self.running else None
+        batch, budget = list(self.running), cfg.chunk
+        parts: list[tuple[Request, int, int]] = []  # (request, chunk start, chunk tokens)
+        for r in self.queue:
+            if budget == 0 or len(batch) + len(parts) >= cfg.max_batch:
+                break
+            n = min(budget, r.prompt - r.prefilled)
+            parts.append((r, r.prefilled, n))
+            budget -= n
+            if r.prefill_start is None:
+                r.prefill_start = self.sim.now
+        if not batch and not parts:
+            return None
+        dur = steps.step(batch, [(s, n) for _, s, n in parts])
+
+        def fin() -> None:
+            self._emit(batch)
+            for r, s, n in parts:
+                r.prefilled = s + n
+                if r.prefilled == r.prompt:
+                    self.queue.remove(r)
+                    self._prefilled(r)
+
+        return dur, sum(n for *_, n in parts), len(batch), fin
+
+
+class PrefillWorker(Worker):
+    @property
+    def load(self) -> int:
+        return len(self.queue) + int(self.busy)  # the prompt in flight counts: it left the queue
+
+    def plan(self):
+        if not self.queue:
+            return None
+        steps = self.sim.steps
+        # measured steps (a fit): the engine's batch of waiting whole prompts; else one at a time
+        measured = steps.fit is not None or steps.prefill_fit is not None
+        prompts = self._take_whole(0) if measured else [self.queue.popleft()]
+        for r in prompts:
+            r.prefilled, r.prefill_start = r.prompt, self.sim.now
+
+        def fin() -> None:
+            for r in prompts:
+                r.token_times.append(self.sim.now)
+                if r.done:
+                    self.sim.finish(r)
+                else:
+                    self.sim.send_kv(r)
+
+        dur = steps.prefill_pool_step([r.prompt for r in prompts])
+        for r in prompts:
+            if r.output > 1:  # its KV crosses once this step ends (a 1-token request just finishes)
+                self.sim.open_kv_stream(r, dur)
+        return dur, sum(r.prompt for r in prompts), 0, fin
+
+
+class DecodeWorker(Worker):
+    def __init__(self, sim: SimHost, name: str):
+        super().__init__(sim, name)
+        self.link_free = 0.0  # when its link has carried every pull charged to it so far
+        self.inflight = 0
+
+    @property
+    def load(self) -> int:
+        return len(self.queue) + len(self.running) + self.inflight
+
+    def receive(self, r: Request) -> None:
+        self.inflight -= 1
+        self.queue.append(r)
+        self.kick()
+
+    def plan(self):
+        while self.queue and len(self.running) < self.sim.cfg.max_batch:
+            r = self.queue.popleft()
+            r.admitted = self.sim.now
+            self.running.append(r)
+        if not self.running:
+            return None
+        dur, ptok, dtok, fin = self._decode_step()
+        k = self.sim.cfg.decode_slowdown
+        if k != 1.0:  # the share of the step a prefill worker is busy for, at k times the price
+            busy_until = max((w.log[-1].end for w in self.sim.prefill if w.busy and w.log), default=self.sim.now)
+            share = min(1.0, max(0.0, busy_until - self.sim.now) / dur) if dur > 0 else 0.0
+            dur *= 1.0 + (k - 1.0) * share
+        return dur, ptok, dtok, fin
