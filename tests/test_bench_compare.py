@@ -15,8 +15,8 @@ import pytest
 
 from benchmarks.client.bench_serve import BenchConfig, BenchResult
 from benchmarks.compare.args import ModeSpec, build_modes
-from benchmarks.compare.command import served_prompt_lengths
 from benchmarks.compare.equality import check_equality
+from benchmarks.compare.prediction import served_prompt_lengths
 from benchmarks.compare.record import ModeRun, unpack
 from benchmarks.compare.table import near_tie_note
 from cli import main as cli_main
@@ -198,7 +198,7 @@ def test_predictions_price_the_served_tokens_and_the_link():
         for s in specs
     ]
     run = ModeRun(build_modes("disagg", "", 1, 1)[0], {}, 0.0, {}, [], BenchResult(None, "tiny", records, None, 0.0))
-    sim_specs = served_prompt_lengths(specs, run)
+    sim_specs = served_prompt_lengths(specs, run.bench.records)
     assert [s.prompt_len for s in sim_specs] == [served[s.request_id] for s in specs]
 
     setup = cp.setup_from_calibration("tiny", CALIBRATION)

@@ -1,8 +1,9 @@
 """`pdserve bench compare`: pdserve's modes (or outside servers) on one workload, measured
 beside the simulator.
 
-`command` (the pipeline), `args` (its flags), `modes` and `endpoints` (running the servers),
-`calibration` and `calibration_file` (the step model the predictions use), `prediction`,
+`command` (the command: the pipeline's stages in order), `pipeline` (`CompareRun` and the
+stages), `args` (the flags), `modes` and `endpoints` (running the servers), `calibration`
+(each server's own steps, fitted), `prediction` (which device model predicts each mode),
 `equality` (same requests, same tokens), `record` (what one run holds), `auto`, `table`,
 `markdown`, `plots`, `demo_samples`, `link_probe`.
 
