@@ -21,7 +21,7 @@ import zlib
 
 from cli import CliError
 from cli.output import emit_json
-from cluster.layout import MAX_NODES, NAME_RE, ClusterLayout
+from cluster.layout import MAX_NODES, NAME_RE, ClusterLayout, NodeLayout
 from cluster.netns import (
     ClusterError,
     check_privileges,
@@ -99,6 +99,14 @@ def _load(name: str) -> ClusterLayout:
     return lay
 
 
+def _node(lay: ClusterLayout, index: int, what: str) -> NodeLayout:
+    """Node `index` of the cluster, or a one-line error led by `what` (the flag or subcommand)."""
+    try:
+        return lay.node(index)
+    except IndexError as e:
+        raise CliError(f"{what}: {e}") from None
+
+
 def _pick_subnet(name: str) -> int:
     k = 1 + zlib.crc32(name.encode()) % 200
     for _ in range(250):
@@ -151,10 +159,7 @@ def _up(args: argparse.Namespace) -> int:
 
 def _restart_node(args: argparse.Namespace) -> int:
     lay = _load(args.name)
-    try:
-        node = lay.node(args.node)
-    except IndexError as e:
-        raise CliError(f"--node: {e}") from None
+    node = _node(lay, args.node, "--node")
     t0 = time.monotonic()
     kill_node_processes(node.namespace)  # whatever is left of the old incarnation
     start_node(lay, node)
@@ -202,10 +207,7 @@ def _exec(args: argparse.Namespace) -> int:
     lay = _load(args.name)
     if not argv:
         raise CliError("exec: give the command after `--`, e.g. pdserve cluster exec 0 -- hostname -I")
-    try:
-        node = lay.node(args.node)
-    except IndexError as e:
-        raise CliError(f"exec: {e}") from None
+    node = _node(lay, args.node, "exec")
     full = in_node(lay, node, argv)
     if args.timeout is None:
         sys.stdout.flush()
@@ -219,10 +221,7 @@ def _exec(args: argparse.Namespace) -> int:
 
 def _kill(args: argparse.Namespace) -> int:
     lay = _load(args.name)
-    try:
-        node = lay.node(args.node)
-    except IndexError as e:
-        raise CliError(f"kill: {e}") from None
+    node = _node(lay, args.node, "kill")
     n = kill_node_processes(node.namespace)
     print(f"pdserve cluster {lay.name}: node {node.index} lost ({n} processes killed)")
     return 0

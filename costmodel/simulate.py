@@ -203,7 +203,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", default="llama-3.1-70b", help="model preset, checkpoint dir or config.json")
     g.add_argument("--hw", default="h100-sxm", help=f"GPU preset: {', '.join(sorted(cm.HARDWARE))}")
     g.add_argument("--mfu", type=float, default=None, help="default 0.4, or the calibration's")
-    g.add_argument("--calibration", default=None, help="calibration JSON from `pdserve bench chunks` or `bench probe` (format: costmodel/fit/calibration.py)")
+    g.add_argument(
+        "--calibration",
+        default=None,
+        help="calibration JSON from `pdserve bench chunks` or `bench probe` (format: costmodel/fit/calibration.py)",
+    )
     g.add_argument(
         "--fixed-ctx",
         type=int,

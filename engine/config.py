@@ -148,6 +148,34 @@ _LLAMA31_ROPE = RopeScaling(
     factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
 )
 
+
+def _llama3(
+    name: str,
+    sizes: tuple[int, int, int, int, int],
+    rope_scaling: RopeScaling = _LLAMA31_ROPE,
+    tie_word_embeddings: bool = False,
+) -> ModelConfig:
+    """A Llama 3 shape: the family shares its vocabulary, 8 KV heads, 128k context, rope theta and
+    special tokens, so only `sizes` (hidden, intermediate, layers, heads, head_dim) differ."""
+    hidden, intermediate, layers, heads, head_dim = sizes
+    return ModelConfig(
+        name=name,
+        vocab_size=128256,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=8,
+        head_dim=head_dim,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    )
+
+
 PRESETS: dict[str, ModelConfig] = {
     # CPU tests and demo: a forward pass of a few hundred tokens takes milliseconds.
     "tiny": ModelConfig(
@@ -161,54 +189,12 @@ PRESETS: dict[str, ModelConfig] = {
         head_dim=32,
         max_position_embeddings=4096,
     ),
+    # The Llama 3 ones below: (hidden, intermediate, layers, heads, head_dim).
     # ~1.2B, Llama-3.2-1B shapes (tied embeddings): a GPU smoke test.
-    "small": ModelConfig(
-        name="small",
-        vocab_size=128256,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_layers=16,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=64,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-        rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192),
-        tie_word_embeddings=True,
-        bos_token_id=128000,
-        eos_token_id=128001,
-    ),
+    "small": _llama3("small", (2048, 8192, 16, 32, 64), RopeScaling(32.0, 1.0, 4.0, 8192), tie_word_embeddings=True),
     # Exact published shapes of meta-llama/Llama-3.1-8B and -70B (config.json).
-    "llama-3.1-8b": ModelConfig(
-        name="llama-3.1-8b",
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-        rope_scaling=_LLAMA31_ROPE,
-        bos_token_id=128000,
-        eos_token_id=128001,
-    ),
-    "llama-3.1-70b": ModelConfig(
-        name="llama-3.1-70b",
-        vocab_size=128256,
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_layers=80,
-        num_heads=64,
-        num_kv_heads=8,
-        head_dim=128,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-        rope_scaling=_LLAMA31_ROPE,
-        bos_token_id=128000,
-        eos_token_id=128001,
-    ),
+    "llama-3.1-8b": _llama3("llama-3.1-8b", (4096, 14336, 32, 32, 128)),
+    "llama-3.1-70b": _llama3("llama-3.1-70b", (8192, 28672, 80, 64, 128)),
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any, Protocol
 
 from cli import CliError
 from cli.output import emit_json
@@ -16,6 +17,23 @@ from engine.core.llm_engine import LLMEngine
 from engine.gguf_file import GGUFError
 from engine.runner.model_runner import ModelRunner
 from engine.sequence import SamplingParams, Sequence
+
+
+class FlagTarget(Protocol):
+    """A parser or one of its argument groups: what flags are added to."""
+
+    def add_argument(self, *name_or_flags: str, **kwargs: Any) -> Any: ...
+
+
+def add_dtype_arguments(p: FlagTarget, kv_help: str) -> None:
+    """--dtype and --kv-dtype, as `generate` and the engine benchmarks take them (kv_dtype_of reads them)."""
+    p.add_argument("--dtype", choices=["fp8", "bf16", "fp32"], default="fp8", help="weight dtype (default fp8)")
+    p.add_argument("--kv-dtype", choices=["fp8", "bf16", "fp32"], default=None, help=kv_help)
+
+
+def kv_dtype_of(args: argparse.Namespace) -> str:
+    """--kv-dtype, or its default: FP8 KV, but fp32 beside fp32 weights."""
+    return str(args.kv_dtype or ("fp32" if args.dtype == "fp32" else "fp8"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,13 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (temperature > 0)")
-    p.add_argument("--dtype", choices=["fp8", "bf16", "fp32"], default="fp8", help="weight dtype (default fp8)")
-    p.add_argument(
-        "--kv-dtype",
-        choices=["fp8", "bf16", "fp32"],
-        default=None,
-        help="KV cache dtype (default: fp8, or fp32 with --dtype fp32)",
-    )
+    add_dtype_arguments(p, kv_help="KV cache dtype (default: fp8, or fp32 with --dtype fp32)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="default cpu")
     p.add_argument("--chunk-size", type=int, default=None, help="prefill in chunks of N tokens")
     p.add_argument(
@@ -114,7 +126,7 @@ def main(args: argparse.Namespace) -> int:
             f"prompt ({len(ids)} tokens) + --max-tokens ({args.max_tokens}) exceeds the model's "
             f"context of {cfg.max_position_embeddings} tokens"
         )
-    kv_dtype = args.kv_dtype or ("fp32" if args.dtype == "fp32" else "fp8")
+    kv_dtype = kv_dtype_of(args)
     block = 16
     # one spare block: the CUDA graphs' padding scratch block
     cache = CacheConfig(block_size=block, num_blocks=-(-total // block) + 2, kv_dtype=kv_dtype)
@@ -180,4 +192,4 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_arguments", "main"]
+__all__ = ["FlagTarget", "add_arguments", "add_dtype_arguments", "kv_dtype_of", "main"]

@@ -13,10 +13,11 @@ import json
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -150,6 +151,24 @@ class FakeCompletionsServer:
         self._server.should_exit = True
         self._thread.join(timeout=10)
         self._sock.close()
+
+
+def completions_server_fixtures(**script_fields: object) -> tuple[Any, Any]:
+    """The two fixtures of a module that tests a client against the fake, declared as
+    `server, script = completions_server_fixtures(...)`: `server`, one FakeCompletionsServer for the
+    whole module (it starts once), and `script`, its script reset to `FakeScript(**script_fields)`
+    before each test that asks for it (so no test sees what an earlier one set)."""
+
+    @pytest.fixture(scope="module")
+    def server() -> Iterator[FakeCompletionsServer]:
+        with FakeCompletionsServer(FakeScript()) as srv:
+            yield srv
+
+    @pytest.fixture
+    def script(server: FakeCompletionsServer) -> FakeScript:
+        return server.reset(**script_fields)
+
+    return server, script
 
 
 # ----------------------------------------------------------------------------- FakeOrchestrator

@@ -8,6 +8,10 @@
   `prometheus_client.parser`, the parser of the library that wrote it, not by splitting lines.
 - `run_to_completion(engine, seqs)`: sequences through an in-process engine until done, checking
   that every KV block came back; their output ids (the oracle many tests compare a server with).
+- `greedy_reference(prompts, max_tokens)`: that oracle for the serving tests, per prompt text.
+- `flags(**values)`: a command's options written as keywords (`out_dir=tmp` -> `--out-dir tmp`).
+- `stream_completion(client, prompt, max_tokens)`: one greedy stream through the openai client, as a
+  serving test reads it (its text, and the timeline pdserve sends with the last chunk).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import TYPE_CHECKING, TypeVar
 from prometheus_client.parser import text_string_to_metric_families
 
 if TYPE_CHECKING:
+    from openai import AsyncOpenAI
+
     from engine.core.llm_engine import LLMEngine
     from engine.sequence import Sequence
 
@@ -98,3 +104,68 @@ def run_to_completion(engine: LLMEngine, seqs: list[Sequence]) -> list[list[int]
         engine.step()
     assert engine.blocks.num_free == engine.blocks.num_blocks, "KV blocks leaked"
     return [s.output_ids for s in seqs]
+
+
+def greedy_reference(prompts: list[str], max_tokens: int, **engine_kw: object) -> dict[str, list[int]]:
+    """Greedy tokens of the tiny model in an engine alone (no Ray, no transport), a fresh engine per
+    distinct prompt: the reference a serving test compares every mode's tokens with."""
+    from engine.checkpoint.tokenizer import ByteTokenizer  # imported here: most users of this module need no torch
+    from engine.config import PRESETS, CacheConfig
+    from engine.core.llm_engine import LLMEngine
+    from engine.runner.model_runner import ModelRunner
+    from engine.sequence import SamplingParams, Sequence
+
+    runner = ModelRunner(PRESETS["tiny"], CacheConfig(num_blocks=64), "fp8", "cpu")
+    out = {}
+    for i, prompt in enumerate(dict.fromkeys(prompts)):
+        seq = Sequence(f"ref-{i}", ByteTokenizer().encode(prompt), SamplingParams(max_tokens, ignore_eos=True))
+        (out[prompt],) = run_to_completion(LLMEngine(runner, **engine_kw), [seq])  # type: ignore[arg-type]
+    return out
+
+
+async def stream_completion(client: AsyncOpenAI, prompt: str | list[int], max_tokens: int) -> tuple[str, dict]:
+    """A greedy streamed completion of `max_tokens` tokens (EOS ignored, usage asked for): the text
+    of its chunks, and the timeline pdserve sends with the last one."""
+    stream = await client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    texts, last = [], None
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            texts.append(chunk.choices[0].text)
+        last = chunk
+    assert last is not None and last.model_extra is not None
+    return "".join(texts), last.model_extra["pdserve"]["timeline"]
+
+
+def flags(**values: object) -> list[str]:
+    """Command-line options from keywords, in order: `decode_batch=2` -> `--decode-batch 2`, and
+    `json=True` -> `--json` (a flag without a value), so a test's argv reads as its options."""
+    out: list[str] = []
+    for name, v in values.items():
+        out += ["--" + name.replace("_", "-")] if v is True else ["--" + name.replace("_", "-"), str(v)]
+    return out
+
+
+def attention_shapes(
+    name: str,
+    *,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    vocab: int = 16,
+    inter: int = 16,
+    ctx: int = 4096,
+):  # -> engine.config.ModelConfig
+    """A two-layer model config of one attention shape: what the kernel tests need (shapes, not a model)."""
+    from engine.config import ModelConfig  # noqa: PLC0415 - the router-only tests import this module too
+
+    # ModelConfig's fields in order: name, vocab, hidden, intermediate, layers, heads, kv heads, head dim, context
+    return ModelConfig(name, vocab, hidden, inter, 2, heads, kv_heads, head_dim, ctx)

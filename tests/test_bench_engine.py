@@ -11,6 +11,7 @@ import pytest
 from cli import main
 from engine import torch_compat
 from engine.model import cpu_kernels
+from tests.helpers import flags
 
 COMMON = ["--model", "tiny", "--device", "cpu", "--no-progress", "--threads", "1"]
 
@@ -21,30 +22,8 @@ def _positive(x) -> bool:
 
 @pytest.mark.slow  # child processes (NIXL peers, a benchmark run): seconds each
 def test_bench_chunks_writes_result_plot_and_calibration(tmp_path, capsys):
-    rc = main(
-        [
-            "bench",
-            "chunks",
-            *COMMON,
-            "--decode-batch",
-            "2",
-            "--context",
-            "32",
-            "--prompt-len",
-            "128",
-            "--chunks",
-            "32,128",
-            "--repeats",
-            "1",
-            "--decode-repeats",
-            "2",
-            "--out-dir",
-            str(tmp_path),
-            "--out",
-            "c",
-            "--json",
-        ]
-    )
+    argv = flags(decode_batch=2, context=32, prompt_len=128, chunks="32,128", repeats=1, decode_repeats=2)
+    rc = main(["bench", "chunks", *COMMON, *argv, *flags(out_dir=tmp_path, out="c", json=True)])
     assert rc == 0
     printed = json.loads(capsys.readouterr().out)
     r = json.loads((tmp_path / "c.json").read_text())
@@ -83,29 +62,8 @@ def test_bench_chunks_writes_result_plot_and_calibration(tmp_path, capsys):
 
 @pytest.mark.slow  # child processes (NIXL peers, a benchmark run): seconds each
 def test_bench_article_writes_tables_beside_predictions(tmp_path, capsys):
-    rc = main(
-        [
-            "bench",
-            "article",
-            *COMMON,
-            "--kv-fill",
-            "random",
-            "--batches",
-            "1,4",
-            "--ctx",
-            "32",
-            "--contexts",
-            "32,64",
-            "--decode-repeats",
-            "2",
-            "--prefill-repeats",
-            "1",
-            "--out-dir",
-            str(tmp_path),
-            "--out",
-            "a",
-        ]
-    )
+    argv = flags(kv_fill="random", batches="1,4", ctx=32, contexts="32,64", decode_repeats=2, prefill_repeats=1)
+    rc = main(["bench", "article", *COMMON, *argv, *flags(out_dir=tmp_path, out="a")])
     assert rc == 0
     table = capsys.readouterr().out
     assert "decode step @ 32 ctx" in table and "predicted ms" in table

@@ -14,27 +14,18 @@ import shutil
 import pytest
 import torch
 
-from engine.config import CacheConfig, ModelConfig
+from engine.config import CacheConfig
 from engine.kv.cache import FP8, KVCache
 from engine.kv.layout import KVLayout
 from engine.model import cpu_kernels
 from engine.model.attention import AttentionMetadata, TorchReferenceAttention
 from engine.model.cpu_attention import BatchedAttention
 from engine.model.linear import FP8_KERNEL_MAX_ROWS, Fp8Linear
+from tests.helpers import attention_shapes
 
 HAS_TOOLCHAIN = shutil.which("g++") is not None or shutil.which("c++") is not None
 
-SMOL_HEADS = ModelConfig(
-    name="smol-heads",
-    vocab_size=64,
-    hidden_size=576,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    max_position_embeddings=2048,
-)
+SMOL_HEADS = attention_shapes("smol-heads", hidden=576, heads=9, kv_heads=3, head_dim=64, vocab=64, inter=64, ctx=2048)
 
 
 def test_kernel_is_built_where_a_compiler_is():

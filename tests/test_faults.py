@@ -14,11 +14,13 @@ tests/test_graceful_shutdown.py; KV corruption mid-pull in tests/test_kv_integri
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -111,6 +113,18 @@ def _metric(srv, name: str, **labels: str) -> float:
     return value(httpx.get(srv.url + "/metrics", timeout=10).text, name, **labels)
 
 
+@contextlib.contextmanager
+def _one_thread_each(target: Callable[[str], None], prompts: list[str], join_s: float) -> Iterator[None]:
+    """`target(prompt)` in a thread of its own for every prompt while the `with` body runs (it kills
+    a worker under them); on leaving it, each thread is given `join_s` to end."""
+    threads = [threading.Thread(target=target, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    yield
+    for t in threads:
+        t.join(join_s)
+
+
 def test_idle_prefill_death_is_found_and_replaced_without_a_request(server):
     _wait_full(server, time.monotonic())
     replaced = _metric(server, "pdserve_worker_replacements_total")
@@ -159,15 +173,11 @@ def test_prefill_death_fails_no_stream_already_decoding(server):
         except APIError as e:
             errors[p] = str(e)
 
-    threads = [threading.Thread(target=stream, args=(p,)) for p in prompts]
-    for t in threads:
-        t.start()
-    decoding.wait(60)
-    t0 = time.monotonic()
-    _sigkill("prefill", 0)
-    _sigkill("prefill", 1)  # both: nothing in decode needs either
-    for t in threads:
-        t.join(120)
+    with _one_thread_each(stream, prompts, join_s=120):
+        decoding.wait(60)
+        t0 = time.monotonic()
+        _sigkill("prefill", 0)
+        _sigkill("prefill", 1)  # both: nothing in decode needs either
     assert errors == {}, errors
     assert got == want  # every stream finished, with the tokens it gets when nothing dies
     _wait_full(server, t0)
@@ -240,14 +250,10 @@ def test_prefill_death_under_load_fails_only_its_requests(server):
         except APIError as e:
             outcome[p] = ("error", str(e), time.monotonic() - t0)
 
-    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
-    for t in threads:
-        t.start()
-    time.sleep(0.05)
-    t_kill = time.monotonic()
-    _sigkill("prefill", 1)
-    for t in threads:
-        t.join(90)
+    with _one_thread_each(one, prompts, join_s=90):
+        time.sleep(0.05)
+        t_kill = time.monotonic()
+        _sigkill("prefill", 1)
     assert len(outcome) == len(prompts), "a request hung"
     for p, o in outcome.items():
         if isinstance(o, tuple):

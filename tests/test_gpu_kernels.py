@@ -19,22 +19,13 @@ import sys
 import pytest
 import torch
 
-from engine.config import PRESETS, CacheConfig, ModelConfig
+from engine.config import PRESETS, CacheConfig
 from engine.kv.cache import KVCache
 from engine.kv.layout import KVLayout
 from engine.model.attention import AttentionMetadata, TorchReferenceAttention
+from tests.helpers import attention_shapes
 
-GQA_CFG = ModelConfig(
-    name="gqa",
-    vocab_size=16,
-    hidden_size=256,
-    intermediate_size=16,
-    num_layers=2,
-    num_heads=8,
-    num_kv_heads=2,
-    head_dim=32,
-    max_position_embeddings=4096,
-)
+GQA_CFG = attention_shapes("gqa", hidden=256, heads=8, kv_heads=2, head_dim=32)
 CONTEXTS = [1, 15, 16, 17, 70]  # one token, partial block, exact block, one past, several blocks
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

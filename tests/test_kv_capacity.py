@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from benchmarks.engine.kvcache import CapacityConfig, draw_requests, run_capacity
+from benchmarks.engine.kvcache import CapacityConfig, draw_requests, predicted_pool, run_capacity
 from costmodel.article import cost_model as cm
 from costmodel.article import kv_capacity as kv
 from engine.config import PRESETS
@@ -41,14 +41,7 @@ def test_article_batch_kv_is_the_articles_671_mb_per_sequence():
 def test_reserved_capacity_run_holds_exactly_the_whole_block_arithmetic():
     cfg = CapacityConfig(num_blocks=30, requests=16, prompt_len=16, max_tokens=64, output_min=8, output_max=16)
     run = run_capacity(cfg, reserve=True)
-    pool = kv.pool_capacity(
-        cm.ModelSpec.from_config(PRESETS["tiny"]),
-        cfg.num_blocks,
-        cfg.block_size,
-        cfg.prompt_len,
-        cfg.max_tokens,
-        [n for _, n in draw_requests(cfg)],
-    )
+    pool = predicted_pool(cfg)
     assert pool.reserved_sequences_blocks == 30 // math.ceil(80 / 16) == 6
     assert run["peak_running"] == 6 and run["mean_running_saturated"] == pytest.approx(6.0)
     assert run["tokens_emitted"] == sum(n for _, n in draw_requests(cfg)) and run["preemptions"] == 0

@@ -19,13 +19,10 @@ from openai import AsyncOpenAI  # noqa: E402
 from benchmarks.client import bench_serve  # noqa: E402
 from engine.checkpoint.tokenizer import ByteTokenizer  # noqa: E402
 from engine.config import PRESETS, CacheConfig  # noqa: E402
-from engine.core.llm_engine import LLMEngine  # noqa: E402
 from engine.kv.layout import KVLayout  # noqa: E402
-from engine.runner.model_runner import ModelRunner  # noqa: E402
-from engine.sequence import SamplingParams, Sequence  # noqa: E402
 from router.config import ServeConfig  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
-from tests.helpers import samples, wait_until  # noqa: E402
+from tests.helpers import greedy_reference, samples, stream_completion, wait_until  # noqa: E402
 
 # Ray actors behind a server
 pytestmark = [pytest.mark.ray, pytest.mark.server]
@@ -38,16 +35,7 @@ NUM_BLOCKS = 20  # 320 tokens per worker: 8 streams of up to ~115 tokens need ~9
 
 @pytest.fixture(scope="module")
 def expected() -> dict[str, list[int]]:
-    runner = ModelRunner(PRESETS["tiny"], CacheConfig(num_blocks=64), "fp8", "cpu")
-    out = {}
-    for i, prompt in enumerate(dict.fromkeys(PROMPTS)):
-        engine = LLMEngine(runner, enable_prefix_caching=False)
-        seq = Sequence(f"ref-{i}", ByteTokenizer().encode(prompt), SamplingParams(MAX_TOKENS, ignore_eos=True))
-        engine.add_request(seq)
-        while engine.has_work:
-            engine.step()
-        out[prompt] = seq.output_ids
-    return out
+    return greedy_reference(PROMPTS, MAX_TOKENS, enable_prefix_caching=False)
 
 
 def _per_worker(url: str, name: str) -> dict[str, float]:
@@ -59,22 +47,8 @@ def _metric(url: str, name: str) -> float:
 
 
 async def _stream(client: AsyncOpenAI, prompt: str | list[int]) -> dict:
-    stream = await client.completions.create(
-        model="tiny",
-        prompt=prompt,
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
-    texts, last = [], None
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
-            texts.append(chunk.choices[0].text)
-        last = chunk
-    assert last is not None
-    return {"text": "".join(texts), **last.model_extra["pdserve"]["timeline"]}
+    text, timeline = await stream_completion(client, prompt, MAX_TOKENS)
+    return {"text": text, **timeline}
 
 
 def _run_all(url: str, prompts: list[str] | list[list[int]]) -> list[dict]:

@@ -22,21 +22,12 @@ from benchmarks.client.serve_client import ClientConfig, StreamRecord, classify_
 from benchmarks.probe.client import ProbeClient
 from cli import main as cli_main
 from costmodel.workloads import RequestSpec
-from tests.fakes import FakeCompletionsServer, FakeScript
+from tests.fakes import completions_server_fixtures
 
 FIRST_TOKEN_S = 0.05  # the fake's delay before the first token (a role/empty first chunk comes at once)
 
 
-@pytest.fixture(scope="module")
-def server():
-    with FakeCompletionsServer(FakeScript()) as srv:
-        yield srv
-
-
-@pytest.fixture
-def script(server):
-    """Reset the shared server's script before each test."""
-    return server.reset(first_token_delay_s=FIRST_TOKEN_S, itl_s=0.01)
+server, script = completions_server_fixtures(first_token_delay_s=FIRST_TOKEN_S, itl_s=0.01)
 
 
 def stream(server, max_tokens: int, n: int = 1, kind: str = "chat") -> list[StreamRecord]:

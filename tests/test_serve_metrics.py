@@ -15,7 +15,7 @@ from benchmarks.client.serve_client import ClientConfig
 from cli import main as cli_main
 from costmodel.serve_metrics import RequestRecord, compute_metrics, percentile
 from costmodel.workloads import RequestSpec, WorkloadConfig, build_workload
-from tests.fakes import FakeCompletionsServer, FakeScript
+from tests.fakes import completions_server_fixtures
 
 approx = pytest.approx
 
@@ -236,16 +236,7 @@ def test_sharegpt_file_and_bad_input(tmp_path):
 # ----------------------------------------------------------------------------- client end to end
 
 
-@pytest.fixture(scope="module")
-def server():
-    with FakeCompletionsServer(FakeScript()) as srv:
-        yield srv
-
-
-@pytest.fixture
-def script(server):
-    """Reset the shared server's script before each test."""
-    return server.reset()
+server, script = completions_server_fixtures()
 
 
 def _config(server, **workload) -> BenchConfig:

@@ -18,13 +18,9 @@ pytest.importorskip("ray")  # the servers below run on Ray (conftest.ray_cluster
 from openai import APIStatusError, AsyncOpenAI, OpenAI  # noqa: E402
 
 from engine.checkpoint.tokenizer import ByteTokenizer  # noqa: E402
-from engine.config import PRESETS, CacheConfig  # noqa: E402
-from engine.core.llm_engine import LLMEngine  # noqa: E402
-from engine.runner.model_runner import ModelRunner  # noqa: E402
-from engine.sequence import SamplingParams, Sequence  # noqa: E402
 from router.config import ServeConfig  # noqa: E402
 from router.serve_cli import ServerThread  # noqa: E402
-from tests.helpers import samples, wait_until  # noqa: E402
+from tests.helpers import greedy_reference, samples, stream_completion, wait_until  # noqa: E402
 
 # Ray actors behind a server
 pytestmark = [pytest.mark.ray, pytest.mark.server]
@@ -40,16 +36,7 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def expected() -> dict[str, list[int]]:
     """Greedy tokens of the engine alone, no Ray, no transport: the reference for every mode."""
-    runner = ModelRunner(PRESETS["tiny"], CacheConfig(num_blocks=64), "fp8", "cpu")
-    out = {}
-    for i, prompt in enumerate(PROMPTS):
-        engine = LLMEngine(runner)
-        seq = Sequence(f"ref-{i}", ByteTokenizer().encode(prompt), SamplingParams(MAX_TOKENS, ignore_eos=True))
-        engine.add_request(seq)
-        while engine.has_work:
-            engine.step()
-        out[prompt] = seq.output_ids
-    return out
+    return greedy_reference(PROMPTS, MAX_TOKENS)
 
 
 def serve(**kw) -> ServerThread:
@@ -124,19 +111,8 @@ def test_streaming_delivers_every_token_in_order_with_usage(disagg_server, expec
 
 def test_sixteen_concurrent_streams_complete_with_correct_tokens(disagg_server, expected):
     async def one(client: AsyncOpenAI, prompt: str) -> list[int]:
-        stream = await client.completions.create(
-            model="tiny",
-            prompt=prompt,
-            max_tokens=MAX_TOKENS,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        last = None
-        async for chunk in stream:
-            last = chunk
-        return last.model_extra["pdserve"]["timeline"]["token_ids"]
+        _, timeline = await stream_completion(client, prompt, MAX_TOKENS)
+        return timeline["token_ids"]
 
     async def main():
         client = AsyncOpenAI(base_url=disagg_server.base_url, api_key="none", max_retries=0)

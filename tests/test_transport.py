@@ -21,7 +21,7 @@ from engine.core.llm_engine import LLMEngine
 from engine.kv.layout import KVLayout
 from engine.runner.model_runner import ModelRunner
 from engine.sequence import SamplingParams, Sequence
-from tests.helpers import wait_until
+from tests.helpers import flags, wait_until
 from transport import LayoutMismatch, TransferTimeout, TransportError, make_transport
 from transport.coalesce import Run, coalesce, split_for_streams
 from transport.local_backend import registered_agents
@@ -269,22 +269,8 @@ def test_bench_transfer_small_sweep_verifies_every_byte(tmp_path, capsys):
 
     from cli import main as cli_main
 
-    rc = cli_main(
-        [
-            "bench",
-            "transfer",
-            "--size-mb",
-            "1",
-            "--block-tokens",
-            "16,64",
-            "--repeats",
-            "1",
-            "--json",
-            "--no-plot",
-            "--out-dir",
-            str(tmp_path),
-        ]
-    )
+    argv = flags(size_mb=1, block_tokens="16,64", repeats=1, json=True, no_plot=True, out_dir=tmp_path)
+    rc = cli_main(["bench", "transfer", *argv])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert {r["backend"] for r in out["rows"]} == {"nixl", "local"} and out["memcpy_gbytes_per_s"] > 0

@@ -73,8 +73,25 @@ class Transport(ABC):
     def register(self, pool: torch.Tensor, layout: KVLayout) -> None:
         """Register the KV pool [num_blocks, block_bytes] uint8 (host or device memory)."""
 
-    @abstractmethod
-    def describe(self) -> PeerInfo: ...
+    def describe(self) -> PeerInfo:
+        """What a peer needs to reach this agent's registered pool (every backend's the same but
+        for `_metadata`)."""
+        self._check_open()
+        if self._pool is None or self.layout is None:
+            raise TransportError("register() the KV pool before describe()")
+        return PeerInfo(
+            agent=self.agent,
+            backend=self.backend,
+            layout=self.layout,
+            metadata=self._metadata(),
+            base_addr=self._pool.data_ptr(),
+            device_id=max(self._pool.get_device(), 0),
+            mem_type="VRAM" if self._pool.is_cuda else "DRAM",
+        )
+
+    def _metadata(self) -> bytes:
+        """The backend's own part of `describe()` (NIXL's agent metadata); none by default."""
+        return b""
 
     @abstractmethod
     def connect(self, peer: PeerInfo) -> None:
@@ -182,6 +199,17 @@ class Transport(ABC):
                 f"blocks pulled from {handle.agent!r} differ from what it wrote ({shown}); not decoded"
             )
         return time.perf_counter() - t0
+
+    @staticmethod
+    def _check_pool(pool: torch.Tensor, layout: KVLayout) -> None:
+        """register()'s precondition in every backend: the pool is `layout`'s blocks as one byte tensor."""
+        import torch  # noqa: PLC0415 - only a backend's register() gets here; the wire types stay torch-free
+
+        want = (layout.num_blocks, layout.block_bytes)
+        if pool.dtype != torch.uint8 or tuple(pool.shape) != want or not pool.is_contiguous():
+            raise ValueError(
+                f"pool must be a contiguous uint8 tensor of shape {want}, got {pool.dtype} {tuple(pool.shape)}"
+            )
 
     @abstractmethod
     def _check_open(self) -> None:

@@ -37,30 +37,13 @@ class LocalTransport(Transport):
 
     def register(self, pool: torch.Tensor, layout: KVLayout) -> None:
         self._check_open()
-        want = (layout.num_blocks, layout.block_bytes)
-        if pool.dtype != torch.uint8 or tuple(pool.shape) != want or not pool.is_contiguous():
-            raise ValueError(
-                f"pool must be a contiguous uint8 tensor of shape {want}, got {pool.dtype} {tuple(pool.shape)}"
-            )
+        self._check_pool(pool, layout)
         with _LOCK:
             if self.agent in _POOLS:
                 raise TransportError(f"agent name {self.agent!r} already registered in this process")
             _POOLS[self.agent] = (pool, layout)
             _INBOX.setdefault(self.agent, [])
         self._pool, self.layout = pool, layout
-
-    def describe(self) -> PeerInfo:
-        self._check_open()
-        if self._pool is None or self.layout is None:
-            raise TransportError("register() the KV pool before describe()")
-        return PeerInfo(
-            agent=self.agent,
-            backend=self.backend,
-            layout=self.layout,
-            base_addr=self._pool.data_ptr(),
-            device_id=max(self._pool.get_device(), 0),
-            mem_type="VRAM" if self._pool.is_cuda else "DRAM",
-        )
 
     def connect(self, peer: PeerInfo) -> None:
         self._check_open()

@@ -114,30 +114,16 @@ class NixlTransport(Transport):
         self._check_open()
         if self._pool is not None:
             raise TransportError(f"agent {self.agent!r} already registered a pool")
-        want = (layout.num_blocks, layout.block_bytes)
-        if pool.dtype != torch.uint8 or tuple(pool.shape) != want or not pool.is_contiguous():
-            raise ValueError(
-                f"pool must be a contiguous uint8 tensor of shape {want}, got {pool.dtype} {tuple(pool.shape)}"
-            )
+        self._check_pool(pool, layout)
         self._mem_type = "VRAM" if pool.is_cuda else "DRAM"
         self._reg = self._agent.register_memory(pool)
         self._pool, self.layout = pool, layout
         if self._mem_type == "VRAM":
             self.streams = 1
 
-    def describe(self) -> PeerInfo:
-        self._check_open()
-        if self._pool is None or self.layout is None:
-            raise TransportError("register() the KV pool before describe()")
-        return PeerInfo(
-            agent=self.agent,
-            backend=self.backend,
-            layout=self.layout,
-            metadata=self._agent.get_agent_metadata(),
-            base_addr=self._pool.data_ptr(),
-            device_id=max(self._pool.get_device(), 0),
-            mem_type=self._mem_type,
-        )
+    def _metadata(self) -> bytes:
+        """The agent's NIXL metadata: what a peer loads to reach it as a remote agent."""
+        return self._agent.get_agent_metadata()
 
     def connect(self, peer: PeerInfo) -> None:
         self._check_open()

@@ -219,7 +219,6 @@ def render(r: dict[str, Any]) -> str:
 
 def plot(r: dict[str, Any], path: Path) -> None:
     import matplotlib  # noqa: PLC0415
-    import matplotlib.ticker  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
@@ -240,15 +239,10 @@ def plot(r: dict[str, Any], path: Path) -> None:
             ylabel="ms",
             title=f"{kind} {'step' if kind == 'decode' else 'time'}",
         )
-        ax.set_xticks([x[key] for x in rows], [str(x[key]) for x in rows])
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # only the swept values
-        ax.grid(alpha=0.3)
+        eb.swept_axis(ax, [x[key] for x in rows])
         ax.legend(fontsize=8)
     kind = "calibrated" if r["calibration_file"] else r["spec"]["source_kind"]
-    fig.suptitle(f"{r['model']} on {r['device']}; prediction: {kind} spec, MFU {r['mfu']:.2f}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    eb.save_figure(fig, path, f"{r['model']} on {r['device']}; prediction: {kind} spec, MFU {r['mfu']:.2f}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -280,9 +274,10 @@ def main(args: argparse.Namespace) -> int:
     args.model = eb.default_model(args, device, min(max_batch, 32) * seq_tokens + max(contexts))
     if device.type == "cuda":  # as many decode sequences as fit next to the weights and the prompt
         from engine.config import resolve_model_config  # noqa: PLC0415
+        from engine.generate_cli import kv_dtype_of  # noqa: PLC0415
 
         cfg = resolve_model_config(args.model)
-        kvd = args.kv_dtype or ("fp32" if args.dtype == "fp32" else "fp8")
+        kvd = kv_dtype_of(args)
         budget = eb.cuda_kv_budget(cfg, args.dtype, device) - eb.kv_pool_bytes(cfg, kvd, max(contexts))
         max_batch = max(0, min(max_batch, int(budget // eb.kv_pool_bytes(cfg, kvd, seq_tokens))))
     h = eb.Harness.build(

@@ -289,7 +289,6 @@ def render(r: dict[str, Any]) -> str:
 
 def plot(r: dict[str, Any], path: Path) -> None:
     import matplotlib  # noqa: PLC0415
-    import matplotlib.ticker  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
@@ -321,13 +320,8 @@ def plot(r: dict[str, Any], path: Path) -> None:
     )
     b.legend(fontsize=7)
     for ax in (a, b):
-        ax.set_xticks(xs, [str(x) for x in xs])
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # only the swept values
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"{r['model']} on {r['device']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        eb.swept_axis(ax, xs)
+    eb.save_figure(fig, path, f"{r['model']} on {r['device']}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,16 +1,19 @@
 """The command-line side the engine benchmarks share: the model/device/cost-model/output flags,
 `--device` and comma-separated integer flags turned into values, the plain-text table they print,
-and the flags as the result file records them.
+the finishing touches of their plots, and the flags as the result file records them.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from costmodel.provenance import OUT_DIR_HELP
+
+if TYPE_CHECKING:
+    from engine.generate_cli import FlagTarget
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -41,6 +44,33 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([fmt(headers), fmt(["-" * x for x in w]), *(fmt(r) for r in rows)])
 
 
+def swept_axis(ax: Any, xs: list[int]) -> None:
+    """Tick and label only the swept values on a log x axis (not its decades), over a light grid."""
+    import matplotlib.ticker  # noqa: PLC0415
+
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.grid(alpha=0.3)
+
+
+def save_figure(fig: Any, path: Any, title: str) -> None:
+    """Title, lay out, write (110 dpi) and close a figure: how every engine benchmark ends its plot."""
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_device_and_dtypes(g: FlagTarget, kv_help: str) -> None:
+    """--device as resolve_device reads it (default: cuda if there is one), then --dtype and --kv-dtype."""
+    from engine.generate_cli import add_dtype_arguments  # noqa: PLC0415
+
+    g.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
+    add_dtype_arguments(g, kv_help=kv_help)
+
+
 def add_common_arguments(p: argparse.ArgumentParser) -> None:
     from engine.config import PRESETS  # noqa: PLC0415
 
@@ -51,14 +81,7 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
         help=f"preset ({', '.join(PRESETS)}) or checkpoint directory "
         "(default: tiny on CPU; llama-3.1-70b on CUDA if it fits, else llama-3.1-8b)",
     )
-    g.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
-    g.add_argument("--dtype", choices=["fp8", "bf16", "fp32"], default="fp8", help="weight dtype (default fp8)")
-    g.add_argument(
-        "--kv-dtype",
-        choices=["fp8", "bf16", "fp32"],
-        default=None,
-        help="KV cache dtype (default fp8, fp32 with --dtype fp32)",
-    )
+    add_device_and_dtypes(g, kv_help="KV cache dtype (default fp8, fp32 with --dtype fp32)")
     g.add_argument(
         "--kv-fill",
         choices=["prefill", "random"],

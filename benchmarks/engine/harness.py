@@ -47,8 +47,9 @@ def default_model(args: argparse.Namespace, device: torch.device, kv_tokens: int
     if device.type != "cuda":
         return "tiny"
     from engine.config import PRESETS  # noqa: PLC0415
+    from engine.generate_cli import kv_dtype_of  # noqa: PLC0415
 
-    kv_dtype = args.kv_dtype or ("fp32" if args.dtype == "fp32" else "fp8")
+    kv_dtype = kv_dtype_of(args)
     big = PRESETS["llama-3.1-70b"]
     fits = cuda_kv_budget(big, args.dtype, device) >= kv_pool_bytes(big, kv_dtype, kv_tokens)
     return big.name if fits else "llama-3.1-8b"
@@ -88,6 +89,7 @@ class Harness:
             is_checkpoint_dir,  # noqa: PLC0415
             resolve_model_config,
         )
+        from engine.generate_cli import kv_dtype_of  # noqa: PLC0415
         from engine.kv.block_manager import BlockManager  # noqa: PLC0415
         from engine.runner.model_runner import ModelRunner  # noqa: PLC0415
 
@@ -113,7 +115,7 @@ class Harness:
         cfg = resolve_model_config(model)
         if max_pos > cfg.max_position_embeddings:
             raise CliError(f"{max_pos} tokens exceed {cfg.name}'s context of {cfg.max_position_embeddings}")
-        kv_dtype = args.kv_dtype or ("fp32" if args.dtype == "fp32" else "fp8")
+        kv_dtype = kv_dtype_of(args)
         cache = CacheConfig(block_size=16, num_blocks=-(-kv_tokens // 16) + pool_blocks, kv_dtype=kv_dtype)
         if device.type == "cuda":
             from engine.kv.layout import KVLayout  # noqa: PLC0415

@@ -28,9 +28,10 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from benchmarks.client.multiturn import MultiTurnWorkload, run_chats, summarize, table
 from cli.output import emit_json
@@ -60,6 +61,21 @@ def draw_requests(cfg: CapacityConfig) -> list[tuple[list[int], int]]:
         ([rng.randrange(32, 127) for _ in range(cfg.prompt_len)], rng.randint(cfg.output_min, cfg.output_max))
         for _ in range(cfg.requests)
     ]
+
+
+def predicted_pool(cfg: CapacityConfig) -> kv.PoolCapacity:
+    """The article's KV accounting for this pool and this request stream (the tiny model, as
+    run_capacity serves it): what the measured runs are set against."""
+    from engine.config import PRESETS  # noqa: PLC0415 - torch only when this part runs
+
+    return kv.pool_capacity(
+        cm.ModelSpec.from_config(PRESETS["tiny"]),
+        cfg.num_blocks,
+        cfg.block_size,
+        cfg.prompt_len,
+        cfg.max_tokens,
+        [n for _, n in draw_requests(cfg)],
+    )
 
 
 def run_capacity(cfg: CapacityConfig, reserve: bool) -> dict[str, Any]:
@@ -167,16 +183,7 @@ def _article(cap: CapacityConfig) -> dict[str, Any]:
     """The article's arithmetic beside the measurement: its capacity table (Llama-3.1-70B FP8 on
     one H100, each sequence charged its real 4,096-token context) and the same KV accounting
     applied to this pool and workload (costmodel/article/kv_capacity.py)."""
-    from engine.config import PRESETS  # noqa: PLC0415 - the pool's model, as run_capacity serves it
-
-    pool = kv.pool_capacity(
-        cm.ModelSpec.from_config(PRESETS["tiny"]),
-        cap.num_blocks,
-        cap.block_size,
-        cap.prompt_len,
-        cap.max_tokens,
-        [n for _, n in draw_requests(cap)],
-    )
+    pool = predicted_pool(cap)
     rates = (0.25, 0.5, 1.0, 2.0)
     table = cm.capacity_table(cm.ARTICLE_MODEL, cm.ARTICLE_HW, rates)
     batch = kv.article_batch_kv(cm.ARTICLE_MODEL, cm.ARTICLE_HW)
@@ -188,14 +195,21 @@ def _article(cap: CapacityConfig) -> dict[str, Any]:
     }
 
 
+_T = TypeVar("_T")
+
+
+def _from_flags(cls: Callable[..., _T], args: argparse.Namespace, *names: str) -> _T:
+    """`cls` with the fields the flags of the same names set; the others keep their defaults."""
+    return cls(**{name: getattr(args, name) for name in names})
+
+
+def _workload(args: argparse.Namespace) -> MultiTurnWorkload:
+    """The multiturn workload the flags ask for (checked by main before anything runs)."""
+    return _from_flags(MultiTurnWorkload, args, "conversations", "turns", "system_len", "user_len", "output_len")
+
+
 def _capacity(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
-    cap = CapacityConfig(
-        num_blocks=args.num_blocks,
-        requests=args.requests,
-        max_tokens=args.max_tokens,
-        output_min=args.output_min,
-        output_max=args.output_max,
-    )
+    cap = _from_flags(CapacityConfig, args, "num_blocks", "requests", "max_tokens", "output_min", "output_max")
     runs = [run_capacity(cap, reserve=False), run_capacity(cap, reserve=True)]
     ratio = runs[0]["mean_running_saturated"] / runs[1]["mean_running_saturated"]
     art = _article(cap)
@@ -225,14 +239,8 @@ def _capacity(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
 
 
 def _multiturn(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
-    setup = ServerSetup(model=args.model, prefill=args.prefill, decode=args.decode)
-    wl = MultiTurnWorkload(
-        conversations=args.conversations,
-        turns=args.turns,
-        system_len=args.system_len,
-        user_len=args.user_len,
-        output_len=args.output_len,
-    )
+    setup = _from_flags(ServerSetup, args, "model", "prefill", "decode")
+    wl = _workload(args)
     runs = [run_multiturn(setup, wl, caching, policy) for caching, policy in SETTINGS]
     base, best = runs[0], runs[-1]  # neither vs caching + prefix routing: the issue's target
     ttft_ratio = base["ttft_p50_ms_turn2plus"] / best["ttft_p50_ms_turn2plus"]
@@ -262,7 +270,7 @@ def main(args: argparse.Namespace) -> int:
     if not args.output_min <= args.output_max <= args.max_tokens:
         raise CliError("need --output-min <= --output-max <= --max-tokens")
     try:
-        MultiTurnWorkload(args.conversations, args.turns, args.system_len, args.user_len, args.output_len).validate()
+        _workload(args).validate()
     except ValueError as e:
         raise CliError(str(e)) from None
     result: dict[str, Any] = {}

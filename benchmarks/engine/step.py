@@ -60,11 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"preset ({', '.join(PRESETS)}; random weights), registry model (e.g. smollm2-135m-instruct), "
         "Hugging Face Llama directory or .gguf file (default tiny)",
     )
-    g.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
-    g.add_argument("--dtype", choices=["fp8", "bf16", "fp32"], default="fp8", help="weight dtype (default fp8)")
-    g.add_argument(
-        "--kv-dtype", choices=["fp8", "bf16", "fp32"], default=None, help="default fp8, fp32 with --dtype fp32"
-    )
+    eb.add_device_and_dtypes(g, kv_help="default fp8, fp32 with --dtype fp32")
     g.add_argument(
         "--attention",
         default="auto",
@@ -299,6 +295,7 @@ def main(args: argparse.Namespace) -> int:
     from engine.checkpoint.registry import PullError  # noqa: PLC0415
     from engine.checkpoint.registry import resolve as resolve_model  # noqa: PLC0415
     from engine.config import PRESETS, CacheConfig, is_checkpoint_dir, resolve_model_config  # noqa: PLC0415
+    from engine.generate_cli import kv_dtype_of  # noqa: PLC0415
     from engine.model.attention_registry import BACKENDS, backend_by_name  # noqa: PLC0415
     from engine.model.linear import resolve_host_gemm  # noqa: PLC0415
     from engine.runner.compiled_decode import COMPILE_MODES, CompiledDecode  # noqa: PLC0415
@@ -344,7 +341,7 @@ def main(args: argparse.Namespace) -> int:
     total = args.prompt_len + args.new_tokens
     if total > cfg.max_position_embeddings:
         raise CliError(f"{total} tokens exceed {cfg.name}'s context of {cfg.max_position_embeddings}")
-    kv_dtype = args.kv_dtype or ("fp32" if args.dtype == "fp32" else "fp8")
+    kv_dtype = kv_dtype_of(args)
     per_seq = -(-total // 16)
     cache = CacheConfig(block_size=16, num_blocks=max(batches) * per_seq + 1, kv_dtype=kv_dtype)
     runner = ModelRunner(cfg, cache, args.dtype, device, ckpt, seed=args.seed)

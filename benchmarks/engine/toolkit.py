@@ -8,12 +8,21 @@ Nothing is defined here; each name lives in the module of its role:
   machine is (CPU name, memory, load);
 - `benchmarks/engine/harness.py`: one ModelRunner with a KV pool, its decode batches, and the
   device spec the cost model predicts with;
-- `benchmarks/engine/cli.py`: the shared flags, their parsing, and the printed table.
+- `benchmarks/engine/cli.py`: the shared flags, their parsing, the printed table and the plots' finish.
 """
 
 from __future__ import annotations
 
-from benchmarks.engine.cli import add_common_arguments, config_record, parse_ints, resolve_device, table
+from benchmarks.engine.cli import (
+    add_common_arguments,
+    add_device_and_dtypes,
+    config_record,
+    parse_ints,
+    resolve_device,
+    save_figure,
+    swept_axis,
+    table,
+)
 from benchmarks.engine.device_probe import DeviceProbe, copy_bandwidth, cpu_name, load_average, mem_bytes, probe_device
 from benchmarks.engine.harness import Harness, cuda_kv_budget, default_model, fill_kv_random, kv_pool_bytes
 from benchmarks.engine.timing import Timing, measure, sync, time_call
@@ -32,7 +41,10 @@ __all__ = [
     "resolve_device",
     "parse_ints",
     "table",
+    "swept_axis",
+    "save_figure",
     "add_common_arguments",
+    "add_device_and_dtypes",
     "config_record",
     "cuda_kv_budget",
     "kv_pool_bytes",

@@ -28,6 +28,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from costmodel import datasheets
 from costmodel.article.layerwise import (
     DEFAULT_GROUP_OVERHEAD_S,
     LinkSpec,
@@ -35,20 +36,8 @@ from costmodel.article.layerwise import (
     layerwise_exposed_s,
     layerwise_threshold_tokens,
 )
-from costmodel.datasheets import (
-    ARTICLE_HW,
-    ARTICLE_MFU,
-    ARTICLE_MODEL,
-    GB,
-    HARDWARE,
-    LINKS,
-    TFLOP,
-    HardwareSpec,
-    Link,
-    ModelSpec,
-    resolve_hardware,
-    resolve_link,
-)
+from costmodel.datasheets import *  # noqa: F403 - re-exported whole (its __all__), one vocabulary
+from costmodel.datasheets import ARTICLE_MFU, HardwareSpec, Link, ModelSpec
 from costmodel.fit.calibration import Calibration
 from engine.config import KV_DTYPE_BYTES
 
@@ -316,19 +305,8 @@ def layerwise_threshold(
 
 
 __all__ = [
-    "GB",
-    "TFLOP",
-    "HardwareSpec",
-    "HARDWARE",
-    "Link",
-    "LINKS",
+    *datasheets.__all__,
     "Calibration",
-    "ModelSpec",
-    "ARTICLE_MODEL",
-    "ARTICLE_HW",
-    "ARTICLE_MFU",
-    "resolve_hardware",
-    "resolve_link",
     "kv_bytes_per_token",
     "weight_bytes",
     "DecodeStep",

@@ -26,6 +26,7 @@ import torch
 
 from engine.core.llm_engine import LLMEngine
 from engine.model.attention import AttentionMetadata
+from engine.runner.input_batch import DecodeInputs
 from engine.runner.model_runner import ModelRunner, StepItem
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
@@ -101,29 +102,22 @@ class DecodeGraphRunner:
         return bool(self.graphs) and self.graph_size(n) is not None and width <= self.max_blocks
 
     @torch.inference_mode()
-    def replay_step(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lens: torch.Tensor,
-    ) -> torch.Tensor:
+    def replay_step(self, step: DecodeInputs) -> torch.Tensor:
         """A decode step whose inputs the runner already built on the device (slots and context
         lengths included): copy them into the static buffers, pad, replay. Returns logits [n, vocab]
         fp32, a view of the graph's static output (valid until the next replay)."""
-        n, width = input_ids.shape[0], block_tables.shape[1]
+        n, width = step.input_ids.shape[0], step.block_tables.shape[1]
         B = self.graph_size(n)
         if B is None or width > self.max_blocks:
             raise ValueError(
                 f"batch {n} x {width} blocks exceeds the captured graphs ({max(self.batch_sizes)} x {self.max_blocks})"
             )
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slots[:n].copy_(slots)
-        self.tables[:n, :width].copy_(block_tables)
+        self.input_ids[:n].copy_(step.input_ids)
+        self.positions[:n].copy_(step.positions)
+        self.slots[:n].copy_(step.slots)
+        self.tables[:n, :width].copy_(step.block_tables)
         self.tables[:n, width:].fill_(self.pad_block)
-        self.ctx[:n].copy_(context_lens)
+        self.ctx[:n].copy_(step.context_lens)
         self._reset_padding(n)
         self.graphs[B].replay()
         return self.logits[B][:n]

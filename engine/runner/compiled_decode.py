@@ -42,6 +42,7 @@ from engine.kv.cache import KVCache, SlotIndex
 from engine.model.cpu_kernels import fp8_linear_op, paged_decode_op
 from engine.model.linear import FP8_KERNEL_MAX_ROWS, DenseLinear, Fp8Linear
 from engine.model.llama import apply_rotary
+from engine.runner.input_batch import DecodeInputs
 
 if TYPE_CHECKING:
     from engine.runner.model_runner import ModelRunner
@@ -205,22 +206,16 @@ class CompiledDecode:
     def fits(self, n: int, width: int) -> bool:
         return 1 <= n <= FP8_KERNEL_MAX_ROWS
 
-    def replay_step(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lens: torch.Tensor,
-    ) -> torch.Tensor:
+    def replay_step(self, step: DecodeInputs) -> torch.Tensor:
         with torch.inference_mode():
+            block_tables = step.block_tables
             if block_tables.shape[1] < MIN_WIDTH:
                 block_tables = F.pad(block_tables, (0, MIN_WIDTH - block_tables.shape[1]))
             # every input a contiguous inference tensor: the compiled graph is guarded on both, and
             # the engine hands over either kind (its persistent batch's slices, ones made in the step)
             inputs = [
                 t.contiguous() if t.is_inference() else t.clone(memory_format=torch.contiguous_format)
-                for t in (input_ids, positions, slots, block_tables, context_lens.to(torch.int32))
+                for t in (step.input_ids, step.positions, step.slots, block_tables, step.context_lens.to(torch.int32))
             ]
             return self._step(*inputs)
 
@@ -234,7 +229,7 @@ class CompiledDecode:
             pos = torch.full((rows,), 3, dtype=torch.long)
             tables = torch.arange(n_blocks, dtype=torch.long).repeat(rows, 1)
             slots = tables[:, 0] * self._bs + 3
-            self.replay_step(ids, pos, slots, tables, torch.full((rows,), 4, dtype=torch.int32))
+            self.replay_step(DecodeInputs(ids, pos, slots, tables, torch.full((rows,), 4, dtype=torch.int32)))
         self.compile_s = time.perf_counter() - t0
         return self.compile_s
 

@@ -28,7 +28,8 @@ from engine.sequence import Sequence
 
 @dataclass
 class DecodeInputs:
-    """A decode step's inputs for the first `n` rows, on the host (pinned on CUDA)."""
+    """A decode step's inputs for the first `n` rows, on the host (pinned on CUDA); on the device
+    when the runner hands a decode-only step to its graphs (`DecodeGraphs.replay_step`)."""
 
     input_ids: torch.Tensor  # [n] long
     positions: torch.Tensor  # [n] long

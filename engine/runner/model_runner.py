@@ -48,14 +48,8 @@ class DecodeGraphs(Protocol):
 
     def fits(self, n: int, width: int) -> bool: ...
 
-    def replay_step(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lens: torch.Tensor,
-    ) -> torch.Tensor: ...
+    def replay_step(self, step: DecodeInputs) -> torch.Tensor:
+        """A decode-only step whose inputs are already on the device: its logits [n, vocab] fp32."""
 
 
 class ModelRunner:
@@ -163,7 +157,7 @@ class ModelRunner:
         ):
             self.graph_steps += 1
             return self.graphs.replay_step(
-                input_ids, positions, meta.slot_mapping, meta.block_tables, meta.context_lens_t
+                DecodeInputs(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.context_lens_t)
             )
         hidden = self.model(input_ids, positions, self.backend, self.cache, meta, on_layer)  # [T, hidden]
         self.last_all_logits = {}

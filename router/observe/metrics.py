@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -63,13 +64,9 @@ class _OrchestratorCollector:
 
     def collect(self) -> Iterator[Metric]:
         s = self.m.snapshot
-        yield CounterMetricFamily(
-            "pdserve_kv_transfer_bytes", "KV cache bytes moved from prefill to decode workers", value=s.transfer_bytes
-        )
-        yield CounterMetricFamily(
-            "pdserve_kv_transfer_seconds",
-            "Seconds spent moving KV cache (sum over transfers)",
-            value=s.transfer_seconds,
+        yield from _counters(
+            ("pdserve_kv_transfer_bytes", "KV cache bytes moved from prefill to decode workers", s.transfer_bytes),
+            ("pdserve_kv_transfer_seconds", "Seconds spent moving KV cache (sum over transfers)", s.transfer_seconds),
         )
         yield GaugeMetricFamily(
             "pdserve_router_queue_depth", "Requests admitted by the router and not finished", value=s.router_queue_depth
@@ -103,10 +100,7 @@ class _OrchestratorCollector:
             ),
         }
         for name, (doc, get) in per_worker.items():
-            g = GaugeMetricFamily(name, doc, labels=["worker", "role"])
-            for w in s.workers:
-                g.add_metric([w.name, w.role], get(w))
-            yield g
+            yield _per_worker(GaugeMetricFamily, name, doc, s.workers, get)
         yield from _memory_metrics(s.workers)
         per_worker_totals = {
             "pdserve_preemptions": ("Sequences preempted by recompute on a worker", lambda w: w.preemptions),
@@ -121,17 +115,14 @@ class _OrchestratorCollector:
             "pdserve_kv_blocks_evicted": ("Cached KV blocks evicted for new ones", lambda w: w.blocks_evicted),
         }
         for name, (doc, get) in per_worker_totals.items():
-            c = CounterMetricFamily(name, doc, labels=["worker", "role"])
-            for w in s.workers:
-                c.add_metric([w.name, w.role], get(w))
-            yield c
-        yield CounterMetricFamily(
-            "pdserve_trace_spans_exported", "Spans delivered to the OTLP collector", value=s.spans_exported
-        )
-        yield CounterMetricFamily(
-            "pdserve_trace_spans_dropped",
-            "Spans lost on the way to the OTLP collector (export queue full, or the collector down)",
-            value=s.spans_dropped,
+            yield _per_worker(CounterMetricFamily, name, doc, s.workers, get)
+        yield from _counters(
+            ("pdserve_trace_spans_exported", "Spans delivered to the OTLP collector", s.spans_exported),
+            (
+                "pdserve_trace_spans_dropped",
+                "Spans lost on the way to the OTLP collector (export queue full, or the collector down)",
+                s.spans_dropped,
+            ),
         )
         yield from _dispatch_metrics(s.dispatch or {"decisions": {}, "errors": {}})
 
@@ -139,28 +130,47 @@ class _OrchestratorCollector:
 def _memory_metrics(workers: list[WorkerStats]) -> Iterator[Metric]:
     """Each worker process's memory: RSS (where the OS reports it), and on CUDA the caching
     allocator's reserved and allocated bytes (only for workers that have them)."""
-    g = GaugeMetricFamily("pdserve_worker_rss_bytes", "Resident memory of a worker process", labels=["worker", "role"])
-    for w in workers:
-        if w.rss_bytes > 0:
-            g.add_metric([w.name, w.role], w.rss_bytes)
-    yield g
+    yield _per_worker(
+        GaugeMetricFamily,
+        "pdserve_worker_rss_bytes",
+        "Resident memory of a worker process",
+        [w for w in workers if w.rss_bytes > 0],
+        lambda w: w.rss_bytes,
+    )
     cuda = [w for w in workers if w.cuda_reserved_bytes > 0]
-    for name, doc, get in (
+    for name, doc, attr in (
         ("reserved", "CUDA memory a worker's torch caching allocator holds from the driver", "cuda_reserved_bytes"),
         ("allocated", "CUDA memory in use by a worker's tensors", "cuda_allocated_bytes"),
     ):
-        g = GaugeMetricFamily(f"pdserve_worker_cuda_memory_{name}_bytes", doc, labels=["worker", "role"])
-        for w in cuda:
-            g.add_metric([w.name, w.role], getattr(w, get))
-        yield g
-    g = GaugeMetricFamily(
+        yield _per_worker(GaugeMetricFamily, f"pdserve_worker_cuda_memory_{name}_bytes", doc, cuda, attrgetter(attr))
+    yield _per_worker(
+        GaugeMetricFamily,
         "pdserve_worker_compiled_graphs",
         "Decode-step graphs torch.compile built in a worker (--compile; each is also a log line)",
-        labels=["worker", "role"],
+        workers,
+        lambda w: w.compiled_graphs,
     )
+
+
+def _counters(*rows: tuple[str, str, float]) -> Iterator[Metric]:
+    """One-sample counters (name, help, value), in the order given."""
+    for name, doc, value in rows:
+        yield CounterMetricFamily(name, doc, value=value)
+
+
+def _per_worker(
+    family: type[GaugeMetricFamily | CounterMetricFamily],
+    name: str,
+    doc: str,
+    workers: list[WorkerStats],
+    get: Callable[[WorkerStats], float],
+) -> Metric:
+    """One family with a sample per worker, labelled by worker and role: every per-worker figure
+    (queue, blocks, memory, totals) is exported the same way, whatever its type."""
+    m = family(name, doc, labels=["worker", "role"])
     for w in workers:
-        g.add_metric([w.name, w.role], w.compiled_graphs)
-    yield g
+        m.add_metric([w.name, w.role], get(w))
+    return m
 
 
 def _dispatch_metrics(d: dict[str, Any]) -> Iterator[Metric]:
@@ -187,29 +197,24 @@ def _dispatch_metrics(d: dict[str, Any]) -> Iterator[Metric]:
 class ServeMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.ttft = Histogram(
-            "pdserve_time_to_first_token_seconds",
-            "Time from request arrival to the first token",
-            buckets=TTFT_BUCKETS,
-            registry=r,
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()) -> Histogram:
+            """A histogram on this router's private registry (every one of them is)."""
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        self.ttft = histogram(
+            "pdserve_time_to_first_token_seconds", "Time from request arrival to the first token", TTFT_BUCKETS
         )
-        self.tpot = Histogram(
+        self.tpot = histogram(
             "pdserve_time_per_output_token_seconds",
             "Per request: (last token - first token) / (tokens - 1)",
-            buckets=TOKEN_BUCKETS,
-            registry=r,
+            TOKEN_BUCKETS,
         )
-        self.itl = Histogram(
-            "pdserve_inter_token_latency_seconds",
-            "Gap between consecutive tokens of a stream",
-            buckets=TOKEN_BUCKETS,
-            registry=r,
+        self.itl = histogram(
+            "pdserve_inter_token_latency_seconds", "Gap between consecutive tokens of a stream", TOKEN_BUCKETS
         )
-        self.e2e = Histogram(
-            "pdserve_e2e_request_latency_seconds",
-            "Time from request arrival to its last token",
-            buckets=E2E_BUCKETS,
-            registry=r,
+        self.e2e = histogram(
+            "pdserve_e2e_request_latency_seconds", "Time from request arrival to its last token", E2E_BUCKETS
         )
         phase = {
             "queue": ("pdserve_request_queue_time_seconds", "Time a request waited for its prefill to start"),
@@ -220,36 +225,32 @@ class ServeMetrics:
             ),
             "decode": ("pdserve_request_decode_time_seconds", "From a request's first token to its last"),
         }
-        self.phases = {k: Histogram(name, doc, buckets=PHASE_BUCKETS, registry=r) for k, (name, doc) in phase.items()}
-        self.transfer_seconds = Histogram(
+        self.phases = {k: histogram(name, doc, PHASE_BUCKETS) for k, (name, doc) in phase.items()}
+        self.transfer_seconds = histogram(
             "pdserve_kv_transfer_duration_seconds",
             "One KV pull from a prefill worker to a decode worker (link = prefill->decode worker)",
-            ["backend", "link"],
-            buckets=TRANSFER_BUCKETS,
-            registry=r,
+            TRANSFER_BUCKETS,
+            ("backend", "link"),
         )
-        self.transfer_bytes = Histogram(
+        self.transfer_bytes = histogram(
             "pdserve_kv_transfer_size_bytes",
             "Bytes of one KV pull (link = prefill->decode worker)",
-            ["backend", "link"],
-            buckets=TRANSFER_BYTES_BUCKETS,
-            registry=r,
+            TRANSFER_BYTES_BUCKETS,
+            ("backend", "link"),
         )
-        self.transfer_exposed = Histogram(
+        self.transfer_exposed = histogram(
             "pdserve_kv_transfer_exposed_seconds",
             "What of a KV transfer was left once its prefill had ended (mode = bulk or layerwise; "
             "layer-wise pulls run during the prefill, so most of theirs is hidden)",
-            ["mode", "link"],
-            buckets=TRANSFER_BUCKETS,
-            registry=r,
+            TRANSFER_BUCKETS,
+            ("mode", "link"),
         )
-        self.stall = Histogram(
+        self.stall = histogram(
             "pdserve_stall_seconds",
             "Per prompt prefilled on a decode worker (colocated, auto local): the longest token gap of the "
             "streams in flight beside it",
-            ["worker"],
-            buckets=PHASE_BUCKETS,
-            registry=r,
+            PHASE_BUCKETS,
+            ("worker",),
         )
         self.requests = Counter(
             "pdserve_requests", "Requests by outcome (ok, aborted, error, rejected)", ["status"], registry=r

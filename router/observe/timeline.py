@@ -77,25 +77,11 @@ class KVTransfer:
             self.exposed_ms = round(max(0.0, end - tl.prefill_end_ms), 3)
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "backend": self.backend,
-            "bytes": self.bytes,
-            "descriptors": self.descriptors,
-            "ms": self.ms,
-            "gbytes_per_s": self.gbytes_per_s,
-            "link_ms": dict(self.link_ms),
-            "gbits_per_s": self.gbits_per_s,
-        }
+        d = _fields(self, "backend", "bytes", "descriptors", "ms", "gbytes_per_s", "link_ms", "gbits_per_s")
         if self.link_gbits_per_s is not None:
-            d.update(
-                link_gbits_per_s=self.link_gbits_per_s,
-                link_nominal_ms=self.link_nominal_ms,
-                rate_vs_link=self.rate_vs_link,
-            )
-        d.update(mode=self.mode, groups=self.groups)
-        _put(d, "start_ms", self.start_ms)
-        _put(d, "overlap_ms", self.overlap_ms)
-        _put(d, "exposed_ms", self.exposed_ms)
+            d.update(_fields(self, "link_gbits_per_s", "link_nominal_ms", "rate_vs_link"))
+        d.update(_fields(self, "mode", "groups"))
+        _put_stamps(d, self, "start_ms", "overlap_ms", "exposed_ms")
         if self.group_spans:
             d["group_spans"] = [list(g) for g in self.group_spans]
         return d
@@ -229,48 +215,22 @@ class Timeline:
     # ---- JSON
     def to_dict(self) -> dict[str, Any]:
         """The API's `pdserve.timeline`: the stamps taken, in the order a request takes them."""
-        d: dict[str, Any] = {
-            "request_id": self.request_id,
-            "mode": self.mode,
-            "arrival": self.arrival,
-            "prompt_tokens": self.prompt_tokens,
-            "output_tokens": self.output_tokens,
-            "token_ids": list(self.token_ids),
-            "token_ms": list(self.token_ms),
-        }
-        _put(d, "max_tokens", self.max_tokens)
-        _put(d, "dispatch", self.dispatch)
-        _put(d, "routed_prefix_blocks", self.routed_prefix_blocks)
+        d = _fields(self, "request_id", "mode", "arrival", "prompt_tokens", "output_tokens", "token_ids", "token_ms")
+        _put_stamps(d, self, "max_tokens", "dispatch", "routed_prefix_blocks")
         if self.dispatched_ms is not None:
-            d.update(
-                decode_worker=self.decode_worker,
-                prefill_worker=self.prefill_worker,
-                policy=self.policy,
-                dispatch_reason=self.dispatch_reason,
-                dispatched_ms=self.dispatched_ms,
-            )
+            d.update(_fields(self, "decode_worker", "prefill_worker", "policy", "dispatch_reason", "dispatched_ms"))
         remote = self.prefilled_remotely
         if remote:  # stamped when the prefill worker answered, before the first token
-            _put(d, "queue_ms", self.queue_ms)
-            _put(d, "prefill_ms", self.prefill_ms)
-            _put(d, "prefill_start_ms", self.prefill_start_ms)
-            _put(d, "prefill_end_ms", self.prefill_end_ms)
-            _put(d, "kv_blocks", self.kv_blocks)
-            _put(d, "prefill_cached_tokens", self.prefill_cached_tokens)
+            _put_stamps(d, self, "queue_ms", "prefill_ms", "prefill_start_ms", "prefill_end_ms")
+            _put_stamps(d, self, "kv_blocks", "prefill_cached_tokens")
             if self.prefill_groups:
                 d["prefill_groups"] = [list(g) for g in self.prefill_groups]
-        _put(d, "local_max_gap_ms", self.local_max_gap_ms)
-        _put(d, "first_token_ms", self.first_token_ms)
+        _put_stamps(d, self, "local_max_gap_ms", "first_token_ms")
         if not remote:  # the decode worker's figures arrive with the first token
-            _put(d, "queue_ms", self.queue_ms)
-            _put(d, "prefill_ms", self.prefill_ms)
+            _put_stamps(d, self, "queue_ms", "prefill_ms")
             _put(d, "cached_tokens", self.prefill_cached_tokens)
-        _put(d, "last_token_ms", self.last_token_ms)
-        _put(d, "decode_admitted_ms", self.decode_admitted_ms)
-        _put(d, "decode_cached_tokens", self.decode_cached_tokens)
-        _put(d, "kv_blocks_pulled", self.kv_blocks_pulled)
-        _put(d, "kv_transfer", self.kv_transfer)
-        _put(d, "kv_stream_open_ms", self.kv_stream_open_ms)
+        _put_stamps(d, self, "last_token_ms", "decode_admitted_ms", "decode_cached_tokens")
+        _put_stamps(d, self, "kv_blocks_pulled", "kv_transfer", "kv_stream_open_ms")
         _put(d, "transfer", self.transfer.to_dict() if self.transfer is not None else None)
         _put(d, "decode_wait_ms", self.decode_wait_ms)
         if self.preemptions:
@@ -325,3 +285,19 @@ def _put(d: dict[str, Any], key: str, value: Any) -> None:
     """A stamp goes into the JSON once taken; one not taken is left out, not sent as null."""
     if value is not None:
         d[key] = value
+
+
+def _put_stamps(d: dict[str, Any], obj: object, *names: str) -> None:
+    """`_put` of each attribute `names` of `obj`, under its own name, in that order (the JSON's)."""
+    for name in names:
+        _put(d, name, getattr(obj, name))
+
+
+def _fields(obj: object, *names: str) -> dict[str, Any]:
+    """The attributes `names` of `obj` as JSON entries sent whatever their value, in that order; a
+    list or dict is copied, so the JSON does not change with the live timeline."""
+    return {name: _copied(getattr(obj, name)) for name in names}
+
+
+def _copied(value: Any) -> Any:
+    return list(value) if isinstance(value, list) else dict(value) if isinstance(value, dict) else value
