@@ -68,6 +68,24 @@ def test_recorder_keeps_each_step_once():
     assert sorted((s.worker, s.seconds) for s in rec.steps) == [("w0", 0.1), ("w0", 0.2), ("w1", 0.1)]
 
 
+def test_recorder_leaves_out_the_steps_before_it_started():
+    """The step log's last 256 steps include an earlier (cold) pass: only what ran once the
+    recording began is fitted."""
+    rec = StepLogRecorder("http://127.0.0.1:1")
+    cold = {"step": 5, "prefill_tokens": 64, "attention_pairs": 100.0, "decode_seqs": 0, "seconds": 1.5}
+    warm = dict(cold, step=6, seconds=0.1)
+    rec.mark_start(
+        [{"worker": "w0", "role": "prefill", "steps": [cold]}, {"worker": "w1", "role": "decode", "steps": []}]
+    )
+    rec.add(
+        [
+            {"worker": "w0", "role": "prefill", "steps": [cold, warm]},
+            {"worker": "w1", "role": "decode", "steps": [cold]},
+        ]
+    )
+    assert sorted((s.worker, s.seconds) for s in rec.steps) == [("w0", 0.1), ("w1", 1.5)]
+
+
 def test_link_rate_prices_the_models_kv_bytes():
     per_token = 1000
     recs = [

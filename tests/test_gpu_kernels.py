@@ -103,7 +103,7 @@ def _interpreter_checks() -> dict:
 def test_paged_decode_and_backend_under_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
-        [sys.executable, __file__, "--interpret"],
+        [sys.executable, "-m", "tests.test_gpu_kernels", "--interpret"],  # from the repository root: tests.helpers
         env=env,
         capture_output=True,
         text=True,

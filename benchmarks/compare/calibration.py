@@ -65,11 +65,18 @@ class StepLogRecorder:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.poll_s = poll_s
         self._seen: dict[tuple[str, int], LoggedStep] = {}
+        # each worker's last step before the recording began: the step log holds the last 256
+        # steps, so without this the first poll brought the cold pass's steps into the fit
+        self._before: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="step-log-recorder", daemon=True)
         self.error: str | None = None
 
     def __enter__(self) -> StepLogRecorder:
+        try:
+            self.mark_start(self._get())
+        except (httpx.HTTPError, KeyError, ValueError) as e:
+            self.error = f"{type(e).__name__}: {e}"  # then every step the polls see is kept
         self._thread.start()
         return self
 
@@ -86,18 +93,30 @@ class StepLogRecorder:
         while not self._stop.wait(self.poll_s):
             self._poll_once()
 
+    def _get(self) -> list[dict[str, Any]]:
+        r = httpx.get(self.url, headers=self.headers, timeout=10.0)
+        r.raise_for_status()
+        return list(r.json()["data"])
+
     def _poll_once(self) -> None:
         try:
-            r = httpx.get(self.url, headers=self.headers, timeout=10.0)
-            r.raise_for_status()
-            self.add(r.json()["data"])
+            self.add(self._get())
         except (httpx.HTTPError, KeyError, ValueError) as e:
             self.error = f"{type(e).__name__}: {e}"  # the fit says it had no steps; the run goes on
 
-    def add(self, workers: Sequence[dict[str, Any]]) -> None:
-        """One `GET /v1/workers/steps` answer's `data`."""
+    def mark_start(self, workers: Sequence[dict[str, Any]]) -> None:
+        """One `GET /v1/workers/steps` answer's `data`, read as the recording begins: the steps in
+        it ran before (an earlier pass, cold) and are never recorded."""
         for w in workers:
+            self._before[w["worker"]] = max((int(s["step"]) for s in w["steps"]), default=-1)
+
+    def add(self, workers: Sequence[dict[str, Any]]) -> None:
+        """One `GET /v1/workers/steps` answer's `data`: its steps since the recording began."""
+        for w in workers:
+            before = self._before.get(w["worker"], -1)
             for s in w["steps"]:
+                if int(s["step"]) <= before:
+                    continue
                 shape = StepShape(int(s["prefill_tokens"]), float(s["attention_pairs"]), int(s["decode_seqs"]))
                 self._seen[(w["worker"], int(s["step"]))] = LoggedStep(
                     w["worker"],
