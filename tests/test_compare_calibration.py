@@ -248,3 +248,20 @@ def test_a_layerwise_server_is_predicted_with_its_kv_streamed():
     assert lw.exposed_transfer_s < bulk.exposed_transfer_s and lw.token_times[1] < bulk.token_times[1]
     colocated = sim_config("colocated", None, 1, 1, 64, setup.link, kv_transfer="layerwise")
     assert colocated.kv_transfer == "bulk"
+
+
+def test_a_calibration_with_a_step_fit_and_no_peak_still_predicts(tmp_path):
+    """A probe of a server whose model pdserve does not know has no peak FLOP/s, but its step
+    fit prices every step: the prediction is made from that, not refused."""
+    from costmodel.sim.compare_predict import setup_from_calibration  # noqa: PLC0415
+
+    path = tmp_path / "probe.calibration.json"
+    path.write_text(json.dumps(cm.Calibration(device="cpu", dtype="fp32", step_fit=TRUE.to_dict()).to_dict()))
+    setup = setup_from_calibration("tiny", path)
+    doc = RequestSpec("doc-0", "x", 500, 2, 0.0, "document")
+    p = predict("colocated", sim_config("colocated", None, 0, 1, 64, setup.link), setup, [doc], None, None)
+    assert p.records[0].ttft_s == pytest.approx(TRUE.seconds(StepShape.of((), [(0, 500)])), rel=0.05)
+    bare = tmp_path / "bare.calibration.json"
+    bare.write_text(json.dumps(cm.Calibration(device="cpu", dtype="fp32").to_dict()))
+    with pytest.raises(ValueError, match="neither peak_tflops nor a step fit"):
+        setup_from_calibration("tiny", bare)

@@ -93,6 +93,11 @@ def test_the_simulated_mode_is_the_one_the_probe_inferred(tmp_path):
         (tmp_path / "probe-x.json").write_text(json.dumps({"chunking": {"verdict": verdict, "chunk_tokens": chunk}}))
         mode, basis = simulated_mode(cal)
         assert mode == want and verdict in basis
+    (tmp_path / "probe-x.json").write_text(json.dumps({"chunking": {"verdict": "unknown", "chunk_tokens": None}}))
+    assert simulated_mode(cal) == (
+        None,
+        f"no prediction: the probe inferred 'unknown' ({tmp_path / 'probe-x.json'}), so no serving mode to simulate",
+    )
 
 
 @pytest.mark.timeout(60)

@@ -77,11 +77,24 @@ def test_chunking_is_inferred_from_the_spike_and_the_slowdown(tax, verdict, chun
     assert got.chunk_tokens == (None if chunk is None else pytest.approx(chunk))
 
 
-def test_a_late_second_token_means_disaggregated():
-    tax = _tax(stall_ms=30, steps=15, excess_ms=150)  # slowed down by most of the prompt's 200 ms
+def test_a_late_second_token_beside_chunk_shaped_evidence_is_no_verdict():
+    """The streams slowed by most of the prompt's 200 ms (chunks rode in their steps), yet a lone
+    stream's second token came 5 steps late: the signs disagree, as they did for pdserve's own
+    colocated `--chunk-size 128` (237 ms against a 49 ms step), so the verdict is "unknown"."""
+    tax = _tax(stall_ms=30, steps=15, excess_ms=150)
     fit = pf.PrefillFit(0.0, 0.2 / 1024, 0.0, 0.0, 1)
-    assert infer_chunking([tax], fit, handoff_s=0.06, step_s=0.012).verdict == "disaggregated"
+    got = infer_chunking([tax], fit, handoff_s=0.06, step_s=0.012)
+    assert got.verdict == "unknown" and got.chunk_tokens is None
+    assert "chunks of about" in got.why and "no verdict" in got.why
     assert infer_chunking([tax], fit, handoff_s=0.0002, step_s=0.012).verdict == "chunked"
+
+
+def test_a_late_second_token_with_unslowed_streams_means_disaggregated():
+    tax = _tax(stall_ms=11, steps=20, excess_ms=4)  # the streams kept their pace
+    fit = pf.PrefillFit(0.0, 0.2 / 1024, 0.0, 0.0, 1)
+    got = infer_chunking([tax], fit, handoff_s=0.06, step_s=0.012)
+    assert got.verdict == "disaggregated" and "moved between pools" in got.why
+    assert infer_chunking([tax], fit, handoff_s=0.0002, step_s=0.012).verdict == "no interference"
 
 
 def test_plan_quick_is_small_and_full_sweeps_to_the_limits():

@@ -88,16 +88,18 @@ def prediction_setup(ep: EndpointSpec, served_model: str, fallback_model: str) -
     if setup is None:
         return None, None, {"error": f"calibration {ep.calibration} unusable: " + "; ".join(errors)}
     sim, basis = simulated_mode(Path(ep.calibration))
+    if sim is None:  # the probe could not tell how the server schedules: no mode to simulate
+        return setup, None, {"setup": setup.describe(), "error": basis}
     info = {"setup": setup.describe(), "simulated_as": sim[0], "chunk_size": sim[1], "basis": basis}
     if model != served_model:
         info["model_shapes"] = f"{model} (pdserve does not know {served_model})"
     return setup, sim, info
 
 
-def simulated_mode(calibration: Path) -> tuple[SimMode, str]:
+def simulated_mode(calibration: Path) -> tuple[SimMode | None, str]:
     """The serving mode the probe inferred for the server: from the calibration if it says, else
     from the probe's result JSON beside it (`probe-X.calibration.json` -> `probe-X.json`), else
-    whole prompts colocated."""
+    whole prompts colocated. None where the probe's verdict was "unknown"."""
     found, source = None, None
     for path in (calibration, Path(str(calibration).replace(".calibration.json", ".json"))):
         try:
@@ -115,4 +117,6 @@ def simulated_mode(calibration: Path) -> tuple[SimMode, str]:
         return ("colocated", max(1, round(chunk)), 1, 1), f"chunked at {round(chunk)} tokens: {said}"
     if verdict in ("disaggregated", "no interference"):
         return ("disagg", None, 1, 1), f"disaggregated 1P1D: {said}"
+    if verdict == "unknown":  # its evidence fell between the bands: any mode would be a guess
+        return None, f"no prediction: {said}, so no serving mode to simulate"
     return ("colocated", None, 1, 1), f"colocated, whole prompts: {said}"

@@ -201,10 +201,8 @@ def infer_chunking(
       the prefill ran beside decode without slowing it ("no interference": disaggregated, or
       prefill on capacity decode does not use).
 
-    Three signs say the pieces did not ride in the decode steps however much the streams slowed,
+    Two signs say the pieces did not ride in the decode steps however much the streams slowed,
     and the server is "disaggregated" with its pools on shared cores:
-    - a lone stream whose second token comes well after its first (`handoff_s`, over twice the
-      batch-1 step `step_s`) had its KV moved between pools;
     - the streams lost far less time while the prompt ran than its lone prefill takes (under
       CARRY_MIN of it): pieces riding in their steps would have cost them the prompt's compute;
       SmolLM2 1P1D on 2 cores lost 1.1 s during a 2048-token prompt whose prefill takes 6.2 s;
@@ -215,6 +213,12 @@ def infer_chunking(
       82 decode steps during a 2048-token prompt whose lone prefill has room for about 20, read
       as "chunks of about 25 tokens" before this check. The engine gives every step `chunk_size`
       prompt tokens whatever the decode batch (engine/core/llm_engine.py, `_schedule_prefill`).
+
+    A lone stream whose second token comes well after its first (`handoff_s`, over twice the
+    batch-1 step `step_s`) suggests its KV moved between pools: with the streams unslowed, that
+    makes the verdict "disaggregated". Beside chunk-shaped evidence it is no proof (pdserve's own
+    `--mode colocated --chunk-size 128` showed a 237 ms gap against a 49 ms step), so the two
+    together are "unknown": a planner must not map a guess to a deployment.
 
     From outside a chunk and a per-step token budget look alike; the size is an estimate."""
     if not tax:
@@ -231,14 +235,14 @@ def infer_chunking(
     )
     if spike > 0.5:
         return Chunking("whole", None, f"{seen}: one step carried the whole prompt")
-    if step_s > 0 and handoff_s > 2 * step_s:
-        return Chunking(
-            "disaggregated",
-            None,
-            f"{seen}; a lone stream's first-to-second-token gap is {handoff_s * 1e3:.0f} ms against a "
-            f"{step_s * 1e3:.1f} ms step: its KV moved between pools",
-        )
+    handoff = (
+        f"a lone stream's first-to-second-token gap is {handoff_s * 1e3:.0f} ms against a {step_s * 1e3:.1f} ms step"
+        if step_s > 0 and handoff_s > 2 * step_s
+        else None
+    )
     if slowdown < 0.1:
+        if handoff:
+            return Chunking("disaggregated", None, f"{seen}; {handoff}: its KV moved between pools")
         return Chunking("no interference", None, f"{seen}: prefill runs beside decode (disaggregated?)")
     carried = t.excess_s / p
     if carried < CARRY_MIN:
@@ -261,6 +265,13 @@ def infer_chunking(
     # machine (more steps than chunks) does not move it
     sizes = [x.tokens / x.steps_during for x in tax if x.steps_during >= 2] or [t.tokens / max(1.0, t.steps_during)]
     chunk = median(sizes)
+    if handoff:  # chunk-shaped evidence, yet a late second token: the signs disagree, so say so
+        return Chunking(
+            "unknown",
+            None,
+            f"{seen}: chunks of about {chunk:.0f} tokens rode in the streams' steps, yet {handoff} "
+            "(a KV hand-off, or a slow first decode step): between the bands, no verdict",
+        )
     return Chunking(
         "chunked", chunk, f"{seen}: chunks of about {chunk:.0f} tokens (median T / steps over {len(sizes)} points)"
     )

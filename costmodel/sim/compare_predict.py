@@ -80,11 +80,15 @@ def setup_from_calibration(model: str, calibration: Path, kv_dtype: str = "fp8")
     on one host the transfer is a memory copy.
     """
     cal = cm.Calibration.load(calibration)
-    if cal.peak_tflops is None:
-        raise ValueError(f"calibration {calibration} has no peak_tflops; cannot price prefill")
+    fit = cal.fitted_steps()
+    # a step fit prices every step by itself (a probe of a server whose model pdserve does not
+    # know has no peak FLOP/s to give); the peak only matters where no fit does the pricing
+    if cal.peak_tflops is None and fit is None:
+        raise ValueError(f"calibration {calibration} has neither peak_tflops nor a step fit; cannot price prefill")
     base = cm.HardwareSpec(cal.device, (cal.mem_bandwidth_gbps or 1.0) * cm.GB, {}, 0.0, "calibration only")
     hw = cal.apply(base)
-    mfu = cal.effective_mfu(hw, cm.ARTICLE_MFU)
+    has_peak = cal.peak_tflops is not None
+    mfu = cal.effective_mfu(hw, cm.ARTICLE_MFU) if has_peak else cal.mfu or cm.ARTICLE_MFU
     spec = cm.ModelSpec.resolve(model)
     if cal.links_gbps:
         name, gbps = next(iter(cal.links_gbps.items()))
@@ -92,8 +96,7 @@ def setup_from_calibration(model: str, calibration: Path, kv_dtype: str = "fp8")
     else:
         link = cm.Link("host-memory", f"host memory copy at {hw.mem_bw / cm.GB:.1f} GB/s (calibrated)", hw.mem_bw)
     # On a CPU the weights are dequantized and the FLOPs run in the calibration's dtype (fp32).
-    steps = StepModel(spec, hw, mfu, weight_dtype=cal.dtype, kv_dtype=kv_dtype, fit=cal.fitted_steps())
-    fit = steps.fit
+    steps = StepModel(spec, hw, mfu, weight_dtype=cal.dtype, kv_dtype=kv_dtype, fit=fit)
     return PredictionSetup(
         steps,
         link,
