@@ -222,3 +222,14 @@ def _sharegpt_workload(cfg: WorkloadConfig, rng: random.Random) -> list[RequestS
         n_out = min(max(1, len(answer.encode("utf-8"))), cfg.sharegpt_max_output_len)
         specs.append(RequestSpec(f"sharegpt-{i}", prompt, len(prompt.encode("utf-8")), n_out, t, "sharegpt"))
     return specs
+
+
+def workload_specs(wl: WorkloadConfig) -> list[RequestSpec]:
+    """`wl` checked and built, for a command: impossible settings are a one-line CLI error."""
+    from cli import CliError  # noqa: PLC0415 - only commands call this
+
+    try:
+        wl.validate()
+        return build_workload(wl)
+    except ValueError as e:
+        raise CliError(str(e)) from None

@@ -32,7 +32,7 @@ from benchmarks.compare.endpoints import prediction_setup, run_endpoint
 from benchmarks.compare.equality import check_endpoints, check_equality
 from benchmarks.compare.modes import default_device, ensure_ray, gpu_count, log, run_mode
 from benchmarks.compare.record import ModeRun, result_payload
-from costmodel.workloads import RequestSpec, WorkloadConfig, build_workload
+from costmodel.workloads import RequestSpec, WorkloadConfig, workload_specs
 
 
 @dataclass
@@ -83,11 +83,7 @@ def plan(args: argparse.Namespace) -> CompareRun:
     if not modes and not endpoints:
         raise CliError("--modes none: nothing to measure without --endpoint NAME=URL")
     wl = workload_from_args(args)
-    try:
-        wl.validate()
-        specs = build_workload(wl)
-    except ValueError as e:
-        raise CliError(str(e)) from None
+    specs = workload_specs(wl)
     client = ClientConfig(duration_limit_s=args.duration_limit_s, seed=args.seed, show_progress=not args.no_progress)
     run = CompareRun(
         args,

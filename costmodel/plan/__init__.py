@@ -1,0 +1,8 @@
+"""`pdserve plan`: which deployment to run for a workload and its SLOs, simulated, not measured.
+
+`candidates` (the deployments a worker budget allows: colocated whole, chunked at each useful
+size, every xPyD split), `score` (each simulated on the calibrated device model, its SLO
+attainment and goodput per worker, ranked, and why the winner wins).
+
+May import: `costmodel.sim`, `costmodel.article`, `costmodel.workloads`, `costmodel.serve_metrics`.
+"""

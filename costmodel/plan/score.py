@@ -1,0 +1,96 @@
+"""Each candidate simulated on one device model and workload, scored against the SLOs, ranked.
+
+Every figure here is *predicted* (the discrete-event simulator on a calibrated or datasheet step
+model: costmodel/sim/). A candidate meets an SLO when the p90 of that figure over the workload
+is within it: TTFT and TPOT over the requests, the stall over the documents (the longest gap a
+document's prefill puts in the streams already decoding). Goodput counts the requests whose own
+TTFT and TPOT are within the SLOs, per second and per worker. Ranking: candidates that meet
+every SLO given first, then by goodput per worker, then by lower stall p90.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from costmodel.plan.candidates import Candidate
+from costmodel.serve_metrics import ServeMetrics
+from costmodel.sim import compare_predict as cp
+from costmodel.workloads import RequestSpec
+
+
+@dataclass(frozen=True)
+class Slos:
+    """p90 targets in ms; None: not asked for."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    stall_ms: float | None = None
+
+    def as_dict(self) -> dict[str, float | None]:
+        return {"ttft_p90_ms": self.ttft_ms, "tpot_p90_ms": self.tpot_ms, "stall_p90_ms": self.stall_ms}
+
+
+@dataclass
+class Scored:
+    candidate: Candidate
+    metrics: ServeMetrics
+    attainment: dict[str, float | None]  # per SLO: the share of requests (documents for stall) within it
+    meets: bool  # the p90 of every SLO given is within it
+    goodput_per_worker: float  # requests/s within the TTFT and TPOT SLOs (all completed if none), per worker
+
+    def to_dict(self) -> dict[str, Any]:
+        m = self.metrics
+        return {
+            "label": self.candidate.label,
+            "mode": self.candidate.mode,
+            "prefill": self.candidate.prefill,
+            "decode": self.candidate.decode,
+            "chunk_size": self.candidate.chunk,
+            "workers": self.candidate.workers,
+            "serve_args": self.candidate.serve_args(),
+            "predicted": {
+                "ttft_p90_ms": m.ttft_ms.p90,
+                "tpot_p90_ms": m.tpot_ms.p90,
+                "stall_p90_ms": m.stall_ms.p90,
+                "output_tokens_per_s": m.output_throughput,
+                "attainment": self.attainment,
+                "meets_slos": self.meets,
+                "goodput_per_worker": self.goodput_per_worker,
+            },
+        }
+
+
+def score(
+    cand: Candidate, setup: cp.PredictionSetup, specs: list[RequestSpec], slos: Slos, max_num_seqs: int
+) -> Scored:
+    """One candidate through the simulator."""
+    sim_mode = "disagg" if cand.mode == "disagg" else "colocated"
+    cfg = cp.sim_config(sim_mode, cand.chunk, cand.prefill, cand.decode, max_num_seqs, setup.link)
+    pred = cp.predict(cand.label, cfg, setup, specs, slos.ttft_ms, slos.tpot_ms)
+    m = pred.metrics
+    done = [r for r in pred.records if r.ok]
+    att = {
+        "ttft": _share([r.ttft_s * 1e3 for r in done], slos.ttft_ms),
+        "tpot": _share([r.tpot_s * 1e3 for r in done if r.tpot_s is not None], slos.tpot_ms),
+        "stall": _share([d.stall_s * 1e3 for d in m.documents if d.stall_s is not None], slos.stall_ms),
+    }
+    meets = all(
+        lim is None or d.count == 0 or (d.p90 is not None and d.p90 <= lim)
+        for d, lim in ((m.ttft_ms, slos.ttft_ms), (m.tpot_ms, slos.tpot_ms), (m.stall_ms, slos.stall_ms))
+    )
+    good = m.goodput if m.goodput is not None else m.request_throughput
+    return Scored(cand, m, att, meets, good / cand.workers)
+
+
+def _share(values: list[float], limit: float | None) -> float | None:
+    """The share of `values` within `limit` (1.0 with nothing to judge; None: no limit asked)."""
+    if limit is None:
+        return None
+    return sum(v <= limit for v in values) / len(values) if values else 1.0
+
+
+def rank(scored: Sequence[Scored]) -> list[Scored]:
+    stall = lambda s: s.metrics.stall_ms.p90 if s.metrics.stall_ms.p90 is not None else 0.0  # noqa: E731
+    return sorted(scored, key=lambda s: (not s.meets, -s.goodput_per_worker, stall(s)))

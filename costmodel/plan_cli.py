@@ -1,0 +1,254 @@
+"""`pdserve plan`: from a calibration and a workload with SLOs, the deployment to run.
+
+Every deployment a worker budget allows (costmodel/plan/candidates.py) is simulated on one device
+model: a calibration file (`bench chunks`, `bench probe` of any server, or a `bench compare`
+self-calibration) or a GPU datasheet (`--gpu`, predicted only), and ranked by goodput per worker
+under the SLOs (costmodel/plan/score.py). It prints one table, the winner's `pdserve serve`
+command and why it wins. Nothing is measured: `bench compare` measures the candidates it names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from cli import CliError
+from cli.output import emit_json
+from costmodel.article import cost_model as cm
+from costmodel.plan.candidates import DEFAULT_CHUNKS, enumerate_candidates
+from costmodel.plan.score import Scored, Slos, rank, score
+from costmodel.sim import compare_predict as cp
+from costmodel.sim.model import StepModel
+from costmodel.workloads import RequestSpec, WorkloadConfig, workload_specs
+
+# two candidates closer than this on goodput per worker are not told apart (the step fits' own
+# errors are a few percent: docs/results.md); an interval per figure is still to come
+TOSS_UP = 0.02
+
+# The presets: the WorkloadConfig fields each sets (--rate/--isl/--osl/--num-requests override them)
+_RANDOM = ("num_requests", "request_rate", "random_input_len", "random_output_len", "random_range_ratio")
+_ARTICLE = ("chat_streams", "chat_prompt_len", "chat_output_len", "doc_prompt_len", "doc_output_len", "doc_count")
+
+
+def _random(*values: float) -> dict[str, Any]:
+    """A preset of random lengths, its numbers in `_RANDOM`'s order (Poisson arrivals)."""
+    return {"workload": "random", **dict(zip(_RANDOM, values))}
+
+
+def _article(*values: float, **more: float) -> dict[str, Any]:
+    """A preset of the article's mix, its numbers in `_ARTICLE`'s order (documents from 1 s)."""
+    return {"workload": "article", "doc_start_s": 1.0, **dict(zip(_ARTICLE, values)), **more}
+
+
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "article": _article(8, 64, 256, 2048, 8, 3, doc_interval_s=1.5),
+    "chat": _random(64, 4.0, 256, 128, 0.5),
+    "rag": _random(48, 2.0, 2048, 64, 0.25),
+    "mixed": _article(8, 64, 256, 2048, 8, 6, doc_rate=0.5),
+}
+WORKLOAD_HELP = (
+    "article: 8 chats decoding while three 2048-token documents arrive; chat: short prompts, long answers; "
+    "rag: long retrieved prompts, short answers (both Poisson); mixed: the article's chats with documents "
+    "arriving as a Poisson process"
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = (
+        "examples: pdserve plan --calibration benchmarks/results/chunks-smollm2-135m-instruct-cpu.calibration.json "
+        "--model smollm2-135m-instruct --workers 2 --slo-stall-ms 500;  "
+        "pdserve plan --gpu h100 --model llama-3.1-70b --workers 8 --workload article --slo-ttft-ms 2000"
+    )
+    g = p.add_argument_group("the device model (one of)")
+    g.add_argument("--calibration", help="calibration JSON (`bench chunks`, `bench probe`, `bench compare`)")
+    g.add_argument("--gpu", help=f"price from a datasheet instead (predicted only): {', '.join(sorted(cm.HARDWARE))}")
+    g.add_argument("--model", required=True, help="model preset, checkpoint dir or config.json (its shapes)")
+    g.add_argument(
+        "--link",
+        default=None,
+        help=f"the KV link between pools: {', '.join(cm.LINKS)} (default: the calibration's, else ib-400g)",
+    )
+    w = p.add_argument_group("the workload")
+    w.add_argument("--workload", choices=sorted(WORKLOADS), default="article", help=WORKLOAD_HELP)
+    w.add_argument("--num-requests", type=int, default=None, help="chat/rag: requests in the workload")
+    w.add_argument("--rate", type=float, default=None, help="chat/rag: requests/s; mixed: documents/s (Poisson)")
+    w.add_argument("--isl", type=int, default=None, help="chat/rag: mean prompt tokens; article/mixed: document tokens")
+    w.add_argument("--osl", type=int, default=None, help="chat/rag: output tokens; article/mixed: a chat's output")
+    w.add_argument("--seed", type=int, default=0)
+    s = p.add_argument_group("SLOs (p90, each optional)")
+    s.add_argument("--slo-ttft-ms", type=float, default=None)
+    s.add_argument("--slo-tpot-ms", type=float, default=None)
+    s.add_argument("--slo-stall-ms", type=float, default=None, help="longest gap a document puts in the streams")
+    b = p.add_argument_group("the budget")
+    b.add_argument(
+        "--workers", type=int, default=2, help="the most workers (GPUs) to deploy; fewer compete too (default 2)"
+    )
+    b.add_argument(
+        "--chunk-sizes",
+        default=",".join(map(str, DEFAULT_CHUNKS)),
+        help="chunk sizes to try (those below the longest prompt)",
+    )
+    b.add_argument("--max-num-seqs", type=int, default=64, help="decode batch limit per worker (default 64)")
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
+
+
+def main(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    setup = _setup(args)
+    specs = workload_specs(_workload(args))
+    try:
+        chunks = [int(x) for x in args.chunk_sizes.split(",") if x.strip()]
+        cands = enumerate_candidates(args.workers, chunks, max(s.prompt_len for s in specs))
+    except ValueError as e:
+        raise CliError(f"--chunk-sizes/--workers: {e}") from None
+    slos = Slos(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_stall_ms)
+    ranked = rank([score(c, setup, specs, slos, args.max_num_seqs) for c in cands])
+    elapsed = time.perf_counter() - t0
+    winner = ranked[0]
+    command = ["pdserve", "serve", "--model", args.model, *winner.candidate.serve_args()]
+    why = explain(ranked, setup, specs)
+    doc = {
+        "predicted": True,
+        "device_model": {"source": setup.source, "kind": setup.kind, "link": setup.link.label},
+        "workload": {"preset": args.workload, "requests": len(specs), **_workload_summary(specs)},
+        "slos": slos.as_dict(),
+        "budget": {"workers": args.workers, "max_num_seqs": args.max_num_seqs},
+        "candidates": [s.to_dict() for s in ranked],
+        "winner": winner.candidate.label,
+        "serve_command": " ".join(command),
+        "why": why,
+        "seconds": elapsed,
+    }
+    if args.json:
+        emit_json(doc)
+        return 0
+    print(format_table(ranked))
+    print(f"\nplan: {winner.candidate.label}\n  {' '.join(command)}\n  {why}")
+    print(
+        f"\n{len(ranked)} candidates simulated in {elapsed:.1f} s on {setup.source}. Every figure is predicted by the "
+        "simulator, none measured: `pdserve bench compare` measures the deployments it names."
+    )
+    return 0
+
+
+def _setup(args: argparse.Namespace) -> cp.PredictionSetup:
+    if bool(args.calibration) == bool(args.gpu):
+        raise CliError("give one device model: --calibration FILE or --gpu NAME")
+    if args.link is not None and args.link not in cm.LINKS:
+        raise CliError(f"--link {args.link}: unknown (known: {', '.join(cm.LINKS)})")
+    try:
+        spec_check = cm.ModelSpec.resolve(args.model)
+    except (ValueError, KeyError, FileNotFoundError, OSError) as e:
+        raise CliError(f"--model {args.model}: {e}") from None
+    if args.calibration:
+        if not Path(args.calibration).is_file():
+            raise CliError(f"--calibration {args.calibration}: no such file")
+        try:
+            setup = cp.setup_from_calibration(args.model, Path(args.calibration))
+        except (ValueError, KeyError) as e:
+            raise CliError(f"--calibration {args.calibration}: {e}") from None
+        return setup if args.link is None else _with_link(setup, cm.LINKS[args.link])
+    if args.gpu not in cm.HARDWARE:
+        raise CliError(f"--gpu {args.gpu}: unknown (known: {', '.join(sorted(cm.HARDWARE))})")
+    hw = cm.HARDWARE[args.gpu]
+    steps = StepModel(spec_check, hw, cm.ARTICLE_MFU)
+    link = cm.LINKS[args.link or "ib-400g"]
+    return cp.PredictionSetup(steps, link, f"the {hw.name} datasheet at {cm.ARTICLE_MFU:.0%} MFU", kind="datasheet")
+
+
+def _with_link(setup: cp.PredictionSetup, link: cm.Link) -> cp.PredictionSetup:
+    from dataclasses import replace  # noqa: PLC0415
+
+    return replace(setup, link=link)
+
+
+def _workload(args: argparse.Namespace) -> WorkloadConfig:
+    fields = WORKLOADS[args.workload]
+    kw = dict(fields, seed=args.seed, prompt_token_ids=True)
+    article = kw["workload"] == "article"
+    for flag, random_field, article_field in (
+        ("num_requests", "num_requests", None),
+        ("rate", "request_rate", "doc_rate"),
+        ("isl", "random_input_len", "doc_prompt_len"),
+        ("osl", "random_output_len", "chat_output_len"),
+    ):
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        target = article_field if article else random_field
+        if target is None:
+            raise CliError(f"--{flag.replace('_', '-')} does not apply to --workload {args.workload}")
+        kw[target] = value
+    return WorkloadConfig(**kw)
+
+
+def _workload_summary(specs: list[RequestSpec]) -> dict[str, Any]:
+    last = max(s.arrival_s for s in specs)
+    return {
+        "prompt_tokens_mean": sum(s.prompt_len for s in specs) / len(specs),
+        "output_tokens_mean": sum(s.max_tokens for s in specs) / len(specs),
+        "span_s": last,
+    }
+
+
+def explain(ranked: list[Scored], setup: cp.PredictionSetup, specs: list[RequestSpec]) -> str:
+    """Why the winner wins, in the article's terms: what a long prompt's prefill costs the
+    streams when it runs whole beside them (the prefill tax, in decode steps), and the stall each
+    candidate leaves."""
+    w = ranked[0]
+    meeting = sum(s.meets for s in ranked)
+    parts = [
+        f"{w.candidate.label} has the most goodput per worker ({w.goodput_per_worker:.2f} requests/s)"
+        + (f" of the {meeting} candidates that meet every SLO" if meeting else "; no candidate meets every SLO")
+    ]
+    longest = max(s.prompt_len for s in specs)
+    prefill_s = setup.steps.step([], [(0, longest)])
+    # colocated whole on the winner's workers: the deployment the article's tax is paid in
+    colo = next(
+        (s for s in ranked if s.candidate.mode == "colocated" and s.candidate.workers == w.candidate.workers), None
+    )
+    tpot = colo.metrics.tpot_ms.p50 if colo is not None else None
+    if tpot and not math.isnan(tpot):
+        tax = prefill_s * 1e3 / tpot
+        parts.append(
+            f"a {longest}-token prompt's prefill takes {prefill_s * 1e3:.0f} ms, {tax:.0f} decode steps of every "
+            f"stream when it runs whole beside them (the prefill tax)"
+        )
+    stall = w.metrics.stall_ms.p90
+    if colo is not None and colo is not w and colo.metrics.stall_ms.p90 is not None and stall is not None:
+        parts.append(f"its stall p90 is {stall:.0f} ms against {colo.metrics.stall_ms.p90:.0f} ms colocated whole")
+    if len(ranked) > 1:
+        r = ranked[1]
+        gap = (w.goodput_per_worker - r.goodput_per_worker) / w.goodput_per_worker if w.goodput_per_worker else 0.0
+        if gap < TOSS_UP:
+            parts.append(f"next: {r.candidate.label}, within {TOSS_UP:.0%} on goodput: a toss-up on these figures")
+        else:
+            parts.append(f"next: {r.candidate.label}, {gap:.0%} less goodput per worker")
+    return "; ".join(parts) + "."
+
+
+def format_table(ranked: list[Scored]) -> str:
+    head = ["#", "candidate", "workers", "TTFT p90", "TPOT p90", "stall p90", "attain ttft/tpot/stall", "SLOs"]
+    rows = [[*head, "goodput/worker"]]
+    for i, s in enumerate(ranked, 1):
+        m, a = s.metrics, s.attainment
+        rows.append([
+            str(i), s.candidate.label, str(s.candidate.workers), _ms(m.ttft_ms.p90), _ms(m.tpot_ms.p90),
+            _ms(m.stall_ms.p90), "/".join(_pct(a[k]) for k in ("ttft", "tpot", "stall")),
+            "met" if s.meets else "missed", f"{s.goodput_per_worker:.2f}/s",
+        ])  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) if i != 1 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "predicted (simulated), not measured\n" + "\n".join(lines)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f} ms"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0%}"

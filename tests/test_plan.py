@@ -1,0 +1,129 @@
+"""`pdserve plan` (costmodel/plan/, costmodel/plan_cli.py): candidates, ranking, output, errors.
+
+The device model is a synthetic calibration (a step fit) whose prefill is expensive beside cheap
+decode steps: a long prompt run whole stalls the streams for seconds, so a stall SLO separates
+the candidates the way the article says it should.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cli import main as cli_main
+from costmodel.article import cost_model as cm
+from costmodel.fit.step_fit import StepCostFit
+from costmodel.plan.candidates import Candidate, enumerate_candidates
+
+# 5 ms a step, 1 ms a prompt token, 1 ms a decode sequence: a 2048-token prompt is ~2 s of prefill
+FIT = StepCostFit(0.005, 1e-3, 0.0, 1e-3)
+
+
+@pytest.fixture
+def calibration(tmp_path):
+    p = tmp_path / "synthetic.calibration.json"
+    p.write_text(json.dumps(cm.Calibration(device="cpu", dtype="fp32", step_fit=FIT.to_dict()).to_dict()))
+    return str(p)
+
+
+def test_candidates_cover_the_budget():
+    cands = enumerate_candidates(3, [64, 128, 4096], longest_prompt=2048)
+    assert [c.label for c in cands] == [
+        "colocated",
+        "chunked 64",
+        "chunked 128",  # 4096: no prompt fills it, the same as whole prompts
+        "colocated x2",
+        "chunked 64 x2",
+        "chunked 128 x2",
+        "disagg 1P1D",
+        "colocated x3",
+        "chunked 64 x3",
+        "chunked 128 x3",
+        "disagg 1P2D",
+        "disagg 2P1D",
+    ]
+    assert Candidate("chunked", 2, chunk=128).serve_args() == [
+        "--mode",
+        "colocated",
+        "--decode",
+        "2",
+        "--chunk-size",
+        "128",
+    ]
+    assert Candidate("disagg", 3, prefill=1).serve_args() == ["--mode", "disagg", "--prefill", "1", "--decode", "3"]
+    assert len(enumerate_candidates(16, [64, 128, 256, 512, 1024], 2048)) == 16 * 6 + 15 * 16 // 2
+    with pytest.raises(ValueError):
+        enumerate_candidates(0, [], 10)
+
+
+def test_a_stall_slo_rules_out_whole_prompts_and_the_plan_says_why(calibration, capsys):
+    argv = [
+        "plan",
+        "--calibration",
+        calibration,
+        "--model",
+        "tiny",
+        "--workers",
+        "2",
+        "--slo-stall-ms",
+        "500",
+        "--json",
+    ]
+    assert cli_main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)  # exactly one JSON document
+    assert doc["predicted"] is True
+    by_label = {c["label"]: c for c in doc["candidates"]}
+    assert len(by_label) == 2 * 6 + 1 and "disagg 1P1D" in by_label and "chunked 64" in by_label
+    whole = by_label["colocated x2"]["predicted"]
+    assert whole["stall_p90_ms"] > 1500 and not whole["meets_slos"]  # a 2048-token prompt whole: ~2 s
+    winner = doc["candidates"][0]
+    assert winner["label"] == doc["winner"] and winner["predicted"]["meets_slos"]
+    assert winner["predicted"]["stall_p90_ms"] <= 500
+    assert doc["serve_command"] == "pdserve serve --model tiny " + " ".join(winner["serve_args"])
+    assert "prefill tax" in doc["why"] and doc["winner"] in doc["why"]
+    # ranked: every candidate that meets the SLOs before any that does not, by goodput per worker
+    meets = [c["predicted"]["meets_slos"] for c in doc["candidates"]]
+    assert meets == sorted(meets, reverse=True)
+
+
+def test_the_table_says_predicted_and_names_the_command(calibration, capsys):
+    assert (
+        cli_main(["plan", "--calibration", calibration, "--model", "tiny", "--workload", "rag", "--workers", "3"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert out.startswith("predicted (simulated), not measured")
+    assert (
+        "disagg 2P1D" in out
+        and "colocated x3" in out
+        and "plan: " in out
+        and "pdserve serve --model tiny --mode" in out
+    )
+    assert "none measured" in out
+
+
+def test_datasheet_planning_for_the_articles_setting(capsys):
+    argv = ["plan", "--gpu", "h100", "--model", "llama-3.1-70b", "--workers", "4", "--slo-stall-ms", "1000", "--json"]
+    assert cli_main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["device_model"]["kind"] == "datasheet" and "h100-sxm datasheet" in doc["device_model"]["source"]
+    # 1-4 workers: whole and chunks of 64-1024 (2048 is the document) at each, and 0+1+2+3 splits
+    assert len(doc["candidates"]) == 4 * 6 + 6
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ([], "give one device model"),
+        (["--gpu", "h100", "--calibration", "x.json"], "give one device model"),
+        (["--gpu", "tpu-v9"], "--gpu tpu-v9: unknown"),
+        (["--calibration", "/nonexistent.json"], "no such file"),
+        (["--gpu", "h100", "--num-requests", "5"], "--num-requests does not apply to --workload article"),
+        (["--gpu", "h100", "--workers", "0"], "--workers must be >= 1"),
+        (["--gpu", "h100", "--link", "carrier-pigeon"], "--link carrier-pigeon: unknown"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(extra, message, capsys):
+    assert cli_main(["plan", "--model", "tiny", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
