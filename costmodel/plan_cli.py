@@ -19,14 +19,15 @@ from cli import CliError
 from cli.output import emit_json
 from costmodel.article import cost_model as cm
 from costmodel.plan.candidates import DEFAULT_CHUNKS, enumerate_candidates
-from costmodel.plan.score import Scored, Slos, rank, score
+from costmodel.plan.score import Scored, Slos, fit_error, interval, rank, score, toss_up
 from costmodel.sim import compare_predict as cp
 from costmodel.sim.model import StepModel
 from costmodel.workloads import RequestSpec, WorkloadConfig, workload_specs
 
-# two candidates closer than this on goodput per worker are not told apart (the step fits' own
-# errors are a few percent: docs/results.md); an interval per figure is still to come
+# without a fit error (a datasheet model): two candidates closer than this on goodput per worker
+# are not told apart
 TOSS_UP = 0.02
+INTERVAL_TOP = 5  # candidates simulated again at the fit's error either way
 
 # The presets: the WorkloadConfig fields each sets (--rate/--isl/--osl/--num-requests override them)
 _RANDOM = ("num_requests", "request_rate", "random_input_len", "random_output_len", "random_range_ratio")
@@ -106,13 +107,17 @@ def main(args: argparse.Namespace) -> int:
         raise CliError(f"--chunk-sizes/--workers: {e}") from None
     slos = Slos(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_stall_ms)
     ranked = rank([score(c, setup, specs, slos, args.max_num_seqs) for c in cands])
+    err = fit_error(setup)
+    if err:  # the top candidates again at the fit's error either way: is the choice a toss-up?
+        for s in ranked[:INTERVAL_TOP]:
+            s.interval = interval(s, setup, specs, slos, args.max_num_seqs, err)
     elapsed = time.perf_counter() - t0
     winner = ranked[0]
     command = ["pdserve", "serve", "--model", args.model, *winner.candidate.serve_args()]
-    why = explain(ranked, setup, specs)
+    why = explain(ranked, setup, specs, err, slos)
     doc = {
         "predicted": True,
-        "device_model": {"source": setup.source, "kind": setup.kind, "link": setup.link.label},
+        "device_model": {"source": setup.source, "kind": setup.kind, "link": setup.link.label, "fit_error": err},
         "workload": {"preset": args.workload, "requests": len(specs), **_workload_summary(specs)},
         "slos": slos.as_dict(),
         "budget": {"workers": args.workers, "max_num_seqs": args.max_num_seqs},
@@ -194,7 +199,9 @@ def _workload_summary(specs: list[RequestSpec]) -> dict[str, Any]:
     }
 
 
-def explain(ranked: list[Scored], setup: cp.PredictionSetup, specs: list[RequestSpec]) -> str:
+def explain(
+    ranked: list[Scored], setup: cp.PredictionSetup, specs: list[RequestSpec], err: float | None, slos: Slos
+) -> str:
     """Why the winner wins, in the article's terms: what a long prompt's prefill costs the
     streams when it runs whole beside them (the prefill tax, in decode steps), and the stall each
     candidate leaves."""
@@ -220,11 +227,20 @@ def explain(ranked: list[Scored], setup: cp.PredictionSetup, specs: list[Request
     stall = w.metrics.stall_ms.p90
     if colo is not None and colo is not w and colo.metrics.stall_ms.p90 is not None and stall is not None:
         parts.append(f"its stall p90 is {stall:.0f} ms against {colo.metrics.stall_ms.p90:.0f} ms colocated whole")
+    if w.interval:
+        lo, hi = sorted(x or 0.0 for x in w.interval["goodput_per_worker"])
+        parts.append(f"goodput per worker {lo:.2f}-{hi:.2f}/s with every step priced {err:.0%} lower or higher")
+        for name, limit in (("ttft", slos.ttft_ms), ("tpot", slos.tpot_ms), ("stall", slos.stall_ms)):
+            worst = max((x for x in w.interval[f"{name}_p90_ms"] if x is not None), default=None)
+            if limit is not None and worst is not None and worst > limit:
+                parts.append(f"at the higher prices its {name} p90 ({worst:.0f} ms) would miss the {limit:.0f} ms SLO")
     if len(ranked) > 1:
         r = ranked[1]
         gap = (w.goodput_per_worker - r.goodput_per_worker) / w.goodput_per_worker if w.goodput_per_worker else 0.0
-        if gap < TOSS_UP:
-            parts.append(f"next: {r.candidate.label}, within {TOSS_UP:.0%} on goodput: a toss-up on these figures")
+        close = toss_up(w, r) if w.interval and r.interval else gap < TOSS_UP
+        if close:
+            within = f"its range reaches {w.candidate.label}'s" if w.interval else f"within {TOSS_UP:.0%} on goodput"
+            parts.append(f"next: {r.candidate.label}, {within}: a toss-up on these figures")
         else:
             parts.append(f"next: {r.candidate.label}, {gap:.0%} less goodput per worker")
     return "; ".join(parts) + "."

@@ -17,7 +17,7 @@ from costmodel.fit.step_fit import StepCostFit
 from costmodel.plan.candidates import Candidate, enumerate_candidates
 
 # 5 ms a step, 1 ms a prompt token, 1 ms a decode sequence: a 2048-token prompt is ~2 s of prefill
-FIT = StepCostFit(0.005, 1e-3, 0.0, 1e-3)
+FIT = StepCostFit(0.005, 1e-3, 0.0, 1e-3, samples=100, rms_rel_error=0.1)
 
 
 @pytest.fixture
@@ -127,3 +127,29 @@ def test_bad_input_is_one_line_and_exit_2(extra, message, capsys):
     assert cli_main(["plan", "--model", "tiny", *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_the_top_candidates_carry_an_interval_from_the_fits_own_error(calibration, capsys):
+    argv = [
+        "plan",
+        "--calibration",
+        calibration,
+        "--model",
+        "tiny",
+        "--workers",
+        "2",
+        "--slo-stall-ms",
+        "500",
+        "--json",
+    ]
+    assert cli_main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["device_model"]["fit_error"] == pytest.approx(0.1)
+    top = [c["predicted"] for c in doc["candidates"][:5]]
+    assert all(p["interval"] is not None for p in top) and doc["candidates"][5]["predicted"]["interval"] is None
+    for p in top:
+        lo, hi = p["interval"]["stall_p90_ms"]
+        assert lo <= p["stall_p90_ms"] <= hi and lo < hi  # cheaper steps, shorter stalls
+        g_lo, g_hi = sorted(p["interval"]["goodput_per_worker"])
+        assert g_lo <= p["goodput_per_worker"] <= g_hi
+    assert "priced 10% lower or higher" in doc["why"]

@@ -6,14 +6,21 @@ is within it: TTFT and TPOT over the requests, the stall over the documents (the
 document's prefill puts in the streams already decoding). Goodput counts the requests whose own
 TTFT and TPOT are within the SLOs, per second and per worker. Ranking: candidates that meet
 every SLO given first, then by goodput per worker, then by lower stall p90.
+
+Intervals: a step fit's prices are off by its own error (`rms_rel_error` over the steps it was
+fitted on), so the top candidates are simulated again with every term of the fit priced that
+much lower and higher (`interval`). Where the winner's goodput range overlaps the next one's, the choice is
+a toss-up on these figures. Step jitter under load is not in it yet; a datasheet model has no
+fit error to give and gets no interval.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from costmodel.fit.step_fit import StepCostFit
 from costmodel.plan.candidates import Candidate
 from costmodel.serve_metrics import ServeMetrics
 from costmodel.sim import compare_predict as cp
@@ -39,6 +46,8 @@ class Scored:
     attainment: dict[str, float | None]  # per SLO: the share of requests (documents for stall) within it
     meets: bool  # the p90 of every SLO given is within it
     goodput_per_worker: float  # requests/s within the TTFT and TPOT SLOs (all completed if none), per worker
+    # figure -> (at step prices lowered, raised by the fit's error); None: not computed
+    interval: dict[str, tuple[float | None, float | None]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         m = self.metrics
@@ -58,6 +67,7 @@ class Scored:
                 "attainment": self.attainment,
                 "meets_slos": self.meets,
                 "goodput_per_worker": self.goodput_per_worker,
+                "interval": {k: list(v) for k, v in self.interval.items()} if self.interval else None,
             },
         }
 
@@ -94,3 +104,43 @@ def _share(values: list[float], limit: float | None) -> float | None:
 def rank(scored: Sequence[Scored]) -> list[Scored]:
     stall = lambda s: s.metrics.stall_ms.p90 if s.metrics.stall_ms.p90 is not None else 0.0  # noqa: E731
     return sorted(scored, key=lambda s: (not s.meets, -s.goodput_per_worker, stall(s)))
+
+
+def _scaled(fit: StepCostFit | None, k: float) -> StepCostFit | None:
+    """`fit` with every term `k` times its price."""
+    if fit is None:
+        return None
+    return replace(fit, **{t: getattr(fit, t) * k for t in ("fixed_s", "per_token_s", "attention_s", "per_sequence_s")})
+
+
+def fit_error(setup: cp.PredictionSetup) -> float | None:
+    """The step fit's own relative error (the larger of the two pools'), None without a fit."""
+    errs = [f.rms_rel_error for f in (setup.steps.fit, setup.steps.prefill_fit) if f is not None]
+    known = [e for e in errs if e is not None]
+    return max(known) if known else None
+
+
+def interval(
+    s: Scored, setup: cp.PredictionSetup, specs: list[RequestSpec], slos: Slos, max_num_seqs: int, err: float
+) -> dict[str, tuple[float | None, float | None]]:
+    """`s`'s figures with every step priced `err` lower and higher (goodput: the other way round)."""
+    out: dict[str, list[float | None]] = {
+        k: [] for k in ("ttft_p90_ms", "tpot_p90_ms", "stall_p90_ms", "goodput_per_worker")
+    }
+    for k in (1 - err, 1 + err):
+        steps = replace(setup.steps, fit=_scaled(setup.steps.fit, k), prefill_fit=_scaled(setup.steps.prefill_fit, k))
+        m = score(s.candidate, replace(setup, steps=steps), specs, slos, max_num_seqs)
+        out["ttft_p90_ms"].append(m.metrics.ttft_ms.p90)
+        out["tpot_p90_ms"].append(m.metrics.tpot_ms.p90)
+        out["stall_p90_ms"].append(m.metrics.stall_ms.p90)
+        out["goodput_per_worker"].append(m.goodput_per_worker)
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def toss_up(a: Scored, b: Scored) -> bool:
+    """Whether `b`'s goodput range reaches `a`'s: on these figures neither is surely better."""
+    if not a.interval or not b.interval:
+        return False
+    a_low = min(x for x in a.interval["goodput_per_worker"] if x is not None)
+    b_high = max(x for x in b.interval["goodput_per_worker"] if x is not None)
+    return b_high >= a_low
