@@ -20,6 +20,7 @@ from cli.output import emit_json
 from costmodel.article import cost_model as cm
 from costmodel.plan.candidates import DEFAULT_CHUNKS, enumerate_candidates
 from costmodel.plan.score import Scored, Slos, fit_error, interval, rank, score, toss_up
+from costmodel.plan.trace import read_trace
 from costmodel.sim import compare_predict as cp
 from costmodel.sim.model import StepModel
 from costmodel.workloads import RequestSpec, WorkloadConfig, workload_specs
@@ -79,6 +80,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--isl", type=int, default=None, help="chat/rag: mean prompt tokens; article/mixed: document tokens")
     w.add_argument("--osl", type=int, default=None, help="chat/rag: output tokens; article/mixed: a chat's output")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument(
+        "--trace",
+        default=None,
+        help="JSONL requests instead of a preset: arrival_s, prompt_tokens, output_tokens (kind, prefix_id optional)",
+    )
     s = p.add_argument_group("SLOs (p90, each optional)")
     s.add_argument("--slo-ttft-ms", type=float, default=None)
     s.add_argument("--slo-tpot-ms", type=float, default=None)
@@ -99,7 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     setup = _setup(args)
-    specs = workload_specs(_workload(args))
+    specs, note = _requests(args)
     try:
         chunks = [int(x) for x in args.chunk_sizes.split(",") if x.strip()]
         cands = enumerate_candidates(args.workers, chunks, max(s.prompt_len for s in specs))
@@ -118,7 +124,13 @@ def main(args: argparse.Namespace) -> int:
     doc = {
         "predicted": True,
         "device_model": {"source": setup.source, "kind": setup.kind, "link": setup.link.label, "fit_error": err},
-        "workload": {"preset": args.workload, "requests": len(specs), **_workload_summary(specs)},
+        "workload": {
+            "preset": None if args.trace else args.workload,
+            "trace": args.trace,
+            "requests": len(specs),
+            **_workload_summary(specs),
+            "note": note,
+        },
         "slos": slos.as_dict(),
         "budget": {"workers": args.workers, "max_num_seqs": args.max_num_seqs},
         "candidates": [s.to_dict() for s in ranked],
@@ -132,6 +144,8 @@ def main(args: argparse.Namespace) -> int:
         return 0
     print(format_table(ranked))
     print(f"\nplan: {winner.candidate.label}\n  {' '.join(command)}\n  {why}")
+    if note:
+        print(f"  note: {note}")
     print(
         f"\n{len(ranked)} candidates simulated in {elapsed:.1f} s on {setup.source}. Every figure is predicted by the "
         "simulator, none measured: `pdserve bench compare` measures the deployments it names."
@@ -168,6 +182,22 @@ def _with_link(setup: cp.PredictionSetup, link: cm.Link) -> cp.PredictionSetup:
     from dataclasses import replace  # noqa: PLC0415
 
     return replace(setup, link=link)
+
+
+def _requests(args: argparse.Namespace) -> tuple[list[RequestSpec], str | None]:
+    """The workload's requests (a preset, or --trace), and a note on what the plan leaves out."""
+    if not args.trace:
+        return workload_specs(_workload(args)), None
+    if any(getattr(args, f) is not None for f in ("rate", "isl", "osl", "num_requests")):
+        raise CliError("--trace gives the requests: --rate, --isl, --osl and --num-requests do not apply")
+    try:
+        specs, shared = read_trace(Path(args.trace))
+    except OSError as e:
+        raise CliError(f"--trace {args.trace}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    note = f"{shared} requests carry a prefix_id; prefix sharing is not modelled yet" if shared else None
+    return specs, note
 
 
 def _workload(args: argparse.Namespace) -> WorkloadConfig:

@@ -20,6 +20,12 @@ from costmodel.plan.candidates import Candidate, enumerate_candidates
 FIT = StepCostFit(0.005, 1e-3, 0.0, 1e-3, samples=100, rms_rel_error=0.1)
 
 
+def _plan_json(capsys, *args: str) -> dict:
+    """`pdserve plan ARGS --json`: exit 0 and exactly one JSON document on stdout."""
+    assert cli_main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
 @pytest.fixture
 def calibration(tmp_path):
     p = tmp_path / "synthetic.calibration.json"
@@ -58,20 +64,7 @@ def test_candidates_cover_the_budget():
 
 
 def test_a_stall_slo_rules_out_whole_prompts_and_the_plan_says_why(calibration, capsys):
-    argv = [
-        "plan",
-        "--calibration",
-        calibration,
-        "--model",
-        "tiny",
-        "--workers",
-        "2",
-        "--slo-stall-ms",
-        "500",
-        "--json",
-    ]
-    assert cli_main(argv) == 0
-    doc = json.loads(capsys.readouterr().out)  # exactly one JSON document
+    doc = _plan_json(capsys, "--calibration", calibration, "--model", "tiny", "--workers", "2", "--slo-stall-ms", "500")
     assert doc["predicted"] is True
     by_label = {c["label"]: c for c in doc["candidates"]}
     assert len(by_label) == 2 * 6 + 1 and "disagg 1P1D" in by_label and "chunked 64" in by_label
@@ -130,20 +123,7 @@ def test_bad_input_is_one_line_and_exit_2(extra, message, capsys):
 
 
 def test_the_top_candidates_carry_an_interval_from_the_fits_own_error(calibration, capsys):
-    argv = [
-        "plan",
-        "--calibration",
-        calibration,
-        "--model",
-        "tiny",
-        "--workers",
-        "2",
-        "--slo-stall-ms",
-        "500",
-        "--json",
-    ]
-    assert cli_main(argv) == 0
-    doc = json.loads(capsys.readouterr().out)
+    doc = _plan_json(capsys, "--calibration", calibration, "--model", "tiny", "--workers", "2", "--slo-stall-ms", "500")
     assert doc["device_model"]["fit_error"] == pytest.approx(0.1)
     top = [c["predicted"] for c in doc["candidates"][:5]]
     assert all(p["interval"] is not None for p in top) and doc["candidates"][5]["predicted"]["interval"] is None
@@ -153,3 +133,22 @@ def test_the_top_candidates_carry_an_interval_from_the_fits_own_error(calibratio
         g_lo, g_hi = sorted(p["interval"]["goodput_per_worker"])
         assert g_lo <= p["goodput_per_worker"] <= g_hi
     assert "priced 10% lower or higher" in doc["why"]
+
+
+def test_a_trace_is_planned_as_given_and_its_errors_name_the_line(calibration, tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    rows = [{"arrival_s": i * 0.2, "prompt_tokens": 64, "output_tokens": 32, "prefix_id": "sys"} for i in range(6)]
+    rows.append({"arrival_s": 0.5, "prompt_tokens": 2048, "output_tokens": 4})  # a document, by its length
+    trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    argv = ["plan", "--calibration", calibration, "--model", "tiny", "--trace", str(trace), "--json"]
+    assert cli_main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["workload"]["requests"] == 7 and doc["workload"]["preset"] is None
+    assert "6 requests carry a prefix_id" in doc["workload"]["note"]
+    whole = next(c for c in doc["candidates"] if c["label"] == "colocated x2")["predicted"]
+    assert whole["stall_p90_ms"] is not None  # the 2048-token prompt counted as a document
+    trace.write_text('{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 1}\n{"arrival_s": 1}\n')
+    assert cli_main(argv[:-1]) == 2
+    assert f"{trace}:2: want {{arrival_s, prompt_tokens, output_tokens}}" in capsys.readouterr().err
+    assert cli_main([*argv[:-1], "--rate", "3"]) == 2
+    assert "--trace gives the requests" in capsys.readouterr().err
