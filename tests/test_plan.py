@@ -43,11 +43,14 @@ def test_candidates_cover_the_budget():
         "chunked 64 x2",
         "chunked 128 x2",
         "disagg 1P1D",
+        "disagg 1P1D layerwise",
         "colocated x3",
         "chunked 64 x3",
         "chunked 128 x3",
         "disagg 1P2D",
+        "disagg 1P2D layerwise",
         "disagg 2P1D",
+        "disagg 2P1D layerwise",
     ]
     assert Candidate("chunked", 2, chunk=128).serve_args() == [
         "--mode",
@@ -57,8 +60,10 @@ def test_candidates_cover_the_budget():
         "--chunk-size",
         "128",
     ]
-    assert Candidate("disagg", 3, prefill=1).serve_args() == ["--mode", "disagg", "--prefill", "1", "--decode", "3"]
-    assert len(enumerate_candidates(16, [64, 128, 256, 512, 1024], 2048)) == 16 * 6 + 15 * 16 // 2
+    assert Candidate("disagg", 3, prefill=1).serve_args() == [
+        *("--mode", "disagg", "--prefill", "1", "--decode", "3", "--kv-transfer", "bulk")
+    ]
+    assert len(enumerate_candidates(16, [64, 128, 256, 512, 1024], 2048)) == 16 * 6 + 2 * (15 * 16 // 2)
     with pytest.raises(ValueError):
         enumerate_candidates(0, [], 10)
 
@@ -67,7 +72,7 @@ def test_a_stall_slo_rules_out_whole_prompts_and_the_plan_says_why(calibration, 
     doc = _plan_json(capsys, "--calibration", calibration, "--model", "tiny", "--workers", "2", "--slo-stall-ms", "500")
     assert doc["predicted"] is True
     by_label = {c["label"]: c for c in doc["candidates"]}
-    assert len(by_label) == 2 * 6 + 1 and "disagg 1P1D" in by_label and "chunked 64" in by_label
+    assert len(by_label) == 2 * 6 + 2 and "disagg 1P1D layerwise" in by_label and "chunked 64" in by_label
     whole = by_label["colocated x2"]["predicted"]
     assert whole["stall_p90_ms"] > 1500 and not whole["meets_slos"]  # a 2048-token prompt whole: ~2 s
     winner = doc["candidates"][0]
@@ -100,8 +105,8 @@ def test_datasheet_planning_for_the_articles_setting(capsys):
     assert cli_main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["device_model"]["kind"] == "datasheet" and "h100-sxm datasheet" in doc["device_model"]["source"]
-    # 1-4 workers: whole and chunks of 64-1024 (2048 is the document) at each, and 0+1+2+3 splits
-    assert len(doc["candidates"]) == 4 * 6 + 6
+    # 1-4 workers: whole and chunks of 64-1024 (2048 is the document) at each, 0+1+2+3 splits x bulk/layerwise
+    assert len(doc["candidates"]) == 4 * 6 + 2 * 6
 
 
 @pytest.mark.parametrize(

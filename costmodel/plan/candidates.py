@@ -11,12 +11,14 @@ DEFAULT_CHUNKS = (64, 128, 256, 512, 1024, 2048)
 @dataclass(frozen=True)
 class Candidate:
     """One deployment: `mode` "colocated" (whole prompts), "chunked" (colocated, prompts in chunks
-    of `chunk` tokens mixed into decode steps) or "disagg" (`prefill` + `decode` workers)."""
+    of `chunk` tokens mixed into decode steps) or "disagg" (`prefill` + `decode` workers, the KV
+    pulled whole after the prefill, "bulk", or streamed layer by layer while it runs)."""
 
     mode: str
     decode: int
     prefill: int = 0
     chunk: int | None = None
+    kv_transfer: str = "bulk"
 
     @property
     def workers(self) -> int:
@@ -25,14 +27,15 @@ class Candidate:
     @property
     def label(self) -> str:
         if self.mode == "disagg":
-            return f"disagg {self.prefill}P{self.decode}D"
+            return f"disagg {self.prefill}P{self.decode}D" + (" layerwise" if self.kv_transfer == "layerwise" else "")
         n = f" x{self.decode}" if self.decode > 1 else ""
         return f"chunked {self.chunk}{n}" if self.mode == "chunked" else f"colocated{n}"
 
     def serve_args(self) -> list[str]:
         """The `pdserve serve` flags that deploy it."""
         if self.mode == "disagg":
-            return ["--mode", "disagg", "--prefill", str(self.prefill), "--decode", str(self.decode)]
+            split = ["--prefill", str(self.prefill), "--decode", str(self.decode)]
+            return ["--mode", "disagg", *split, "--kv-transfer", self.kv_transfer]
         chunk = ["--chunk-size", str(self.chunk)] if self.mode == "chunked" else []
         return ["--mode", "colocated", "--decode", str(self.decode), *chunk]
 
@@ -40,13 +43,13 @@ class Candidate:
 def enumerate_candidates(budget: int, chunks: Sequence[int], longest_prompt: int) -> list[Candidate]:
     """Every deployment of 1 to `budget` workers: colocated whole; chunked at each size in `chunks`
     shorter than the longest prompt (a chunk no prompt fills is the whole prompt again); every
-    xPyD split with x, y >= 1. Smaller deployments compete too: ranked by goodput per worker, the
-    fewest workers that meet the SLOs win."""
+    xPyD split with x, y >= 1, its KV pulled whole or streamed layer by layer. Smaller deployments
+    compete too: ranked by goodput per worker, the fewest workers that meet the SLOs win."""
     if budget < 1:
         raise ValueError("--workers must be >= 1")
     useful = [c for c in sorted(set(chunks)) if 0 < c < longest_prompt]
     out = []
     for n in range(1, budget + 1):
         out += [Candidate("colocated", n), *(Candidate("chunked", n, chunk=c) for c in useful)]
-        out += [Candidate("disagg", n - p, prefill=p) for p in range(1, n)]
+        out += [Candidate("disagg", n - p, p, kv_transfer=t) for p in range(1, n) for t in ("bulk", "layerwise")]
     return out

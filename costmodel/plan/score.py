@@ -57,6 +57,7 @@ class Scored:
             "prefill": self.candidate.prefill,
             "decode": self.candidate.decode,
             "chunk_size": self.candidate.chunk,
+            "kv_transfer": self.candidate.kv_transfer if self.candidate.mode == "disagg" else None,
             "workers": self.candidate.workers,
             "serve_args": self.candidate.serve_args(),
             "predicted": {
@@ -77,7 +78,9 @@ def score(
 ) -> Scored:
     """One candidate through the simulator."""
     sim_mode = "disagg" if cand.mode == "disagg" else "colocated"
-    cfg = cp.sim_config(sim_mode, cand.chunk, cand.prefill, cand.decode, max_num_seqs, setup.link)
+    cfg = cp.sim_config(
+        sim_mode, cand.chunk, cand.prefill, cand.decode, max_num_seqs, setup.link, kv_transfer=cand.kv_transfer
+    )
     pred = cp.predict(cand.label, cfg, setup, specs, slos.ttft_ms, slos.tpot_ms)
     m = pred.metrics
     done = [r for r in pred.records if r.ok]
