@@ -154,6 +154,10 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _setup(args: argparse.Namespace) -> cp.PredictionSetup:
+    for flag in ("max_num_seqs", "slo_ttft_ms", "slo_tpot_ms", "slo_stall_ms"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise CliError(f"--{flag.replace('_', '-')} must be > 0")
     if bool(args.calibration) == bool(args.gpu):
         raise CliError("give one device model: --calibration FILE or --gpu NAME")
     if args.link is not None and args.link not in cm.LINKS:

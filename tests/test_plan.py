@@ -117,8 +117,11 @@ def test_datasheet_planning_for_the_articles_setting(capsys):
         (["--gpu", "tpu-v9"], "--gpu tpu-v9: unknown"),
         (["--calibration", "/nonexistent.json"], "no such file"),
         (["--gpu", "h100", "--num-requests", "5"], "--num-requests does not apply to --workload article"),
-        (["--gpu", "h100", "--workers", "0"], "--workers must be >= 1"),
+        (["--gpu", "h100", "--workers", "0"], "--workers must be 1-64"),
         (["--gpu", "h100", "--link", "carrier-pigeon"], "--link carrier-pigeon: unknown"),
+        (["--gpu", "h100", "--max-num-seqs", "0"], "--max-num-seqs must be > 0"),
+        (["--gpu", "h100", "--slo-stall-ms", "-5"], "--slo-stall-ms must be > 0"),
+        (["--gpu", "h100", "--chunk-sizes", "64,big"], "--chunk-sizes/--workers"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(extra, message, capsys):

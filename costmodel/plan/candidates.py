@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 DEFAULT_CHUNKS = (64, 128, 256, 512, 1024, 2048)
+# the splits grow as the square of the budget: 64 workers is ~4,400 candidates, minutes of simulation
+MAX_BUDGET = 64
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,8 @@ def enumerate_candidates(budget: int, chunks: Sequence[int], longest_prompt: int
     shorter than the longest prompt (a chunk no prompt fills is the whole prompt again); every
     xPyD split with x, y >= 1, its KV pulled whole or streamed layer by layer. Smaller deployments
     compete too: ranked by goodput per worker, the fewest workers that meet the SLOs win."""
-    if budget < 1:
-        raise ValueError("--workers must be >= 1")
+    if not 1 <= budget <= MAX_BUDGET:
+        raise ValueError(f"--workers must be 1-{MAX_BUDGET}")
     useful = [c for c in sorted(set(chunks)) if 0 < c < longest_prompt]
     out = []
     for n in range(1, budget + 1):
