@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 CASES: dict[tuple[str, ...], list[str]] = {
     ("cost",): ["--config", "llama-3.1-70b"],
     ("simulate",): ["--duration", "6", "--warmup", "1", "--doc-rate", "0.5", "--no-png", "--out-dir", "{tmp}"],
+    ("plan",): ["--gpu", "h100", "--model", "llama-3.1-70b", "--workers", "2"],
     ("generate",): ["--model", "tiny", "--prompt-ids", "1,2,3", "--max-tokens", "4", "--temperature", "0"],
     ("model", "list"): [],
     ("bench", "transfer"): [
