@@ -65,6 +65,7 @@ def test_chunked_prefill_logits_equal_whole_prompt(kv, fp8_runner, fp32_runner):
         assert got.argmax().item() == whole.argmax().item()
 
 
+@pytest.mark.slow  # bf16 GEMM layouts for every shape: ~5 s, out of the inner loop
 @pytest.mark.skipif(not torch_compat.bf16_gemm_works(), reason="no bf16 oneDNN GEMM on this CPU")
 def test_chunked_prefill_with_bf16_gemms_stays_within_bf16_rounding():
     """`--cpu-gemm bf16` (the default on CPUs with native bf16): a GEMM row is the same bits in any

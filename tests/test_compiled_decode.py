@@ -29,6 +29,7 @@ def _greedy(runner: ModelRunner, prompts: list[list[int]], n: int) -> list[list[
     return run_to_completion(engine, seqs)
 
 
+@pytest.mark.slow  # torch.compile builds two graphs: ~8 s, out of the inner loop
 def test_compiled_decode_equals_eager_with_two_graphs():
     cfg = PRESETS["tiny"]
     runner = ModelRunner(cfg, CacheConfig(block_size=16, num_blocks=64, kv_dtype="fp8"), "fp8", seed=3)
