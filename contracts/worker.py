@@ -71,9 +71,10 @@ class WorkerStats:
     blocks_free: int  # free or cached: what an allocation can take now
     steps: int = 0
     # the last steps this worker ran, oldest first: (step number, prefill tokens, attention pairs,
-    # decode sequences, seconds, end as unix s); the router refines its step-cost fit from them
-    # and, from the ends, sees which steps ran while the other pool's did (--mode auto)
-    recent_steps: list[tuple[int, int, int, int, float, float]] = field(default_factory=list)
+    # decode sequences, seconds, end as unix s, intra-op threads it ran with); the router refines
+    # its step-cost fit from them and, from the ends, sees which steps ran while the other pool's
+    # did (--mode auto)
+    recent_steps: list[tuple[int, int, int, int, float, float, int]] = field(default_factory=list)
     blocks_cached: int = 0  # unreferenced blocks kept by the prefix cache (evicted LRU)
     preemptions: int = 0  # sequences preempted by recompute so far (cumulative)
     prefix_hit_blocks: int = 0  # full blocks found in the prefix cache (cumulative)
@@ -83,6 +84,7 @@ class WorkerStats:
     cuda_reserved_bytes: int = 0  # CUDA workers: torch's caching allocator, reserved from the driver
     cuda_allocated_bytes: int = 0  # ... and in use by tensors (both 0 on CPU)
     torch_threads: int = 0  # intra-op threads its engine steps run with (0: not reported)
+    prompt_threads: int = 0  # ... and its steps that carry a prompt (WorkerConfig.prompt_threads; 0: not reported)
     cpu_gemm: str = ""  # the dtype its CPU GEMMs multiply in ("fp32", "bf16"; "" on CUDA or not reported)
     compiled_graphs: int = 0  # decode-step graphs torch.compile built in this worker (--compile; 0: eager)
 
@@ -99,13 +101,14 @@ class WorkerStats:
     def step_log(self) -> dict:
         """The recent steps as named fields (the JSON of `GET /v1/workers/steps`). Each step names
         the threads it ran with, so a fit made from a log knows what it measured."""
-        keys = ("step", "prefill_tokens", "attention_pairs", "decode_seqs", "seconds", "end_unix_s")
-        threads = {"torch_threads": self.torch_threads, "cpu_gemm": self.cpu_gemm}
+        keys = ("step", "prefill_tokens", "attention_pairs", "decode_seqs", "seconds", "end_unix_s", "torch_threads")
         return {
             "worker": self.name,
             "role": self.role,
-            **threads,
-            "steps": [{**dict(zip(keys, s)), **threads} for s in self.recent_steps],
+            "torch_threads": self.torch_threads,
+            "prompt_threads": self.prompt_threads or self.torch_threads,
+            "cpu_gemm": self.cpu_gemm,
+            "steps": [{**dict(zip(keys, s)), "cpu_gemm": self.cpu_gemm} for s in self.recent_steps],
         }
 
 
@@ -152,6 +155,11 @@ class WorkerConfig:
     # None leaves torch's own default (OMP_NUM_THREADS, or Ray's num_cpus). `pdserve serve` always
     # sets it: --threads-per-worker, or its auto rule (router/workers/threads.py)
     torch_threads: int | None = None
+    # intra-op threads of a step that carries a prompt of some length (None: as torch_threads;
+    # engine/runner/model_runner.py PROMPT_STEP_TOKENS). A colocated worker's prompt steps can take
+    # the core left to the router: no token streams while a whole prompt runs
+    # (router/workers/threads.py has the rule)
+    prompt_threads: int | None = None
 
 
 class WorkerError(RuntimeError):

@@ -50,6 +50,7 @@ class EngineSettings(Protocol):
     gemm_row_buckets: int  # CPU oneDNN GEMM row counts per power of two (0 = off; engine/model/linear.py)
     cpu_gemm: str  # CPU GEMM dtype: auto, fp32 or bf16 (engine/model/linear.py)
     compile: str  # CPU decode step: off, default or max-autotune (engine/runner/compiled_decode.py)
+    prompt_threads: int | None  # CPU: intra-op threads of steps carrying a prompt (None: the worker's)
 
 
 def build_engine(cfg: EngineSettings, prefill_only: bool) -> LLMEngine:
@@ -67,6 +68,7 @@ def build_engine(cfg: EngineSettings, prefill_only: bool) -> LLMEngine:
         row_buckets=RowBuckets(cfg.gemm_row_buckets),
         cpu_gemm=cfg.cpu_gemm,
     )
+    runner.prompt_threads = cfg.prompt_threads
     # before the worker reports ready: a fresh server's first request costs what its tenth does
     warm_s = runner.warm_up()
     log.info("%s: warm-up %.2f s (CPU GEMMs %s)", cfg.model, warm_s, runner.model.cpu_gemm)
@@ -186,8 +188,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
         self._exited = False  # set by the loop thread once it will never read the inbox again
         self.steps = 0  # forward passes run
-        # (step number, prefill tokens, attention pairs, decode sequences, seconds) of recent steps
-        self.step_log: deque[tuple[int, int, int, int, float, float]] = deque(maxlen=STEP_LOG_KEPT)
+        # (step number, prefill tokens, attention pairs, decode sequences, seconds, end, threads) of recent steps
+        self.step_log: deque[tuple[int, int, int, int, float, float, int]] = deque(maxlen=STEP_LOG_KEPT)
         self.fatal: BaseException | None = None
         self.heap = HeapTrimmer(enabled=os.environ.get("PDSERVE_HEAP_TRIM", "1") != "0")
 
@@ -303,6 +305,7 @@ class EngineLoop:
             steps=self.steps,
             recent_steps=list(self.step_log),
             torch_threads=self.torch_threads,
+            prompt_threads=self.engine.runner.prompt_threads or self.torch_threads,
             cpu_gemm=cpu_gemm_of(e),
             compiled_graphs=compiled_graphs_of(e),
             **kv_figures(e),
@@ -314,7 +317,7 @@ class EngineLoop:
         st = engine.last_step
         if st is not None:
             shape = (st.prefill_tokens, st.attention_pairs, st.decode_tokens)
-            self.step_log.append((self.steps + 1, *shape, st.seconds, time.time()))
+            self.step_log.append((self.steps + 1, *shape, st.seconds, time.time(), st.threads or self.torch_threads))
 
     def drain_cache_events(self) -> tuple[list[tuple[bool, int]], list[int] | None]:
         """(prefix-cache events since the last call, every cached hash if events were lost)."""

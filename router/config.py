@@ -149,6 +149,18 @@ class ServeConfig:
             as_text=True,
         ),
     )
+    prompt_threads: int | None = field(
+        default=None,
+        metadata=cli_flag(
+            "pools",
+            "intra-op torch threads of a worker's steps that carry 64 or more prompt tokens; auto (the "
+            "default): colocated without --chunk-size on this host, the workers' threads plus the core left "
+            "to the router (no token streams while a whole prompt runs: 2 on a 2-core machine); otherwise "
+            "as --threads-per-worker",
+            metavar="N|auto",
+            as_text=True,
+        ),
+    )
     rss_growth_warn_mb: float = field(
         default=512.0,
         metadata=cli_flag(
@@ -335,6 +347,8 @@ class ServeConfig:
             raise bad("--rss-warmup-steps", "must be >= 0")
         if self.threads_per_worker is not None and self.threads_per_worker < 1:
             raise bad("--threads-per-worker", "must be >= 1 (or auto)")
+        if self.prompt_threads is not None and self.prompt_threads < 1:
+            raise bad("--prompt-threads", "must be >= 1 (or auto)")
         if self.gemm_row_buckets < 0:
             raise bad("--gemm-row-buckets", "must be >= 0 (0 = off)")
         if self.compile != "off" and (
@@ -407,6 +421,7 @@ class ServeConfig:
             cpu_gemm=self.cpu_gemm,
             compile=self.compile,
             torch_threads=self.threads_per_worker,  # None (auto) until router/launch.py resolves it
+            prompt_threads=self.prompt_threads,  # likewise
             lease_s=self.lease_s,
             transport=self.transport,
             transfer_timeout_s=self.transfer_timeout_s,
@@ -455,6 +470,7 @@ _OPTIONAL = {
     "calibration",
     "otlp_endpoint",
     "threads_per_worker",
+    "prompt_threads",
 }
 
 
@@ -467,7 +483,7 @@ def _check_types(cfg: ServeConfig) -> None:
         default = f.default
         if f.name in ("prefill_resources", "decode_resources"):
             ok, want = isinstance(v, (dict, list)), "a mapping (or a list of mappings, one per worker)"
-        elif f.name == "threads_per_worker":  # a number or the word auto (CLI text, YAML either)
+        elif f.name in ("threads_per_worker", "prompt_threads"):  # a number or the word auto (CLI text, YAML either)
             try:
                 setattr(cfg, f.name, parse_threads(v))
                 ok, want = True, ""

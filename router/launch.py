@@ -32,7 +32,7 @@ from router.workers.handle import WorkerHandle
 from router.workers.host import load_worker_class, ray_actor_class
 from router.workers.ray_cluster import connect_ray, start_local_ray
 from router.workers.rss_watch import RSS_WARMUP_STEPS, RssWatch
-from router.workers.threads import ThreadChoice, choose_threads, ray_nodes
+from router.workers.threads import ThreadChoice, choose_prompt_threads, choose_threads, ray_nodes
 
 log = logging.getLogger("pdserve.launch")
 # where `pdserve bench chunks --out-dir benchmarks/results` leaves committed calibrations (not
@@ -170,12 +170,15 @@ def init_ray(address: str | None, cpus_needed: int) -> bool:
     return True
 
 
-def pool_specs(cfg: Any, threads: int | None = None) -> list[PoolSpec]:
+def pool_specs(cfg: Any, threads: int | None = None, prompt_threads: int | None = None) -> list[PoolSpec]:
     """PoolSpecs from a router.config.ServeConfig; `threads`: each worker's intra-op threads (None:
-    as the config says, --threads-per-worker or torch's default)."""
+    as the config says, --threads-per-worker or torch's default), `prompt_threads` its prompt
+    steps' (None: as the config says)."""
     wc = cfg.worker_config()
     if threads is not None:
         wc = with_fields(wc, torch_threads=threads)
+    if prompt_threads is not None:
+        wc = with_fields(wc, prompt_threads=prompt_threads)
     if cfg.mode == "colocated":
         return [PoolSpec("colocated", cfg.decode, wc, cfg.gpus_per_worker, cfg.resources_per_worker("decode"))]
     dc = wc
@@ -238,9 +241,18 @@ def rss_watch(cfg: Any) -> RssWatch | None:
     return RssWatch(bound, getattr(cfg, "rss_warmup_steps", RSS_WARMUP_STEPS)) if bound else None
 
 
-def _log_threads(choice: ThreadChoice) -> int:
-    log.info("workers: %d intra-op torch threads each (%s)", choice.threads, choice.why)
-    return choice.threads
+def _log_threads(cfg: Any, choice: ThreadChoice, workers: int) -> tuple[int, int]:
+    """(threads, prompt-step threads) of each worker, logged."""
+    whole_colocated = cfg.mode == "colocated" and cfg.chunk_size is None
+    prompt = choose_prompt_threads(getattr(cfg, "prompt_threads", None), choice, workers, whole_colocated)
+    log.info(
+        "workers: %d intra-op torch threads each (%s); prompt steps %d (%s)",
+        choice.threads,
+        choice.why,
+        prompt.threads,
+        prompt.why,
+    )
+    return choice.threads, prompt.threads
 
 
 async def build_orchestrator(cfg: Any) -> Orchestrator:
@@ -252,7 +264,7 @@ async def build_orchestrator(cfg: Any) -> Orchestrator:
     dispatcher = build_dispatcher(cfg, cfg.model)  # before any worker starts: a bad calibration fails fast
     handles: dict[str, list[WorkerHandle]] = {}
     if cfg.ray_address == "none":
-        specs = pool_specs(cfg, _log_threads(choose_threads(asked, workers)))
+        specs = pool_specs(cfg, *_log_threads(cfg, choose_threads(asked, workers), workers))
         loop = asyncio.get_running_loop()
         for s in specs:
             cls = load_worker_class(s.role)  # in-process workers: this process runs the engine
@@ -284,7 +296,7 @@ async def build_orchestrator(cfg: Any) -> Orchestrator:
         else:  # the embedded cluster, sized for the threads chosen
             choice = choose_threads(asked, workers)
             started = init_ray(None, choice.threads * workers + 1)
-        specs = pool_specs(cfg, _log_threads(choice))
+        specs = pool_specs(cfg, *_log_threads(cfg, choice, workers))
         pools = RayPools(specs)
         try:
             await pools.wait_ready()

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from contracts.worker import GenerateRequest, WorkerConfig, WorkerError
 from engine.sequence import SamplingParams
 from router.config import ConfigError, ServeConfig
 from router.workers.host import CALLS_IN_FLIGHT, METHOD_GROUPS, WorkerHost, concurrency_groups
-from router.workers.threads import auto_threads, choose_threads, parse_threads
+from router.workers.threads import auto_threads, choose_prompt_threads, choose_threads, parse_threads
 
 THREADS_BOUND = 100  # a worker process held ~535 threads with max_concurrency=512; ~50-80 now
 
@@ -60,6 +61,22 @@ def test_a_cluster_on_this_host_counts_the_machine_not_what_its_nodes_advertise(
     assert choice.threads == 4 and "per Ray node" in choice.why  # 8 CPUs / ceil(4 workers / 2 nodes)
 
 
+def test_prompt_steps_borrow_the_routers_core_only_for_whole_prompts_colocated_here():
+    local2 = choose_threads(None, 1, cores=2, env={})
+    assert choose_prompt_threads(None, local2, 1, whole_colocated=True).threads == 2
+    assert choose_prompt_threads(None, local2, 1, whole_colocated=False).threads == 1  # chunked or disaggregated
+    local8 = choose_threads(None, 1, cores=8, env={})
+    assert choose_prompt_threads(None, local8, 1, whole_colocated=True).threads == 8
+    two = choose_threads(None, 2, cores=2, env={})  # 2 colocated workers: 1 router core, not a whole one each
+    assert choose_prompt_threads(None, two, 2, whole_colocated=True).threads == 1
+    env = choose_threads(None, 1, cores=2, env={"OMP_NUM_THREADS": "1"})  # an explicit count is kept
+    assert choose_prompt_threads(None, env, 1, whole_colocated=True).threads == 1
+    remote = choose_threads(None, 1, cores=2, nodes=[("10.0.0.2", 16.0)], here=["10.0.0.9"], env={})
+    assert choose_prompt_threads(None, remote, 1, whole_colocated=True).threads == 16  # all its node's already
+    asked = choose_prompt_threads(3, local2, 1, whole_colocated=False)
+    assert (asked.threads, asked.why) == (3, "--prompt-threads")
+
+
 # ---- the flag and the YAML key -----------------------------------------------------------------
 def _serve(argv: list[str]) -> ServeConfig:
     from cli import build_parser
@@ -75,16 +92,19 @@ def test_the_flag_takes_a_count_or_auto_and_reaches_the_workers():
     cfg = _serve(["--threads-per-worker", "3"])
     assert cfg.threads_per_worker == 3 and cfg.worker_config().torch_threads == 3
     assert ServeConfig().worker_config().torch_threads is None  # auto: resolved by the launcher
+    assert _serve(["--prompt-threads", "2"]).worker_config().prompt_threads == 2
+    assert _serve(["--prompt-threads", "auto"]).prompt_threads is None
 
 
+@pytest.mark.parametrize("flag", ["--threads-per-worker", "--prompt-threads"])
 @pytest.mark.parametrize(
     ("value", "message"), [("0", "must be >= 1"), ("-2", "must be >= 1"), ("two", "whole number of threads or auto")]
 )
-def test_a_bad_flag_is_one_line_naming_it(value, message):
+def test_a_bad_flag_is_one_line_naming_it(flag, value, message):
     from cli import CliError
 
-    with pytest.raises(CliError, match=f"--threads-per-worker.*{message}") as e:
-        _serve(["--threads-per-worker", value])
+    with pytest.raises(CliError, match=f"{flag}.*{message}") as e:
+        _serve([flag, value])
     assert "\n" not in str(e.value)
 
 
@@ -111,6 +131,7 @@ def test_help_explains_it():
     add_arguments(p)
     text = " ".join(p.format_help().split())
     assert "--threads-per-worker N|auto" in text and "intra-op torch threads" in text and "OMP_NUM_THREADS" in text
+    assert "--prompt-threads N|auto" in text and "no token streams while a whole prompt runs" in text
 
 
 # ---- the launcher's CPUs and the actor's concurrency groups ------------------------------------
@@ -207,6 +228,28 @@ def test_an_in_process_worker_sets_and_reports_its_threads():
         log = s.step_log()
         assert s.torch_threads == 1 and log["torch_threads"] == 1
         assert log["steps"] and all(step["torch_threads"] == 1 for step in log["steps"])
+    finally:
+        w.shutdown()
+
+
+def test_prompt_steps_run_on_the_prompt_threads_and_the_step_log_says_so():
+    """A prefill worker with 1 thread and 2 for prompt steps: a 64-token prompt's step runs on 2,
+    a short one's on 1, and each step in the log names its own count; the loop thread's count is
+    put back after the step."""
+    from prefill_worker.worker import PrefillWorker
+
+    cfg = WorkerConfig(model="tiny", transport="local", num_blocks=64, torch_threads=1, prompt_threads=2)
+    w = PrefillWorker(cfg, "wt-prompt")
+    try:
+        for prompt in (list(range(1, 81)), list(b"short one")):
+            r = w.prefill(GenerateRequest(f"r{next(_names)}", prompt, SamplingParams(max_tokens=2)))
+            w.release(r.request_id)
+        s = w.stats()
+        log = s.step_log()
+        assert (s.torch_threads, s.prompt_threads) == (1, 2) and log["prompt_threads"] == 2
+        by_len = {step["prefill_tokens"]: step["torch_threads"] for step in log["steps"]}
+        assert by_len == {80: 2, 9: 1}
+        assert w.call(torch.get_num_threads) == 1
     finally:
         w.shutdown()
 

@@ -73,6 +73,7 @@ class StepStats:
     forward_s: float = 0.0  # the model (on CUDA: until its results are ready, see `sync`)
     sample_s: float = 0.0  # sampling on the device and the ids' trip to the host
     output_s: float = 0.0  # appending tokens, stop checks, leaving rows, events
+    threads: int = 0  # CPU intra-op threads the forward ran with (ModelRunner.prompt_threads)
 
     @property
     def host_s(self) -> float:
@@ -247,7 +248,15 @@ class LLMEngine:
         if inputs is not None:
             pairs += int(inputs.context_lens.sum())
         self.last_step = StepStats(
-            work.prefill_tokens, len(work.decode), t4 - t0, pairs, t1 - t0, t2 - t1, t3 - t2, t4 - t3
+            work.prefill_tokens,
+            len(work.decode),
+            t4 - t0,
+            pairs,
+            t1 - t0,
+            t2 - t1,
+            t3 - t2,
+            t4 - t3,
+            threads=self.runner.last_threads,
         )
         return events
 

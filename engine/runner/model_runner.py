@@ -33,6 +33,12 @@ from engine.model.llama import LlamaModel
 from engine.runner.input_batch import DecodeInputs
 from engine.runner.sampler import Sampler
 
+# A step with at least this many prompt tokens runs with `ModelRunner.prompt_threads`: its GEMMs
+# are long enough that a second thread pays (SmolLM2, 2,048 prompt tokens on the 2-core dev VM:
+# 1,049 us a token on 2 threads against 1,910 on 1), while a decode step's many short parallel
+# regions stall whenever another process takes one of their cores (router/workers/threads.py)
+PROMPT_STEP_TOKENS = 64
+
 
 @dataclass
 class StepItem:
@@ -83,6 +89,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # decode-only steps replay these when set
         self.graph_steps = 0  # decode steps that replayed a graph (tests and stats)
         self.last_all_logits: dict[int, torch.Tensor] = {}  # execute(): item index with all_logits -> [n, vocab]
+        # CPU: intra-op threads for steps with PROMPT_STEP_TOKENS prompt tokens or more (None: the
+        # thread's own count); last_threads: what the last execute() ran with
+        self.prompt_threads: int | None = None
+        self.last_threads = torch.get_num_threads()
 
     # ---- inputs ------------------------------------------------------------------------------
     def _prefill_inputs(self, items: list[StepItem]) -> DecodeInputs:
@@ -159,7 +169,7 @@ class ModelRunner:
             return self.graphs.replay_step(
                 DecodeInputs(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.context_lens_t)
             )
-        hidden = self.model(input_ids, positions, self.backend, self.cache, meta, on_layer)  # [T, hidden]
+        hidden = self._forward_with_threads(input_ids, positions, meta, on_layer, sum(meta.query_lens) - n_dec)
         self.last_all_logits = {}
         if items:
             want = [True] * n_dec + [it.want_logits for it in items]
@@ -172,6 +182,29 @@ class ModelRunner:
             hidden = hidden[last[torch.tensor(want, device=self.device)]]
         return self.model.compute_logits(hidden)
 
+    def _forward_with_threads(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        on_layer: Callable[[int], None] | None,
+        prompt_tokens: int,
+    ) -> torch.Tensor:
+        """The model's forward [T, hidden], on `prompt_threads` intra-op threads when the step
+        carries enough prompt tokens (OpenMP's count is per calling thread: the loop thread's is
+        set for the step and put back after it)."""
+        own = torch.get_num_threads()
+        want = self.prompt_threads if prompt_tokens >= PROMPT_STEP_TOKENS and self.device.type == "cpu" else None
+        if not want or want == own:
+            self.last_threads = own
+            return self.model(input_ids, positions, self.backend, self.cache, meta, on_layer)
+        torch.set_num_threads(want)
+        try:
+            self.last_threads = want
+            return self.model(input_ids, positions, self.backend, self.cache, meta, on_layer)
+        finally:
+            torch.set_num_threads(own)
+
     @torch.inference_mode()
     def warm_up(self, prompt_tokens: int = 64, decode_rows: tuple[int, ...] = (1, 2, 8)) -> float:
         """Run the shapes a first request meets before any request does; returns the seconds spent.
@@ -181,7 +214,7 @@ class ModelRunner:
         server's first request paid 1-2 s more than its tenth (issue 40). Here one prefill and a
         decode step per batch in `decode_rows` run into the pool's first blocks, and on CPU every
         GEMM row bucket once (`LlamaModel.warm_gemm_shapes`: oneDNN's caches full from the start,
-        so worker memory stays flat under traffic of ever new lengths). Nothing is
+        so worker memory stays flat under traffic of ever new lengths), at `prompt_threads` too. Nothing is
         allocated from the block manager: those blocks are free, and what is written there is
         overwritten by whoever is given them (a block's contents are never read before written)."""
         t0 = time.perf_counter()
@@ -203,6 +236,13 @@ class ModelRunner:
             self.execute(dec, [])
         if self.device.type == "cpu":  # every GEMM row bucket, not only those the steps above met
             self.model.warm_gemm_shapes(row_buckets())
+            own = torch.get_num_threads()
+            if self.prompt_threads and self.prompt_threads != own:  # oneDNN keeps a kernel per thread count too
+                torch.set_num_threads(self.prompt_threads)
+                try:
+                    self.model.warm_gemm_shapes(row_buckets())
+                finally:
+                    torch.set_num_threads(own)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0

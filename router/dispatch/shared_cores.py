@@ -65,7 +65,7 @@ class SharedCores:
         for s in stats:
             role = "prefill" if s.role == "prefill" else "decode"
             pool, last = self.pools[role], self._seen.get(s.name, 0)
-            for n, ptok, pairs, dseqs, secs, end in s.recent_steps:
+            for n, ptok, pairs, dseqs, secs, end, *_ in s.recent_steps:
                 if n > last:
                     step = _Step(end - secs, end, StepShape(ptok, float(pairs), dseqs), secs)
                     pool.pending.append(step)

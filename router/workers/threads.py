@@ -24,6 +24,15 @@ floor(cores / workers), at least one. The host's cores are:
 An OMP_NUM_THREADS in the server's environment is an explicit choice and wins over `auto` (the
 test suite sets 1: tiny models on shared cores run far faster on one thread). An explicit
 `--threads-per-worker N` wins over both.
+
+Prompt steps (`--prompt-threads`, a step carrying at least 64 prompt tokens) may take more: under
+`auto`, a colocated server that prefills whole prompts gives its workers' prompt steps the core
+left to the router too, because while such a step runs no token streams (every running sequence
+waits for it) and the router has nothing to do. Its many-row GEMMs are long enough to pay for a
+second thread (SmolLM2, 2,048 prompt tokens, in one process on the 2-core dev VM: 1,049 us a token
+on 2 threads against 1,910 on 1), which decode steps, many short parallel regions a step, are not.
+Chunked prefill streams tokens at every step and disaggregated prefill workers share the host with
+decode workers, so there prompt steps keep the worker's count.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 class ThreadChoice:
     threads: int
     why: str  # one phrase for the start-up log
+    router_cores: int = 0  # cores `auto` left to the router on this host (what prompt steps may borrow)
 
 
 def auto_threads(cores: int, workers: int) -> int:
@@ -86,7 +96,25 @@ def choose_threads(
     return ThreadChoice(
         auto_threads(usable, workers),
         f"auto: {local} cores, {ROUTER_CORES} left to the router, / {workers} workers on this host",
+        router_cores=local - usable,
     )
+
+
+def choose_prompt_threads(
+    requested: int | None, workers: ThreadChoice, n_workers: int, whole_colocated: bool
+) -> ThreadChoice:
+    """Threads of a worker's prompt steps (module docstring: why). `requested`: --prompt-threads
+    (None = auto); `workers`: the workers' own choice; `whole_colocated`: a colocated server
+    without --chunk-size."""
+    if requested is not None:
+        return ThreadChoice(requested, "--prompt-threads")
+    if whole_colocated and workers.router_cores:
+        extra = workers.router_cores // max(1, n_workers)
+        if extra:
+            return ThreadChoice(
+                workers.threads + extra, f"auto: whole prompts colocated also take the router's {extra} core(s)"
+            )
+    return ThreadChoice(workers.threads, "auto: as the worker's")
 
 
 def ray_nodes(ray: Any) -> tuple[list[tuple[str, float]], list[str]]:
