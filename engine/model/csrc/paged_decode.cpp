@@ -66,24 +66,6 @@ inline void widen_fp8(const uint8_t* src, float* dst, int64_t n) {  // n: a mult
   for (int64_t d = 0; d < n; d += 16) _mm512_storeu_ps(dst + d, widen16(src + d));
 }
 
-// lane t of the result = the sum of v[t]'s 16 lanes
-inline __m512 sum16(__m512 v[16]) {
-  __m512 z[8], w[4], u[2];
-  for (int i = 0; i < 8; ++i)  // halves: z[i] = v[2i]'s 8 partial sums, then v[2i+1]'s
-    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)  // quarters: w[i] quarter k = 4 partial sums of v[4i + k]
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)  // u[i] quarter k: 2 sums of v[8i + k], then 2 of v[8i + 4 + k]
-    u[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44),
-                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
-  // quarter k: the sums of v[k], v[4 + k], v[8 + k], v[12 + k]; lane 4k + j holds v[4j + k]'s
-  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, r);
-}
-
 // s[t] = (q . k_t) * scale[t] for the block's m <= 16 tokens; k_t = tile + t * ld, DC chunks of 16
 template <int DC>
 inline void block_scores(const float* q, const float* tile, int64_t ld, int64_t m, const float* scale, float* s) {
@@ -95,7 +77,7 @@ inline void block_scores(const float* q, const float* tile, int64_t ld, int64_t 
       for (int c = 0; c < DC; ++c) acc[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(tile + t * ld + 16 * c), acc[t]);
   }
   const __mmask16 keep = static_cast<__mmask16>((1u << m) - 1u);
-  _mm512_mask_storeu_ps(s, keep, _mm512_mul_ps(sum16(acc), _mm512_maskz_loadu_ps(keep, scale)));
+  _mm512_mask_storeu_ps(s, keep, _mm512_mul_ps(pdserve::sum16(acc), _mm512_maskz_loadu_ps(keep, scale)));
 }
 
 // a += sum_t w[t] * v_t for the block's m tokens; v_t = tile + t * ld, DC chunks of 16
