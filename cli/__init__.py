@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cost": ("costmodel.cost_cli", "the article's arithmetic: decode/prefill/chunk/capacity/link tables"),
     "model": ("engine.model_cli", "real models: pull (fetch + verify + convert), path, list"),
     "simulate": ("costmodel.simulate", "discrete-event simulation of colocated vs disaggregated serving"),
-    "plan": ("costmodel.plan_cli", "the deployment to run for a workload and its SLOs, ranked by simulation"),
+    "plan": ("benchmarks.plan_verify", "the deployment to run for a workload and its SLOs, ranked by simulation"),
     "cluster": ("cluster.cluster_cli", "rehearse a multi-node cluster in network namespaces (root): up/down/exec/kill"),
 }
 

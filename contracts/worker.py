@@ -148,7 +148,8 @@ class WorkerConfig:
     gemm_row_buckets: int = 4
     # CPU: the dtype GEMMs multiply in: auto, fp32 or bf16 (engine/model/linear.py resolve_host_gemm)
     cpu_gemm: str = "fp32"
-    # CPU: the decode step compiled by torch.compile at start: off, default or max-autotune
+    # CPU: the decode step compiled by torch.compile at start: off, default or max-autotune; auto
+    # (serve's default): default for a checkpoint where it applies, else eager
     # (engine/runner/compiled_decode.py)
     compile: str = "off"
     # intra-op torch threads (torch.set_num_threads at worker start, before the engine is built);

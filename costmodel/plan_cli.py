@@ -4,7 +4,8 @@ Every deployment a worker budget allows (costmodel/plan/candidates.py) is simula
 model: a calibration file (`bench chunks`, `bench probe` of any server, or a `bench compare`
 self-calibration) or a GPU datasheet (`--gpu`, predicted only), and ranked by goodput per worker
 under the SLOs (costmodel/plan/score.py). It prints one table, the winner's `pdserve serve`
-command and why it wins. Nothing is measured: `bench compare` measures the candidates it names.
+command and why it wins. Nothing here is measured: `--verify K` (benchmarks/plan_verify.py, the
+command's entry point, which adds the flag) deploys the top candidates and measures them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +104,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
 
 
-def main(args: argparse.Namespace) -> int:
+@dataclass
+class Plan:
+    """What `pdserve plan` decided, for printing and for `--verify` (benchmarks/plan_verify.py)."""
+
+    doc: dict[str, Any]  # the --json document
+    ranked: list[Scored]  # best first
+    specs: list[RequestSpec]  # the workload's requests
+    slos: Slos
+    setup: cp.PredictionSetup
+    command: list[str]  # the winner's `pdserve serve`
+    why: str
+    note: str | None
+    elapsed_s: float
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    """Every candidate simulated, ranked and explained (raises CliError on bad flags)."""
     t0 = time.perf_counter()
     setup = _setup(args)
     specs, note = _requests(args)
@@ -139,17 +157,26 @@ def main(args: argparse.Namespace) -> int:
         "why": why,
         "seconds": elapsed,
     }
-    if args.json:
-        emit_json(doc)
-        return 0
-    print(format_table(ranked))
-    print(f"\nplan: {winner.candidate.label}\n  {' '.join(command)}\n  {why}")
-    if note:
-        print(f"  note: {note}")
+    return Plan(doc, ranked, specs, slos, setup, command, why, note, elapsed)
+
+
+def print_plan(plan: Plan) -> None:
+    print(format_table(plan.ranked))
+    print(f"\nplan: {plan.ranked[0].candidate.label}\n  {' '.join(plan.command)}\n  {plan.why}")
+    if plan.note:
+        print(f"  note: {plan.note}")
     print(
-        f"\n{len(ranked)} candidates simulated in {elapsed:.1f} s on {setup.source}. Every figure is predicted by the "
-        "simulator, none measured: `pdserve bench compare` measures the deployments it names."
+        f"\n{len(plan.ranked)} candidates simulated in {plan.elapsed_s:.1f} s on {plan.setup.source}. Every figure is "
+        "predicted by the simulator, none measured: `--verify K` deploys the top K on this machine."
     )
+
+
+def main(args: argparse.Namespace) -> int:
+    plan = make_plan(args)
+    if args.json:
+        emit_json(plan.doc)
+    else:
+        print_plan(plan)
     return 0
 
 

@@ -49,7 +49,7 @@ class EngineSettings(Protocol):
     enforce_eager: bool  # CUDA: never replay decode graphs (every step eager)
     gemm_row_buckets: int  # CPU oneDNN GEMM row counts per power of two (0 = off; engine/model/linear.py)
     cpu_gemm: str  # CPU GEMM dtype: auto, fp32 or bf16 (engine/model/linear.py)
-    compile: str  # CPU decode step: off, default or max-autotune (engine/runner/compiled_decode.py)
+    compile: str  # CPU decode step: auto, off, default or max-autotune (engine/runner/compiled_decode.py)
     prompt_threads: int | None  # CPU: intra-op threads of steps carrying a prompt (None: the worker's)
 
 
@@ -88,10 +88,13 @@ def build_engine(cfg: EngineSettings, prefill_only: bool) -> LLMEngine:
 
         attach_decode_graphs(engine)
     # CPU: the decode step compiled now, before the worker reports ready (a prefill worker never decodes)
-    if runner.device.type == "cpu" and not prefill_only and cfg.compile != "off":
+    # (--compile auto leaves random-weight presets eager: they are for tests and mechanics, whose
+    # ~1 ms steps never repay 10-40 s of compiling)
+    compile_mode = "off" if cfg.compile == "auto" and ckpt is None else cfg.compile
+    if runner.device.type == "cpu" and not prefill_only and compile_mode != "off":
         from engine.runner.compiled_decode import attach_compiled_decode  # noqa: PLC0415 (imports torch's compiler)
 
-        attach_compiled_decode(runner, cfg.compile)
+        attach_compiled_decode(runner, compile_mode)
     return engine
 
 

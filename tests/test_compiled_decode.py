@@ -58,12 +58,14 @@ def test_compiled_decode_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="compile mode"):
         CompiledDecode(fp32_kv, "fast")
     assert attach_compiled_decode(fp32_kv, "off") is None and fp32_kv.graphs is None
+    assert attach_compiled_decode(fp32_kv, "auto") is None and fp32_kv.graphs is None  # auto: eager, said why
 
 
 def test_compile_flag_is_checked():
     from router.config import ConfigError, ServeConfig  # noqa: PLC0415
 
-    assert ServeConfig().worker_config().compile == "off"  # the default: eager
+    assert ServeConfig().worker_config().compile == "auto"  # the default: compiled where it applies
+    ServeConfig(model="tiny", compile="auto", kv_dtype="fp32").validate()  # auto never refuses a config
     assert ServeConfig.build({"compile": "default"}).worker_config().compile == "default"
     for bad in ({"cpu_gemm": "bf16"}, {"kv_dtype": "fp32"}, {"dtype": "fp32"}):
         with pytest.raises(ConfigError, match="--compile"):
@@ -97,3 +99,11 @@ def test_a_served_compiled_step_answers_as_eager(ray_cluster):
                 model="tiny", prompt=p, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
             )
             assert r.model_extra["pdserve"]["timeline"]["token_ids"] == w
+        # an echo with prompt logprobs leaves logits of its prefill behind; the compiled decode steps
+        # after it must not read them as their own (a 500 until the runner cleared them every step)
+        r = client.completions.create(
+            model="tiny", prompt=prompts[1], max_tokens=4, temperature=0, echo=True, logprobs=1
+        )
+        assert len(r.choices[0].logprobs.token_logprobs) == len(prompts[1]) + 4
+        r = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=12, temperature=0)
+        assert r.choices[0].finish_reason in ("length", "stop")

@@ -160,3 +160,31 @@ def test_a_trace_is_planned_as_given_and_its_errors_name_the_line(calibration, t
     assert f"{trace}:2: want {{arrival_s, prompt_tokens, output_tokens}}" in capsys.readouterr().err
     assert cli_main([*argv[:-1], "--rate", "3"]) == 2
     assert "--trace gives the requests" in capsys.readouterr().err
+
+
+# ---- --verify: the top candidates deployed and measured (real Ray, uvicorn, the openai client) ----
+def test_verify_deploys_the_winner_and_the_baseline_and_puts_measured_beside_predicted(
+    ray_cluster, calibration, tmp_path, capsys
+):
+    argv = ["plan", "--calibration", calibration, "--model", "tiny", "--workers", "2", "--workload", "chat"]
+    argv += ["--num-requests", "6", "--rate", "20", "--isl", "32", "--osl", "8", "--slo-ttft-ms", "5000"]
+    argv += ["--verify", "1", "--out-dir", str(tmp_path), "--json"]
+    assert cli_main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)  # one document: progress went to stderr
+    v = doc["verification"]
+    labels = [r["label"] for r in v["rows"]]
+    assert labels[0] == doc["winner"] and len(labels) in (1, 2)
+    assert set(labels[1:]) <= {"colocated x2", "disagg 1P1D"}  # the fixed baseline, unless it won
+    for r in v["rows"]:
+        assert r["error"] is None and r["measured_metrics"]["completed"] == 6
+        m = r["measured"]
+        assert 0.0 <= m["attainment"]["ttft"] <= 1.0 and m["attainment"]["tpot"] is None  # no TPOT SLO asked
+        assert m["goodput_per_worker"] > 0 and r["predicted"]["goodput_per_worker"] > 0
+    assert v["regret"] is not None and 0.0 <= v["regret"] < 1.0 and v["best_measured"] in labels
+    saved = json.loads((tmp_path / "plan-verify-chat.json").read_text())
+    assert saved["provenance"] and saved["verification"]["rows"] == v["rows"]
+
+
+def test_verify_takes_a_small_count(calibration, capsys):
+    assert cli_main(["plan", "--calibration", calibration, "--model", "tiny", "--verify", "20"]) == 2
+    assert "--verify must be 0-8" in capsys.readouterr().err

@@ -22,7 +22,7 @@ from typing import Any
 
 from costmodel.fit.step_fit import StepCostFit
 from costmodel.plan.candidates import Candidate
-from costmodel.serve_metrics import ServeMetrics
+from costmodel.serve_metrics import RequestRecord, ServeMetrics
 from costmodel.sim import compare_predict as cp
 from costmodel.workloads import RequestSpec
 
@@ -82,10 +82,28 @@ def score(
         sim_mode, cand.chunk, cand.prefill, cand.decode, max_num_seqs, setup.link, kv_transfer=cand.kv_transfer
     )
     pred = cp.predict(cand.label, cfg, setup, specs, slos.ttft_ms, slos.tpot_ms)
-    m = pred.metrics
-    done = [r for r in pred.records if r.ok]
+    j = judge(pred.records, pred.metrics, slos, cand.workers)
+    return Scored(cand, pred.metrics, j.attainment, j.meets, j.goodput_per_worker)
+
+
+@dataclass(frozen=True)
+class Judged:
+    """A run's standing against the SLOs, simulated or measured alike."""
+
+    attainment: dict[str, float | None]  # per SLO: the share of requests (documents for stall) within it
+    meets: bool  # the p90 of every SLO given is within it
+    goodput_per_worker: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"attainment": self.attainment, "meets_slos": self.meets, "goodput_per_worker": self.goodput_per_worker}
+
+
+def judge(records: Sequence[RequestRecord], m: ServeMetrics, slos: Slos, workers: int) -> Judged:
+    """Attainment, SLOs met and goodput per worker of one run's records and metrics (the
+    simulator's, or a measured run's: `pdserve plan --verify` judges both with this)."""
+    done = [r for r in records if r.ok]
     att = {
-        "ttft": _share([r.ttft_s * 1e3 for r in done], slos.ttft_ms),
+        "ttft": _share([r.ttft_s * 1e3 for r in done if r.ttft_s is not None], slos.ttft_ms),
         "tpot": _share([r.tpot_s * 1e3 for r in done if r.tpot_s is not None], slos.tpot_ms),
         "stall": _share([d.stall_s * 1e3 for d in m.documents if d.stall_s is not None], slos.stall_ms),
     }
@@ -94,7 +112,7 @@ def score(
         for d, lim in ((m.ttft_ms, slos.ttft_ms), (m.tpot_ms, slos.tpot_ms), (m.stall_ms, slos.stall_ms))
     )
     good = m.goodput if m.goodput is not None else m.request_throughput
-    return Scored(cand, m, att, meets, good / cand.workers)
+    return Judged(att, meets, good / max(1, workers))
 
 
 def _share(values: list[float], limit: float | None) -> float | None:

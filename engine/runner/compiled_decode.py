@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdserve.engine")
 
-COMPILE_MODES = ("off", "default", "max-autotune")
+COMPILE_MODES = ("off", "default", "max-autotune")  # and "auto" for serve (attach_compiled_decode)
 MIN_WIDTH = 2  # block tables are padded to this many columns (a size of 1 would be its own graph)
 
 # handle -> (the bound GEMM, its output features); handles are unique in the process, so several
@@ -236,7 +236,21 @@ class CompiledDecode:
 
 def attach_compiled_decode(runner: ModelRunner, mode: str) -> CompiledDecode | None:
     """`--compile MODE` for a CPU runner: compiled graphs attached and compiled now (None for
-    "off"). Raises ValueError where the step cannot be compiled (unsupported_reason)."""
+    "off"). Raises ValueError where the step cannot be compiled (unsupported_reason).
+
+    "auto" (serve's default for checkpoints; engine/worker_base.py) is "default" where the step
+    compiles here; where it does not, or compiling fails, it runs eager and says why in the log."""
+    if mode == "auto":
+        why = unsupported_reason(runner)
+        if why is not None:
+            log.info("decode step eager (--compile auto: %s)", why)
+            return None
+        try:
+            return attach_compiled_decode(runner, "default")
+        except Exception as e:  # noqa: BLE001 - auto is best effort: the eager step is the same arithmetic
+            log.warning("decode step eager (--compile auto: compiling failed: %s: %s)", type(e).__name__, e)
+            runner.graphs = None
+            return None
     if mode == "off":
         return None
     graphs = CompiledDecode(runner, mode)

@@ -156,6 +156,7 @@ class ModelRunner:
         [rows + items with want_logits, vocab], in that order. `on_layer(i)`: called once layer i
         has written the step's KV (on CUDA: once it is queued; the caller synchronizes)."""
         n_dec = 0 if decode is None else decode.input_ids.shape[0]
+        self.last_all_logits = {}  # this step's, whichever path runs it (a replayed graph makes none)
         if not n_dec and not items:
             return torch.empty(0, self.model_cfg.vocab_size, device=self.device)
         input_ids, positions, meta = self.step_inputs(decode, items)
@@ -170,7 +171,6 @@ class ModelRunner:
                 DecodeInputs(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.context_lens_t)
             )
         hidden = self._forward_with_threads(input_ids, positions, meta, on_layer, sum(meta.query_lens) - n_dec)
-        self.last_all_logits = {}
         if items:
             want = [True] * n_dec + [it.want_logits for it in items]
             last = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1  # last new token of each row

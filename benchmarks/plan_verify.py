@@ -1,0 +1,248 @@
+"""`pdserve plan`, and `--verify K`: the plan's top K candidates (and the best fixed baseline)
+deployed on this machine, the workload run on each, predicted beside measured.
+
+The plan itself is costmodel/plan_cli.py (nothing there is measured); this module is the
+command's entry point because verifying needs servers and a client, which live in this layer.
+
+For each candidate, one at a time: a fresh pdserve server (Ray actors + uvicorn on a free
+loopback port, as `bench compare` starts them), a warm-up pass (the workload's schedule and
+lengths with other token ids, so the timed prompts are not in the prefix cache and no shape is
+met cold), then the timed pass. Measured figures are judged exactly as the plan judges its
+simulated ones (`costmodel.plan.score.judge`): p90 of TTFT and TPOT over the requests and of the
+stall over the documents, each SLO's attainment (the share within it), goodput per worker. The
+regret is how much measured goodput per worker the plan's winner gives up against the best
+candidate measured: (best - winner) / best.
+
+The fixed baselines are the deployments a user would run without a plan: the whole budget
+colocated, and disaggregated with the budget split evenly (KV pulled whole); the better of the
+two by the plan's own ranking is verified beside the top K when it is not among them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from benchmarks.client.bench_serve import BenchConfig, run_benchmark
+from benchmarks.client.serve_client import ClientConfig
+from benchmarks.compare.modes import ensure_ray, load_average
+from cli import CliError
+from cli.output import emit_json
+from costmodel import plan_cli
+from costmodel.plan.candidates import Candidate
+from costmodel.plan.score import Judged, Scored, Slos, judge
+from costmodel.provenance import OUT_DIR_HELP, write_result
+from costmodel.workloads import RequestSpec
+
+TOKEN_LOW, TOKEN_HIGH = 32, 127  # prompt token ids, as the workloads draw them (printable bytes)
+MAX_VERIFY = 8
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    plan_cli.add_arguments(p)
+    v = p.add_argument_group("verification (deploys and measures on this machine)")
+    v.add_argument(
+        "--verify",
+        type=int,
+        default=0,
+        metavar="K",
+        help="deploy the top K candidates and the best fixed baseline (whole budget colocated, or split "
+        "evenly disaggregated) one after another, run the workload on each, and print predicted against "
+        "measured attainment and goodput, with the regret; 0 (default) = plan only",
+    )
+    v.add_argument("--device", default="cpu", help="where verified servers run (default cpu)")
+    v.add_argument("--startup-timeout-s", type=float, default=300.0, help="per server (default 300)")
+    v.add_argument("--out", default=None, help="verification result name (default plan-verify-<workload>)")
+    v.add_argument("--out-dir", default=None, help=OUT_DIR_HELP)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.verify < 0 or args.verify > MAX_VERIFY:
+        raise CliError(f"--verify must be 0-{MAX_VERIFY} (each candidate is a server started and loaded)")
+    if not args.verify:
+        return plan_cli.main(args)
+    plan = plan_cli.make_plan(args)
+    if not args.json:
+        plan_cli.print_plan(plan)
+    chosen = to_verify(plan.ranked, args.verify, args.workers)
+    log(f"\nverifying {len(chosen)} candidates on this machine: {', '.join(s.candidate.label for s in chosen)}")
+    ensure_ray()
+    rows = []
+    for i, s in enumerate(chosen, 1):
+        log(f"[{i}/{len(chosen)}] {s.candidate.label}: {' '.join(s.candidate.serve_args())}")
+        rows.append(verify_one(s, plan.ranked.index(s) + 1, plan.specs, plan.slos, args))
+    summary = summarize(rows, plan.ranked[0].candidate.label)
+    doc = {**plan.doc, "verification": {"rows": [r.to_dict() for r in rows], **summary}}
+    name = args.out or f"plan-verify-{args.workload if not args.trace else 'trace'}"
+    config = {k: v for k, v in vars(args).items() if k not in ("json", "func", "handler")}
+    path = write_result(name, doc, config=config, out_dir=args.out_dir)
+    if args.json:
+        emit_json(doc)
+        return 0
+    print(format_verification(rows, summary))
+    print(f"\nresult: {path}")
+    return 0
+
+
+def to_verify(ranked: list[Scored], k: int, budget: int) -> list[Scored]:
+    """The top `k`, then the better-ranked fixed baseline if it is not among them."""
+    top = ranked[:k]
+    fixed = {Candidate("colocated", budget)}
+    if budget >= 2:
+        fixed.add(Candidate("disagg", budget - budget // 2, budget // 2))
+    baseline = next((s for s in ranked if s.candidate in fixed), None)
+    if baseline is not None and baseline not in top:
+        top.append(baseline)
+    return top
+
+
+@dataclass
+class VerifyRow:
+    candidate: Candidate
+    rank: int  # in the plan, 1 = the winner
+    predicted: Judged
+    measured: Judged | None  # None: the server failed to start or the run failed
+    metrics: dict[str, Any]  # the measured p90s and throughput
+    error: str | None = None
+    startup_s: float | None = None
+    load_average: list[float] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.candidate.label,
+            "serve_args": self.candidate.serve_args(),
+            "plan_rank": self.rank,
+            "predicted": self.predicted.to_dict(),
+            "measured": self.measured.to_dict() if self.measured else None,
+            "measured_metrics": self.metrics,
+            "error": self.error,
+            "startup_s": self.startup_s,
+            "load_average_at_start": self.load_average,
+        }
+
+
+def verify_one(s: Scored, rank: int, specs: list[RequestSpec], slos: Slos, args: argparse.Namespace) -> VerifyRow:
+    """Deploy `s`'s candidate on a fresh server, warm it, time the workload, judge it."""
+    from router.config import ConfigError, ServeConfig  # noqa: PLC0415 (starts nothing until used)
+    from router.serve_cli import ServerThread  # noqa: PLC0415
+
+    c = s.candidate
+    predicted = Judged(s.attainment, s.meets, s.goodput_per_worker)
+    row = VerifyRow(c, rank, predicted, None, {}, load_average=load_average())
+    try:
+        cfg = ServeConfig(
+            model=args.model,
+            device=args.device,
+            mode="disagg" if c.mode == "disagg" else "colocated",
+            chunk_size=c.chunk,
+            prefill=max(1, c.prefill),
+            decode=c.decode,
+            kv_transfer=c.kv_transfer if c.mode == "disagg" else "bulk",
+            max_num_seqs=args.max_num_seqs,
+        )
+        cfg.validate()
+    except ConfigError as e:
+        row.error = f"not deployable here: {e}"
+        return row
+    t0 = time.perf_counter()
+    try:
+        with ServerThread(cfg, startup_timeout_s=args.startup_timeout_s) as srv:
+            row.startup_s = time.perf_counter() - t0
+            client = ClientConfig(base_url=srv.base_url, model=cfg.model_name, show_progress=False, seed=args.seed)
+            bench = BenchConfig(client=client, slo_ttft_ms=slos.ttft_ms, slo_tpot_ms=slos.tpot_ms)
+            log(f"  up in {row.startup_s:.1f} s; warm-up pass (other token ids)")
+            asyncio.run(run_benchmark(bench, fresh_prompts(specs, args.seed + 1)))
+            log("  timed pass")
+            result = asyncio.run(run_benchmark(bench, fresh_prompts(specs, args.seed + 2)))
+    except Exception as e:  # noqa: BLE001 - one candidate failing leaves the others' figures
+        row.error = f"{type(e).__name__}: {e}"
+        log(f"  failed: {row.error}")
+        return row
+    m = result.metrics
+    row.measured = judge(result.records, m, slos, c.workers)
+    row.metrics = {
+        "ttft_p90_ms": m.ttft_ms.p90,
+        "tpot_p90_ms": m.tpot_ms.p90,
+        "stall_p90_ms": m.stall_ms.p90,
+        "output_tokens_per_s": m.output_throughput,
+        "completed": m.completed,
+        "failed": m.failed,
+    }
+    got, want = row.measured.goodput_per_worker, predicted.goodput_per_worker
+    log(f"  measured goodput/worker {got:.3f}/s (predicted {want:.3f})")
+    return row
+
+
+def fresh_prompts(specs: list[RequestSpec], seed: int) -> list[RequestSpec]:
+    """The same schedule and lengths with new random token ids (a trace's prompts are placeholders,
+    and a preset's own prompts would be prefix-cache hits on a second pass)."""
+    rng = random.Random(seed)
+    return [replace(s, prompt=tuple(rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(s.prompt_len))) for s in specs]
+
+
+def summarize(rows: list[VerifyRow], winner: str) -> dict[str, Any]:
+    """Regret and the worst prediction errors over the rows measured."""
+    done = [r for r in rows if r.measured is not None]
+    if not done:
+        return {"regret": None, "best_measured": None, "winner": winner}
+    best = max(done, key=lambda r: r.measured.goodput_per_worker if r.measured else 0.0)
+    chosen = next((r for r in done if r.candidate.label == winner), None)
+    best_g = best.measured.goodput_per_worker if best.measured else 0.0
+    regret = None
+    if chosen is not None and chosen.measured is not None:
+        regret = (best_g - chosen.measured.goodput_per_worker) / best_g if best_g > 0 else 0.0
+    att_err = [
+        abs(p - m)
+        for r in done
+        if r.measured
+        for k in ("ttft", "tpot", "stall")
+        if (p := r.predicted.attainment.get(k)) is not None and (m := r.measured.attainment.get(k)) is not None
+    ]
+    good_err = [
+        abs(r.predicted.goodput_per_worker - r.measured.goodput_per_worker) / r.measured.goodput_per_worker
+        for r in done
+        if r.measured and r.measured.goodput_per_worker > 0
+    ]
+    return {
+        "winner": winner,
+        "best_measured": best.candidate.label,
+        "regret": regret,
+        "attainment_error_max_pts": max(att_err) * 100 if att_err else None,
+        "goodput_error_max": max(good_err) if good_err else None,
+    }
+
+
+def format_verification(rows: list[VerifyRow], summary: dict[str, Any]) -> str:
+    head = ["candidate", "plan #", "attain ttft/tpot/stall pred", "measured", "goodput/worker pred", "measured", "err"]
+    out = [head]
+    for r in rows:
+        p, m = r.predicted, r.measured
+        err = "-"
+        if m is not None and m.goodput_per_worker > 0:
+            err = f"{(p.goodput_per_worker - m.goodput_per_worker) / m.goodput_per_worker:+.0%}"
+        out.append([
+            r.candidate.label, str(r.rank) if r.rank else "-", _att(p), _att(m) if m else (r.error or "failed"),
+            f"{p.goodput_per_worker:.3f}/s", f"{m.goodput_per_worker:.3f}/s" if m else "-", err,
+        ])  # fmt: skip
+    widths = [max(len(row[i]) for row in out) for i in range(len(head))]
+    just = lambda i, c, w: c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
+    lines = ["  ".join(just(i, c, w) for i, (c, w) in enumerate(zip(row, widths))) for row in out]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    regret = summary.get("regret")
+    tail = f"winner {summary['winner']}, best measured {summary['best_measured']}: regret " + (
+        f"{regret:.1%}" if regret is not None else "- (the winner was not measured)"
+    )
+    return "verified on this machine (measured) beside the plan (predicted)\n" + "\n".join(lines) + "\n" + tail
+
+
+def _att(j: Judged) -> str:
+    return "/".join("-" if (v := j.attainment.get(k)) is None else f"{v:.0%}" for k in ("ttft", "tpot", "stall"))
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
