@@ -41,6 +41,7 @@ from costmodel.workloads import RequestSpec
 
 TOKEN_LOW, TOKEN_HIGH = 32, 127  # prompt token ids, as the workloads draw them (printable bytes)
 MAX_VERIFY = 8
+QUIET_LOAD = 0.5  # one-minute load average a candidate's server may start at (`--settle-s`)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,6 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     v.add_argument("--device", default="cpu", help="where verified servers run (default cpu)")
     v.add_argument("--startup-timeout-s", type=float, default=300.0, help="per server (default 300)")
+    v.add_argument(
+        "--settle-s",
+        type=float,
+        default=120.0,
+        help="before each server, wait up to this long for the one-minute load average to fall under 0.5 "
+        "(the last candidate's run lingers in it), and record it (default 120; 0 = do not wait)",
+    )
     v.add_argument("--out", default=None, help="verification result name (default plan-verify-<workload>)")
     v.add_argument("--out-dir", default=None, help=OUT_DIR_HELP)
 
@@ -74,6 +82,7 @@ def main(args: argparse.Namespace) -> int:
     ensure_ray()
     rows = []
     for i, s in enumerate(chosen, 1):
+        settle(args.settle_s)
         log(f"[{i}/{len(chosen)}] {s.candidate.label}: {' '.join(s.candidate.serve_args())}")
         rows.append(verify_one(s, plan.ranked.index(s) + 1, plan.specs, plan.slos, args))
     summary = summarize(rows, plan.ranked[0].candidate.label)
@@ -176,6 +185,17 @@ def verify_one(s: Scored, rank: int, specs: list[RequestSpec], slos: Slos, args:
     got, want = row.measured.goodput_per_worker, predicted.goodput_per_worker
     log(f"  measured goodput/worker {got:.3f}/s (predicted {want:.3f})")
     return row
+
+
+def settle(limit_s: float, quiet: float = QUIET_LOAD) -> None:
+    """Wait (up to `limit_s`) for the one-minute load average to fall under `quiet`: a candidate is
+    measured on a quiet machine, not in the wake of the one before it."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        load = load_average()
+        if load is None or load[0] < quiet:
+            return
+        time.sleep(3.0)
 
 
 def fresh_prompts(specs: list[RequestSpec], seed: int) -> list[RequestSpec]:

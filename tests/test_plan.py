@@ -168,7 +168,7 @@ def test_verify_deploys_the_winner_and_the_baseline_and_puts_measured_beside_pre
 ):
     argv = ["plan", "--calibration", calibration, "--model", "tiny", "--workers", "2", "--workload", "chat"]
     argv += ["--num-requests", "6", "--rate", "20", "--isl", "32", "--osl", "8", "--slo-ttft-ms", "5000"]
-    argv += ["--verify", "1", "--out-dir", str(tmp_path), "--json"]
+    argv += ["--verify", "1", "--settle-s", "0", "--out-dir", str(tmp_path), "--json"]
     assert cli_main(argv) == 0
     doc = json.loads(capsys.readouterr().out)  # one document: progress went to stderr
     v = doc["verification"]
