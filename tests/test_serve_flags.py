@@ -15,6 +15,7 @@ from router.config import ServeConfig
 POOLS, AUTO, ROUTER, OBS, OPTIONS = "pools", "auto mode (per-request dispatch)", "router", "observability", "options"
 FP8_BF16_FP32 = ("fp8", "bf16", "fp32")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+COMPILE_MODES = ("auto", "off", "default", "max-autotune")
 
 # flag -> (dest, action, default, type, choices, const, metavar, group): `pdserve serve --help` as it
 # was when the flags were still written by hand. Every settings flag defaults to None, so that a flag
@@ -37,7 +38,7 @@ SNAPSHOT = {
     ("--max-num-seqs",): ("max_num_seqs", "_StoreAction", None, "int", None, None, None, POOLS),
     ("--enforce-eager",): ("enforce_eager", "_StoreTrueAction", None, None, None, True, None, POOLS),
     ("--cpu-gemm",): ("cpu_gemm", "_StoreAction", None, None, ("auto", "fp32", "bf16"), None, None, POOLS),
-    ("--compile",): ("compile", "_StoreAction", None, None, ("auto", "off", "default", "max-autotune"), None, None, POOLS),
+    ("--compile",): ("compile", "_StoreAction", None, None, COMPILE_MODES, None, None, POOLS),
     ("--gemm-row-buckets",): ("gemm_row_buckets", "_StoreAction", None, "int", None, None, "N", POOLS),
     ("--threads-per-worker",): ("threads_per_worker", "_StoreAction", None, None, None, None, "N|auto", POOLS),
     ("--prompt-threads",): ("prompt_threads", "_StoreAction", None, None, None, None, "N|auto", POOLS),
