@@ -14,8 +14,9 @@ graph when one is attached (`graphs`, set by the worker; see engine/gpu/cuda_gra
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,6 +39,21 @@ from engine.runner.sampler import Sampler
 # 1,049 us a token on 2 threads against 1,910 on 1), while a decode step's many short parallel
 # regions stall whenever another process takes one of their cores (router/workers/threads.py)
 PROMPT_STEP_TOKENS = 64
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int | None) -> Iterator[int]:
+    """Run the block on `n` intra-op threads (None: as it is) and put the count back after it;
+    yields the count the block runs with. OpenMP keeps the count per calling thread."""
+    own = torch.get_num_threads()
+    if not n or n == own:
+        yield own
+        return
+    torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        torch.set_num_threads(own)
 
 
 @dataclass
@@ -191,19 +207,10 @@ class ModelRunner:
         prompt_tokens: int,
     ) -> torch.Tensor:
         """The model's forward [T, hidden], on `prompt_threads` intra-op threads when the step
-        carries enough prompt tokens (OpenMP's count is per calling thread: the loop thread's is
-        set for the step and put back after it)."""
-        own = torch.get_num_threads()
+        carries enough prompt tokens (the loop thread's count, set for the step and put back)."""
         want = self.prompt_threads if prompt_tokens >= PROMPT_STEP_TOKENS and self.device.type == "cpu" else None
-        if not want or want == own:
-            self.last_threads = own
+        with intra_op_threads(want) as self.last_threads:
             return self.model(input_ids, positions, self.backend, self.cache, meta, on_layer)
-        torch.set_num_threads(want)
-        try:
-            self.last_threads = want
-            return self.model(input_ids, positions, self.backend, self.cache, meta, on_layer)
-        finally:
-            torch.set_num_threads(own)
 
     @torch.inference_mode()
     def warm_up(self, prompt_tokens: int = 64, decode_rows: tuple[int, ...] = (1, 2, 8)) -> float:
@@ -236,13 +243,9 @@ class ModelRunner:
             self.execute(dec, [])
         if self.device.type == "cpu":  # every GEMM row bucket, not only those the steps above met
             self.model.warm_gemm_shapes(row_buckets())
-            own = torch.get_num_threads()
-            if self.prompt_threads and self.prompt_threads != own:  # oneDNN keeps a kernel per thread count too
-                torch.set_num_threads(self.prompt_threads)
-                try:
+            if self.prompt_threads and self.prompt_threads != torch.get_num_threads():
+                with intra_op_threads(self.prompt_threads):  # oneDNN keeps a kernel per thread count too
                     self.model.warm_gemm_shapes(row_buckets())
-                finally:
-                    torch.set_num_threads(own)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
