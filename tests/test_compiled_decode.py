@@ -47,6 +47,10 @@ def test_compiled_decode_equals_eager_with_two_graphs():
     assert compiled == eager
     assert runner.graph_steps > 0
     assert graphs.compiles == 2  # no recompile for new batch sizes or table widths
+    # a replayed decode step after a prompt step on more threads reports the loop's own count
+    runner.prompt_threads = torch.get_num_threads() + 1
+    _greedy(runner, [list(range(1, 70))], 3)
+    assert runner.last_threads == torch.get_num_threads()
     graphs.close()
 
 

@@ -183,6 +183,7 @@ class ModelRunner:
             and self.graphs.fits(n_dec, meta.block_tables.shape[1])
         ):
             self.graph_steps += 1
+            self.last_threads = torch.get_num_threads()  # a replayed decode step runs on the loop's own count
             return self.graphs.replay_step(
                 DecodeInputs(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.context_lens_t)
             )
