@@ -247,10 +247,8 @@ class LLMEngine:
         pairs = sum(len(it.token_ids) * (it.start_pos + len(it.token_ids)) for it in items)
         if inputs is not None:
             pairs += int(inputs.context_lens.sum())
-        split = (t1 - t0, t2 - t1, t3 - t2, t4 - t3)  # schedule, forward, sample, output
-        self.last_step = StepStats(
-            work.prefill_tokens, len(work.decode), t4 - t0, pairs, *split, threads=self.runner.last_threads
-        )
+        shape = (work.prefill_tokens, len(work.decode), t4 - t0, pairs)  # then schedule, forward, sample, output
+        self.last_step = StepStats(*shape, t1 - t0, t2 - t1, t3 - t2, t4 - t3, threads=self.runner.last_threads)
         return events
 
     def _sample(self, work: ScheduledBatch, logits: torch.Tensor) -> _Sampled:
