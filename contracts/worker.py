@@ -157,7 +157,7 @@ class WorkerConfig:
     # sets it: --threads-per-worker, or its auto rule (router/workers/threads.py)
     torch_threads: int | None = None
     # intra-op threads of a step that carries a prompt of some length (None: as torch_threads;
-    # engine/runner/model_runner.py PROMPT_STEP_TOKENS). A colocated worker's prompt steps can take
+    # engine/config.py PROMPT_STEP_TOKENS). A colocated worker's prompt steps can take
     # the core left to the router: no token streams while a whole prompt runs
     # (router/workers/threads.py has the rule)
     prompt_threads: int | None = None

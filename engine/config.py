@@ -218,6 +218,14 @@ def resolve_model_config(model: str) -> ModelConfig:
 
 KV_DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp32": 4}
 
+# CPU: a step with at least this many prompt tokens runs with the worker's prompt threads
+# (WorkerConfig.prompt_threads): its GEMMs are long enough that a second thread pays (SmolLM2,
+# 2,048 prompt tokens on the 2-core dev VM: 1,049 us a token on 2 threads against 1,910 on 1),
+# while a decode step's many short parallel regions stall whenever another process takes one of
+# their cores (router/workers/threads.py). The simulator prices such steps apart
+# (costmodel/sim/model.py StepModel.prompt_fit).
+PROMPT_STEP_TOKENS = 64
+
 
 @dataclass(frozen=True)
 class CacheConfig:

@@ -8,7 +8,15 @@ import random
 
 import pytest
 
-from benchmarks.compare.calibration import LoggedStep, StepLogRecorder, fit_pools, link_rate, trimmed_fit
+from benchmarks.compare.calibration import (
+    LoggedStep,
+    StepLogRecorder,
+    fit_pools,
+    link_rate,
+    prediction_setup,
+    trimmed_fit,
+)
+from benchmarks.compare.calibration import build as build_self_calibration
 from costmodel.article import cost_model as cm
 from costmodel.fit.step_fit import StepCostFit, StepShape
 from costmodel.machine import calibration_mismatch, cpu_model, git
@@ -56,6 +64,42 @@ def test_fit_pools_fits_each_role_apart():
     assert pools["prefill"].fit.seconds(p) == pytest.approx(slow_prefill.seconds(p), rel=0.02)
     assert pools["decode"].fit.decode_seconds([300] * 6) == pytest.approx(TRUE.decode_seconds([300] * 6), rel=0.05)
     assert fit_pools(steps[:3]) == {}  # too few steps: no fit is trusted
+
+
+def test_prompt_steps_on_their_own_threads_are_fitted_apart_and_priced_by_that_fit():
+    """A colocated worker runs prompt steps on 2 threads and the rest on 1 (--prompt-threads):
+    one fit of both would price neither; the prompt steps get their own, and the simulator uses it
+    for a step carrying PROMPT_STEP_TOKENS prompt tokens or more."""
+    from costmodel.sim.model import Request
+
+    rng = random.Random(2)
+    two_threads = StepCostFit(0.020, 0.0002, 1e-9, 0.004)
+    steps = [LoggedStep("c-0", "colocated", s, y, torch_threads=1) for s, y in _steps(60, rng) if s.prefill_tokens == 0]
+    for n in (100, 300, 500, 700, 900, 1100):
+        shape = StepShape.of([200] * rng.randint(0, 4), [(0, n)])
+        steps.append(LoggedStep("c-0", "colocated", shape, two_threads.seconds(shape), torch_threads=2))
+    pool = fit_pools(steps)["colocated"]
+    assert (pool.torch_threads, pool.prompt_threads, pool.prompt_steps) == (1, 2, 6)
+    assert pool.prompt_fit is not None and pool.to_dict()["prompt_threads"] == 2
+    cal = build_self_calibration(steps, [], [], 1000)
+    assert "6 prompt steps on 2 threads" in cal.summary()
+    setup, why = prediction_setup("tiny", "colocated", cal)
+    assert why is None and setup is not None and setup.describe()["prompt_threads"] == 2
+    batch = [Request(i, "chat", 0.0, 200, 8) for i in range(3)]
+    want = two_threads.seconds(StepShape.of([200] * 3, [(0, 800)]))
+    assert setup.steps.step(batch, [(0, 800)]) == pytest.approx(want, rel=0.03)
+    # a step below PROMPT_STEP_TOKENS and a decode step are the 1-thread fit's
+    assert setup.steps.step(batch, [(0, 10)]) == pytest.approx(pool.fit.seconds(StepShape.of([200] * 3, [(0, 10)])))
+    assert setup.steps.decode(batch) == pytest.approx(TRUE.decode_seconds([200] * 3), rel=0.05)
+    # two such steps (a warm-up's documents) still price a prompt step of another length
+    few = [s for s in steps if s.torch_threads == 1] + [s for s in steps if s.torch_threads == 2][1:5:3]
+    two = fit_pools(few)["colocated"]
+    assert two.prompt_steps == 2 and two.prompt_fit is not None
+    assert two.prompt_fit.seconds(StepShape.of([200] * 2, [(0, 600)])) == pytest.approx(
+        two_threads.seconds(StepShape.of([200] * 2, [(0, 600)])), rel=0.1
+    )
+    # no step on other threads: one fit, as before
+    assert fit_pools([s for s in steps if s.torch_threads == 1])["colocated"].prompt_fit is None
 
 
 def test_recorder_keeps_each_step_once():

@@ -9,7 +9,10 @@ in its warm-up, in the same run:
   seconds) through the warm-up and keeps every step once;
 - `fit_pools` fits the four-term step model (`costmodel/fit/step_fit.py`) per pool: colocated workers'
   steps into one fit; a disaggregated run's prefill and decode workers apart, because on a CPU
-  they share cores and each pool's steps must be priced as they ran beside the other;
+  they share cores and each pool's steps must be priced as they ran beside the other. A pool whose
+  prompt steps ran on more intra-op threads than its decode steps (a colocated worker's
+  --prompt-threads) has those steps priced apart (`fit_beside`): in the one fit they mixed two
+  machines (`make demo`, 2026-12-05: colocated max stall predicted 1,219 ms, measured 593);
 - `hop_ms` times what a warm request waits beyond its worker's queue and prefill (HTTP/SSE,
   router, Ray hops), from a few requests sent one at a time after the warm-up (`hop_specs`): the
   warm-up's own requests queue behind each other.
@@ -31,10 +34,11 @@ from typing import Any
 
 import httpx
 
-from costmodel.fit.step_fit import StepCostFit, StepShape, fit
+from costmodel.fit.step_fit import StepCostFit, StepShape, fit, fit_beside
 from costmodel.sim import compare_predict as cp
 from costmodel.sim.compare_predict import PredictionSetup
 from costmodel.workloads import RequestSpec
+from engine.config import PROMPT_STEP_TOKENS
 
 POLL_S = 1.0  # a worker keeps its last 256 steps; at >= 4 ms a step none is missed between polls
 TRIM_FACTOR = 4.0
@@ -137,6 +141,10 @@ class PoolFit:
     steps: int  # steps the fit kept
     trimmed: int  # cold or disturbed steps dropped (see the module docstring)
     torch_threads: int | None = None  # intra-op threads its steps ran with (the most common; None: unknown)
+    # prompt steps that ran on other threads than `torch_threads`, fitted apart (see split_by_threads)
+    prompt_fit: StepCostFit | None = None
+    prompt_threads: int | None = None
+    prompt_steps: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -145,6 +153,9 @@ class PoolFit:
             "trimmed": self.trimmed,
             "torch_threads": self.torch_threads,
             "fit": self.fit.to_dict(),
+            "prompt_threads": self.prompt_threads,
+            "prompt_steps": self.prompt_steps,
+            "prompt_fit": self.prompt_fit.to_dict() if self.prompt_fit else None,
         }
 
 
@@ -174,10 +185,33 @@ def fit_pools(steps: Sequence[LoggedStep]) -> dict[str, PoolFit]:
             by_role["decode"] = alone
     out = {}
     for role, logged in by_role.items():
-        if len(logged) >= MIN_STEPS:
-            f, trimmed = trimmed_fit([(s.shape, s.seconds) for s in logged])
-            out[role] = PoolFit(role, f, len(logged) - trimmed, trimmed, threads_of(logged))
+        base, prompt = split_by_threads(logged)
+        if len(base) < MIN_STEPS:
+            continue
+        f, trimmed = trimmed_fit([(s.shape, s.seconds) for s in base])
+        pool = PoolFit(role, f, len(base) - trimmed, trimmed, threads_of(base))
+        if prompt:
+            pf = fit_beside([(s.shape, s.seconds) for s in prompt], f)
+            pool = replace(pool, prompt_fit=pf, prompt_threads=threads_of(prompt), prompt_steps=pf.samples)
+        out[role] = pool
     return out
+
+
+def split_by_threads(steps: Sequence[LoggedStep]) -> tuple[list[LoggedStep], list[LoggedStep]]:
+    """`steps` as (the pool's steps, its prompt steps that ran on other threads). The pool's
+    threads are those of its short steps (fewer than PROMPT_STEP_TOKENS prompt tokens); a long
+    step on another count is a prompt step (engine/runner/model_runner.py picks the threads by
+    the same rule), priced by `fit_beside` (even one: left in, it would skew the pool's fit)."""
+    short = threads_of([s for s in steps if s.shape.prefill_tokens < PROMPT_STEP_TOKENS])
+    prompt = [
+        s
+        for s in steps
+        if s.shape.prefill_tokens >= PROMPT_STEP_TOKENS and s.torch_threads > 0 and s.torch_threads != short
+    ]
+    if short is None or not prompt:
+        return list(steps), []
+    taken = {id(s) for s in prompt}
+    return [s for s in steps if id(s) not in taken], prompt
 
 
 def threads_of(steps: Sequence[LoggedStep]) -> int | None:
@@ -236,8 +270,14 @@ class SelfCalibration:
         return p.fit if p else None
 
     @property
+    def prompt_fit(self) -> tuple[StepCostFit, int] | None:
+        """The colocated pool's prompt steps on their own threads: (fit, threads), or None."""
+        p = self.pools.get("colocated")
+        return (p.prompt_fit, p.prompt_threads or 0) if p and p.prompt_fit else None
+
+    @property
     def steps(self) -> int:
-        return sum(p.steps for p in self.pools.values())
+        return sum(p.steps + p.prompt_steps for p in self.pools.values())
 
     @property
     def torch_threads(self) -> int | None:
@@ -255,6 +295,7 @@ class SelfCalibration:
             return "none (" + "; ".join(self.notes + ([self.recorder_error] if self.recorder_error else [])) + ")"
         pools = ", ".join(
             f"{k} {p.steps} steps ({p.trimmed} trimmed{f', {p.torch_threads} threads' if p.torch_threads else ''})"
+            + (f" + {p.prompt_steps} prompt steps on {p.prompt_threads} threads" if p.prompt_fit else "")
             for k, p in self.pools.items()
         )
         hop = f"{self.hop_ms:.1f} ms" if self.hop_ms is not None else "not measured"
@@ -338,6 +379,13 @@ def prediction_setup(model: str, mode: str, cal: SelfCalibration | None) -> tupl
         f"{k} {p.steps}" for k, p in cal.pools.items()
     )
     setup = cp.setup_from_steps(
-        model, decode, cal.prefill_fit, cal.link_gbytes_per_s, src, cal.steps, torch_threads=cal.torch_threads
+        model,
+        decode,
+        cal.prefill_fit,
+        cal.link_gbytes_per_s,
+        src,
+        cal.steps,
+        torch_threads=cal.torch_threads,
+        prompt_fit=cal.prompt_fit,
     )
     return replace(setup, decode_slowdown=cal.decode_slowdown_beside_prefill), None

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from costmodel.fit.nnls import nnls_rel, solve_spd
@@ -129,6 +129,24 @@ def fit(samples: Sequence[tuple[StepShape, float]]) -> StepCostFit:
     except ValueError as e:
         raise ValueError("the timed steps admit no non-negative step-cost fit") from e
     return StepCostFit(coef[0], coef[1], coef[2], coef[3], samples=len(rows), rms_rel_error=err)
+
+
+def fit_beside(samples: Sequence[tuple[StepShape, float]], base: StepCostFit) -> StepCostFit:
+    """`base` with its prompt-token and attention terms refitted on `samples`: steps that ran the
+    same engine on more intra-op threads (a colocated CPU worker's prompt steps, --prompt-threads).
+    A step's fixed cost and its decode rows' bookkeeping do not change with the GEMM threads, and
+    a warm-up holds only a few such steps (a handful of documents), too few for four terms."""
+    rows = []
+    for s, y in samples:
+        rest = y - base.fixed_s - base.per_sequence_s * s.decode_seqs
+        if y > 0 and rest > 0:
+            rows.append(((float(s.prefill_tokens + s.decode_seqs), s.attention_pairs), rest, y))
+    if not rows:
+        raise ValueError("no step left to fit beside the base fit")
+    (tok, att), _ = nnls_rel([x for x, _, _ in rows], [r for _, r, _ in rows], [y for _, _, y in rows])
+    out = StepCostFit(base.fixed_s, tok, att, base.per_sequence_s, samples=len(rows))
+    errs = [(out.seconds(s) - y) / y for s, y in samples if y > 0]
+    return replace(out, rms_rel_error=math.sqrt(sum(e * e for e in errs) / len(errs)))
 
 
 class OnlineStepFit:

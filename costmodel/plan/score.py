@@ -135,8 +135,8 @@ def _scaled(fit: StepCostFit | None, k: float) -> StepCostFit | None:
 
 
 def fit_error(setup: cp.PredictionSetup) -> float | None:
-    """The step fit's own relative error (the larger of the two pools'), None without a fit."""
-    errs = [f.rms_rel_error for f in (setup.steps.fit, setup.steps.prefill_fit) if f is not None]
+    """The step fits' own relative error (the largest), None without a fit."""
+    errs = [f.rms_rel_error for f in (setup.steps.fit, setup.steps.prefill_fit, setup.steps.prompt_fit) if f]
     known = [e for e in errs if e is not None]
     return max(known) if known else None
 
@@ -149,7 +149,10 @@ def interval(
         k: [] for k in ("ttft_p90_ms", "tpot_p90_ms", "stall_p90_ms", "goodput_per_worker")
     }
     for k in (1 - err, 1 + err):
-        steps = replace(setup.steps, fit=_scaled(setup.steps.fit, k), prefill_fit=_scaled(setup.steps.prefill_fit, k))
+        st = setup.steps
+        steps = replace(
+            st, fit=_scaled(st.fit, k), prefill_fit=_scaled(st.prefill_fit, k), prompt_fit=_scaled(st.prompt_fit, k)
+        )
         m = score(s.candidate, replace(setup, steps=steps), specs, slos, max_num_seqs)
         out["ttft_p90_ms"].append(m.metrics.ttft_ms.p90)
         out["tpot_p90_ms"].append(m.metrics.tpot_ms.p90)

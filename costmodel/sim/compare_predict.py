@@ -41,6 +41,7 @@ class PredictionSetup:
     admit_s: float = 0.0  # disagg: decode admission beyond pull and step boundary (SimConfig.admit_s)
     decode_slowdown: float = 1.0  # disagg: a decode step beside a prefill step (SimConfig.decode_slowdown)
     torch_threads: int | None = None  # intra-op threads the priced steps were measured with (None: unknown)
+    prompt_threads: int | None = None  # threads of the prompt steps priced by steps.prompt_fit (None: no such fit)
 
     def describe(self) -> dict[str, Any]:
         hw = self.steps.hw
@@ -49,6 +50,8 @@ class PredictionSetup:
             "kind": self.kind,
             "fitted_steps": self.fitted_steps,
             "torch_threads": self.torch_threads,
+            "prompt_threads": self.prompt_threads,
+            "prompt_step_fit": self.steps.prompt_fit.to_dict() if self.steps.prompt_fit else None,
             "warning": self.warning,
             "decode_admission_ms": self.admit_s * 1e3,
             "decode_slowdown_beside_prefill": self.decode_slowdown,
@@ -116,18 +119,25 @@ def setup_from_steps(
     fitted_steps: int,
     kv_dtype: str = "fp8",
     torch_threads: int | None = None,
+    prompt_fit: tuple[StepCostFit, int] | None = None,
 ) -> PredictionSetup:
     """A StepModel priced by step-cost fits made on the server being predicted (bench compare's
     self-calibration): `decode_fit` for colocated or decode workers, `prefill_fit` for a
-    disaggregated prefill pool; the KV link at the rate the warm-up's pulls ran."""
+    disaggregated prefill pool, `prompt_fit` (fit, threads) for a colocated worker's prompt steps
+    that ran on more threads; the KV link at the rate the warm-up's pulls ran."""
     spec = cm.ModelSpec.resolve(model)
     if link_gbytes_per_s:
         link = cm.Link("measured", f"KV pulls of the warm-up ({link_gbytes_per_s:.2f} GB/s)", link_gbytes_per_s * cm.GB)
     else:  # no pull in the warm-up (colocated): nothing crosses a link
         link = cm.Link("none", "no KV pull measured", 10 * cm.GB)
     hw = cm.HardwareSpec("this server (fitted steps)", link.bw, {}, 0.0, source)
-    steps = StepModel(spec, hw, weight_dtype="fp32", kv_dtype=kv_dtype, fit=decode_fit, prefill_fit=prefill_fit)
-    return PredictionSetup(steps, link, source, kind="self", fitted_steps=fitted_steps, torch_threads=torch_threads)
+    pf, prompt_threads = prompt_fit if prompt_fit else (None, None)
+    steps = StepModel(
+        spec, hw, weight_dtype="fp32", kv_dtype=kv_dtype, fit=decode_fit, prefill_fit=prefill_fit, prompt_fit=pf
+    )
+    return PredictionSetup(
+        steps, link, source, "self", fitted_steps, torch_threads=torch_threads, prompt_threads=prompt_threads
+    )
 
 
 def _shown(path: Path) -> str:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from costmodel.article import cost_model as cm
 from costmodel.article.layerwise import DEFAULT_GROUP_OVERHEAD_S, LinkSpec, groups_of
 from costmodel.fit.step_fit import StepCostFit, StepShape
+from engine.config import PROMPT_STEP_TOKENS
 
 MODES = ("colocated", "chunked", "disagg")
 # As pdserve's --kv-transfer: "auto" streams a request when costmodel/article/layerwise.py says it gains.
@@ -72,6 +73,10 @@ class StepModel:
     # A disaggregated run's prefill pool priced apart (fitted on its own steps: on a CPU the two
     # pools share cores, so each pool's steps cost what they cost beside the other); None: `fit`.
     prefill_fit: StepCostFit | None = None
+    # Steps carrying PROMPT_STEP_TOKENS prompt tokens or more, where the server runs them on more
+    # intra-op threads than its decode steps (a colocated CPU worker's --prompt-threads): fitted
+    # on those steps alone; None: `fit` prices them too.
+    prompt_fit: StepCostFit | None = None
 
     def _ctx(self, r: Request) -> int:
         return int(self.fixed_ctx) if self.fixed_ctx is not None else r.ctx
@@ -79,8 +84,16 @@ class StepModel:
     def step(self, batch: list[Request], parts: list[tuple[int, int]]) -> float:
         """One engine step: the decode batch plus prompt chunks (start, n)."""
         if self.fit is not None:
-            return self.fit.seconds(StepShape.of([self._ctx(r) for r in batch], parts))
+            f = self._fit_for(sum(n for _, n in parts))
+            return f.seconds(StepShape.of([self._ctx(r) for r in batch], parts))
         return (self.decode(batch) if batch else 0.0) + sum(self.chunk(s, n) for s, n in parts)
+
+    def _fit_for(self, prompt_tokens: int) -> StepCostFit:
+        """The fit that prices a step carrying `prompt_tokens` prompt tokens (with `fit` set)."""
+        assert self.fit is not None
+        if self.prompt_fit is not None and prompt_tokens >= PROMPT_STEP_TOKENS:
+            return self.prompt_fit
+        return self.fit
 
     def prefill_pool_step(self, prompts: list[int]) -> float:
         """One step of a disaggregated prefill worker: these whole prompts, batched."""
@@ -99,7 +112,7 @@ class StepModel:
 
     def prefill(self, tokens: int) -> float:
         if self.fit is not None:
-            return self.fit.prefill_seconds(tokens)
+            return self._fit_for(tokens).prefill_seconds(tokens)
         return cm.prefill(self.model, self.hw, tokens, self.mfu, self.weight_dtype).time_s
 
     def chunk(self, start: int, n: int) -> float:

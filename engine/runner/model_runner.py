@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.checkpoint.weights import build_model
-from engine.config import CacheConfig, ModelConfig
+from engine.config import PROMPT_STEP_TOKENS, CacheConfig, ModelConfig
 from engine.kv.cache import KVCache
 from engine.kv.layout import KVLayout
 from engine.model.attention import AttentionBackend, AttentionMetadata
@@ -33,12 +33,6 @@ from engine.model.linear import RowBuckets, resolve_host_gemm, row_buckets, set_
 from engine.model.llama import LlamaModel
 from engine.runner.input_batch import DecodeInputs
 from engine.runner.sampler import Sampler
-
-# A step with at least this many prompt tokens runs with `ModelRunner.prompt_threads`: its GEMMs
-# are long enough that a second thread pays (SmolLM2, 2,048 prompt tokens on the 2-core dev VM:
-# 1,049 us a token on 2 threads against 1,910 on 1), while a decode step's many short parallel
-# regions stall whenever another process takes one of their cores (router/workers/threads.py)
-PROMPT_STEP_TOKENS = 64
 
 
 @contextlib.contextmanager
