@@ -81,6 +81,8 @@ class WorkerStats:
     prefix_lookup_blocks: int = 0  # full blocks looked up in the prefix cache (cumulative)
     blocks_evicted: int = 0  # cached blocks evicted for new ones (cumulative)
     rss_bytes: int = 0  # the worker process's resident memory (0: not measurable on this OS)
+    heap_in_use_bytes: int = 0  # its C heap (glibc mallinfo2): bytes malloc'd and not freed (0: not measurable)
+    heap_free_bytes: int = 0  # ... and freed bytes the heap keeps (fragmentation; malloc_trim returns some)
     cuda_reserved_bytes: int = 0  # CUDA workers: torch's caching allocator, reserved from the driver
     cuda_allocated_bytes: int = 0  # ... and in use by tensors (both 0 on CPU)
     torch_threads: int = 0  # intra-op threads its engine steps run with (0: not reported)

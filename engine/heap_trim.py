@@ -28,6 +28,39 @@ def _libc_malloc_trim() -> Callable[[int], int] | None:
     return trim
 
 
+class _MallInfo2(ctypes.Structure):
+    # glibc's struct mallinfo2 (2.33+): every field a size_t, summed over all arenas
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                     "keepcost")
+    ]  # fmt: skip
+
+
+def _libc_mallinfo2() -> Callable[[], _MallInfo2] | None:
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = []
+    fn.restype = _MallInfo2
+    return fn
+
+
+_MALLINFO2 = _libc_mallinfo2()
+
+
+def heap_usage() -> tuple[int, int]:
+    """(bytes malloc has handed out and not had back, free bytes its arenas keep) in this process,
+    from glibc's mallinfo2; (0, 0) where the C library has none. RSS alone cannot tell a leak (in
+    use grows) from fragmentation (free kept grows) or from memory malloc never saw (neither grows:
+    torch's and NIXL's own mmaps, thread stacks)."""
+    if _MALLINFO2 is None:
+        return 0, 0
+    m = _MALLINFO2()
+    return int(m.uordblks + m.hblkhd), int(m.fordblks)
+
+
 class HeapTrimmer:
     """`worked()` after each step; `idle()` when the loop has nothing to do: trims if a step ran
     since the last trim and `min_interval_s` has passed. `trims` and `seconds` count its work."""

@@ -23,7 +23,7 @@ import torch
 
 from engine.config import CacheConfig, is_checkpoint_dir, read_generation_eos, resolve_model_config
 from engine.core.llm_engine import LLMEngine
-from engine.heap_trim import HeapTrimmer
+from engine.heap_trim import HeapTrimmer, heap_usage
 from engine.model.linear import RowBuckets
 from engine.runner.model_runner import ModelRunner
 
@@ -145,12 +145,16 @@ def kv_figures(engine: LLMEngine) -> dict[str, int]:
 
 
 def memory_figures(engine: LLMEngine) -> dict[str, int]:
-    """The worker process's memory for its WorkerStats: resident set (Linux /proc; 0 elsewhere)
-    and, on CUDA, the caching allocator's reserved and allocated bytes. Safe off the loop thread."""
+    """The worker process's memory for its WorkerStats: resident set (Linux /proc; 0 elsewhere),
+    the C heap's bytes in use and free-but-kept (glibc), and, on CUDA, the caching allocator's
+    reserved and allocated bytes. Safe off the loop thread."""
     dev = engine.runner.device
     cuda = dev.type == "cuda"
+    in_use, free_kept = heap_usage()
     return {
         "rss_bytes": process_rss_bytes(),
+        "heap_in_use_bytes": in_use,
+        "heap_free_bytes": free_kept,
         "cuda_reserved_bytes": int(torch.cuda.memory_reserved(dev)) if cuda else 0,
         "cuda_allocated_bytes": int(torch.cuda.memory_allocated(dev)) if cuda else 0,
     }

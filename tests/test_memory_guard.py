@@ -82,6 +82,11 @@ def test_metrics_export_each_workers_rss(watched_server):
     assert sorted(labels["role"] for labels, _ in rss) == ["decode", "prefill"], text
     assert all(50 * MB < v < 16 * 1024 * MB for _, v in rss), rss  # a real process's RSS
     assert not samples(text, "pdserve_worker_cuda_memory_reserved_bytes")  # CPU workers: no CUDA series
+    # the C heap beside it (glibc): what malloc has handed out is part of the RSS, never all of it
+    heap = {labels["worker"]: v for labels, v in samples(text, "pdserve_worker_heap_in_use_bytes")}
+    free = samples(text, "pdserve_worker_heap_free_bytes")
+    assert len(heap) == 2 and len(free) == 2, text
+    assert all(MB < heap[labels["worker"]] < v for labels, v in rss), (heap, rss)
 
 
 def test_health_loop_warns_when_a_workers_rss_grows(watched_server, caplog):
@@ -100,3 +105,18 @@ def test_health_loop_warns_when_a_workers_rss_grows(watched_server, caplog):
 
     warnings = wait_until(warned, 90, lambda: f"an RSS warning ({sent} requests sent)", interval=0.6)
     assert "since warm-up" in warnings[0] and "worker" in warnings[0]
+
+
+def test_soak_reads_the_trend_from_medians_not_from_one_sample():
+    """The soak's flatness figure: a last sample that caught a long prompt's activations reads as
+    growth first to last, not by the medians of the window's ends."""
+    from benchmarks.soak.soak import MEDIAN_S, rss_growth  # noqa: PLC0415
+
+    flat = [(t, 500.0 + (60.0 if t == 1800 else 0.0)) for t in range(0, 1805, 5)]
+    g = rss_growth(flat, 600, 1800, 15)
+    assert g is not None and g["growth_pct"] == 12.0 and g["median_growth_pct"] == 0.0
+    creeping = [(t, 500.0 + t / 60) for t in range(0, 1805, 5)]  # 1 MB a minute
+    g = rss_growth(creeping, 600, 1800, 15)
+    head, tail = 500 + (600 + MEDIAN_S / 2) / 60, 500 + (1800 - MEDIAN_S / 2) / 60  # 511 and 529 MB
+    assert g is not None and g["median_growth_pct"] == pytest.approx((tail / head - 1) * 100, abs=0.01)
+    assert rss_growth(creeping, 600, 2400, 15) is None  # a series that does not span the window

@@ -16,13 +16,16 @@ def plot_soak(r: dict, args: argparse.Namespace, path: Path) -> Path:
     for name, s in r["workers_rss_mb"].items():
         if s["samples"]:
             t, m = zip(*s["samples"])
-            a1.plot(t, m, label=f"{name} ({s['role']})", lw=1.2)
+            (line,) = a1.plot(t, m, label=f"{name} ({s['role']})", lw=1.2)
+            if s.get("heap_samples"):  # dashed: its C heap in use (glibc), part of the RSS above it
+                th, used, _ = zip(*s["heap_samples"])
+                a1.plot(th, used, color=line.get_color(), lw=0.8, ls="--")
     if r["rss_mb"]:
         t, m = zip(*r["rss_mb"])
         a1.plot(t, m, label="router", color="grey", lw=1, ls=":")
     a1.axvspan(0, r["warmup_s"], color="0.92", zorder=0)
     a1.text(r["warmup_s"] / 2, 0.02, "warm-up", transform=a1.get_xaxis_transform(), ha="center", fontsize=8)
-    a1.set_ylabel("RSS (MB)")
+    a1.set_ylabel("RSS (MB; dashed: C heap in use)")
     a1.set_ylim(bottom=0)
     a1.legend(loc="lower right", fontsize=7, ncol=2)
     bins: dict[int, dict[str, int]] = {}

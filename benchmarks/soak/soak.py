@@ -18,8 +18,10 @@ full again. Some clients also hang up mid-stream (`--disconnect-every`). At the 
 and every worker must report zero KV blocks in use (leaked = the sum) with every pool at full size.
 
 Memory: every `--rss-interval-s` the RSS of the router process (/proc) and of each worker (its
-`pdserve_worker_rss_bytes` gauge on /metrics) is sampled; the result gives each worker's growth
-after the warm-up (`--warmup-min`, default the first third) and plots RSS per worker over time.
+`pdserve_worker_rss_bytes` gauge on /metrics, with its C heap in use and kept free beside it) is
+sampled; the result gives each worker's growth after the warm-up (first to last sample, and by
+the medians of the window's first and last two minutes, which a long prompt's live activations in
+one sample do not move) (`--warmup-min`, default the first third) and plots RSS per worker over time.
 Workers that a fault replaced start a new series (their own warm-up is in the window: they are
 reported, but only workers that lived through the whole window count for the flatness figure).
 The server's own RSS warnings (`--rss-growth-warn-mb`) are counted from its log.
@@ -35,6 +37,7 @@ import random
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -229,16 +232,20 @@ async def _faults(srv: _Server, args: argparse.Namespace, t_start: float, stop_a
                        "replaced_after_s": None if full_after is None else round(full_after, 2)})  # fmt: skip
 
 
-def _worker_rss(url: str) -> dict[str, tuple[str, float]]:
-    """worker -> (role, RSS MB) from the server's /metrics ({} if it does not answer)."""
+MEMORY_GAUGES = ("rss", "heap_in_use", "heap_free")  # pdserve_worker_<name>_bytes
+
+
+def _worker_memory(url: str) -> dict[str, tuple[str, dict[str, float]]]:
+    """worker -> (role, {gauge: MB}) from the server's /metrics ({} if it does not answer)."""
     try:
         text = httpx.get(url + "/metrics", timeout=10).text
     except httpx.HTTPError:
         return {}
-    out = {}
-    for m in re.finditer(r"^pdserve_worker_rss_bytes\{([^}]*)\} (\S+)$", text, re.M):
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        out[labels["worker"]] = (labels.get("role", "?"), float(m.group(2)) / 1024**2)
+    out: dict[str, tuple[str, dict[str, float]]] = {}
+    for gauge in MEMORY_GAUGES:
+        for m in re.finditer(rf"^pdserve_worker_{gauge}_bytes\{{([^}}]*)\}} (\S+)$", text, re.M):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            out.setdefault(labels["worker"], (labels.get("role", "?"), {}))[1][gauge] = float(m.group(2)) / 1024**2
     return out
 
 
@@ -246,8 +253,12 @@ async def _rss(srv: _Server, interval_s: float, t_start: float, stop_at: float, 
     while time.monotonic() < stop_at:
         t = round(time.monotonic() - t_start, 1)
         router.append((t, round(srv.rss_mb(), 2)))
-        for name, (role, mb) in (await asyncio.to_thread(_worker_rss, srv.url)).items():
-            workers.setdefault(name, {"role": role, "samples": []})["samples"].append((t, round(mb, 2)))
+        for name, (role, mb) in (await asyncio.to_thread(_worker_memory, srv.url)).items():
+            series = workers.setdefault(name, {"role": role, "samples": [], "heap_samples": []})
+            if "rss" in mb:
+                series["samples"].append((t, round(mb["rss"], 2)))
+            if "heap_in_use" in mb:
+                series["heap_samples"].append((t, round(mb["heap_in_use"], 2), round(mb.get("heap_free", 0.0), 2)))
         await asyncio.sleep(interval_s)
 
 
@@ -258,14 +269,24 @@ def rss_growth(samples: list[tuple[float, float]], warm_s: float, end_s: float, 
     if len(window) < 2 or window[0][0] > warm_s + slack_s or window[-1][0] < end_s - slack_s:
         return None
     first, last, peak = window[0][1], window[-1][1], max(m for _, m in window)
+    # a single sample can catch a long prompt's activations live (+60-110 MB on a tiny prefill
+    # worker): the trend is read from the medians of the window's first and last MEDIAN_S
+    head = statistics.median(m for t, m in window if t <= window[0][0] + MEDIAN_S)
+    tail = statistics.median(m for t, m in window if t >= window[-1][0] - MEDIAN_S)
     return {
         "from_mb": first,
         "to_mb": last,
         "max_mb": peak,
         "growth_pct": round((last / first - 1) * 100, 2),
         "max_growth_pct": round((peak / first - 1) * 100, 2),
+        "median_from_mb": head,
+        "median_to_mb": tail,
+        "median_growth_pct": round((tail / head - 1) * 100, 2),
         "window_s": [window[0][0], window[-1][0]],
     }
+
+
+MEDIAN_S = 120.0
 
 
 def _leaked_blocks(url: str) -> tuple[int, int]:
@@ -328,8 +349,11 @@ def main(args: argparse.Namespace) -> int:
     warm = [m for t, m in rss if t >= 30] or [m for _, m in rss]
     warm_s = (args.warmup_min if args.warmup_min is not None else args.minutes / 3) * 60
     slack_s = 3 * args.rss_interval_s
+    end_s = rss[-1][0] if rss else 0.0
     for series in workers_rss.values():
-        series["growth_after_warmup"] = rss_growth(series["samples"], warm_s, rss[-1][0] if rss else 0.0, slack_s)
+        series["growth_after_warmup"] = rss_growth(series["samples"], warm_s, end_s, slack_s)
+        in_use = [(t, used) for t, used, _ in series.get("heap_samples", [])]
+        series["heap_in_use_growth_after_warmup"] = rss_growth(in_use, warm_s, end_s, slack_s) if in_use else None
     spanning = [s["growth_after_warmup"] for s in workers_rss.values() if s["growth_after_warmup"]]
     lens = [n for *_, n in log if n is not None]
     result = {
@@ -341,6 +365,7 @@ def main(args: argparse.Namespace) -> int:
         "workers_rss_mb": workers_rss,
         "worker_rss_max_growth_pct_after_warmup": max((g["max_growth_pct"] for g in spanning), default=None),
         "worker_rss_growth_pct_after_warmup": max((g["growth_pct"] for g in spanning), default=None),
+        "worker_rss_median_growth_pct_after_warmup": max((g["median_growth_pct"] for g in spanning), default=None),
         "rss_warnings_in_server_log": srv.log_path.read_text().count("since warm-up"),
         "counts": counts,
         "requests": len(log),
@@ -386,12 +411,17 @@ def _print_table(r: dict, args: argparse.Namespace) -> None:
         kinds = r["requests_by_kind"]
         print(f"prompts: {pl['distinct']} distinct lengths in {pl['min']}..{pl['max']}; by kind {kinds}")
     print(f"\nworker RSS after the warm-up ({r['warmup_s'] / 60:g} min; MB):")
-    print(f"{'worker':<14} {'role':<9} {'start':>8} {'from':>8} {'to':>8} {'max':>8} {'growth %':>9} {'max %':>7}")
+    print(f"{'worker':<14} {'role':<9} {'start':>8} {'from':>8} {'to':>8} {'max':>8} {'growth %':>9} {'max %':>7} "
+          f"{'median %':>9} {'heap in use %':>13}")  # fmt: skip
     for name, s in r["workers_rss_mb"].items():
-        g, start = s["growth_after_warmup"], s["samples"][0][1]
+        g, start = s["growth_after_warmup"], s["samples"][0][1] if s["samples"] else float("nan")
         if g is None:
             print(f"{name:<14} {s['role']:<9} {start:>8.0f}  (not alive through the window: killed or a replacement)")
             continue
+        h = s.get("heap_in_use_growth_after_warmup")
+        heap = f"{h['median_growth_pct']:>13.2f}" if h else f"{'-':>13}"
         print(f"{name:<14} {s['role']:<9} {start:>8.0f} {g['from_mb']:>8.0f} {g['to_mb']:>8.0f} {g['max_mb']:>8.0f} "
-              f"{g['growth_pct']:>9.2f} {g['max_growth_pct']:>7.2f}")  # fmt: skip
+              f"{g['growth_pct']:>9.2f} {g['max_growth_pct']:>7.2f} {g['median_growth_pct']:>9.2f} {heap}")  # fmt: skip
+    print(f"(median %: the medians of the window's first and last {MEDIAN_S / 60:g} minutes; heap in use: glibc's "
+          "malloc'd-and-not-freed bytes, read the same way)")  # fmt: skip
     print(f"RSS warnings in the server log: {r['rss_warnings_in_server_log']}")

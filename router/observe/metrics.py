@@ -128,8 +128,9 @@ class _OrchestratorCollector:
 
 
 def _memory_metrics(workers: list[WorkerStats]) -> Iterator[Metric]:
-    """Each worker process's memory: RSS (where the OS reports it), and on CUDA the caching
-    allocator's reserved and allocated bytes (only for workers that have them)."""
+    """Each worker process's memory: RSS (where the OS reports it), its C heap in use and kept free
+    (glibc), and on CUDA the caching allocator's reserved and allocated bytes (only for workers that
+    have them)."""
     yield _per_worker(
         GaugeMetricFamily,
         "pdserve_worker_rss_bytes",
@@ -137,6 +138,12 @@ def _memory_metrics(workers: list[WorkerStats]) -> Iterator[Metric]:
         [w for w in workers if w.rss_bytes > 0],
         lambda w: w.rss_bytes,
     )
+    heap = [w for w in workers if w.heap_in_use_bytes > 0]
+    for name, doc, attr in (
+        ("in_use", "C heap bytes a worker has malloc'd and not freed (glibc mallinfo2)", "heap_in_use_bytes"),
+        ("free", "Freed C heap bytes a worker's malloc arenas keep (fragmentation)", "heap_free_bytes"),
+    ):
+        yield _per_worker(GaugeMetricFamily, f"pdserve_worker_heap_{name}_bytes", doc, heap, attrgetter(attr))
     cuda = [w for w in workers if w.cuda_reserved_bytes > 0]
     for name, doc, attr in (
         ("reserved", "CUDA memory a worker's torch caching allocator holds from the driver", "cuda_reserved_bytes"),
