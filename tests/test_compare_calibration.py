@@ -309,3 +309,41 @@ def test_a_calibration_with_a_step_fit_and_no_peak_still_predicts(tmp_path):
     bare.write_text(json.dumps(cm.Calibration(device="cpu", dtype="fp32").to_dict()))
     with pytest.raises(ValueError, match="neither peak_tflops nor a step fit"):
         setup_from_calibration("tiny", bare)
+
+
+def test_transfer_from_an_earlier_result_rebuilds_each_modes_device_model(tmp_path):
+    """--transfer-from: the earlier run's fits per pool (prompt steps apart), its decode admission
+    and serving hop; a file of another model or another command is refused."""
+    from benchmarks.compare import transfer
+
+    rng = random.Random(3)
+    steps = [LoggedStep("c-0", "colocated", s, y, torch_threads=1) for s, y in _steps(40, rng)]
+    steps += [
+        LoggedStep("c-0", "colocated", StepShape.of([], [(0, n)]), 0.001 * n, torch_threads=2) for n in (300, 700)
+    ]
+    cal = build_self_calibration(steps, [], [], 1000)
+    mode = {
+        "label": "colocated",
+        "spec": {"mode": "colocated"},
+        "self_calibration": json.loads(json.dumps(cal.to_dict())),
+        "prediction_basis": {"decode_admission_ms": 0.0},
+        "serving_overhead": {"hop_ms": 12.0},
+    }
+    chunked = dict(mode, label="chunked-128", spec={"mode": "chunked"}, self_calibration=None)
+    doc = {"provenance": {"config": {"bench_command": "compare", "model": "tiny"}}, "modes": [mode, chunked]}
+    path = tmp_path / "compare-a.json"
+    path.write_text(json.dumps(doc))
+    found, missing = transfer.load(path, "tiny")
+    assert set(found) == {"colocated"} and "chunked-128" in missing
+    t = found["colocated"]
+    assert t.setup.kind == "transfer" and t.hop_s == pytest.approx(0.012) and t.basis["used"] == "transfer"
+    assert t.setup.prompt_threads == 2 and t.setup.steps.prompt_fit is not None
+    shape = StepShape.of([200] * 3)
+    assert t.setup.steps.fit is not None and t.setup.steps.fit.seconds(shape) == pytest.approx(
+        cal.decode_fit.seconds(shape)
+    )
+    with pytest.raises(ValueError, match="this run serves"):
+        transfer.load(path, "smollm2-135m-instruct")
+    path.write_text(json.dumps({"provenance": {"config": {"bench_command": "probe"}}}))
+    with pytest.raises(ValueError, match="not a `pdserve bench compare` result"):
+        transfer.load(path, "tiny")

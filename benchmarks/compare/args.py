@@ -267,6 +267,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "of `pdserve bench chunks` where that predicted the warm-up better)",
     )
     o.add_argument(
+        "--transfer-from",
+        default=None,
+        metavar="RESULT",
+        help="predict each mode from an earlier `bench compare` result's fits to that mode's server "
+        "(its warm-up steps, decode admission and serving hop) instead of this run's warm-up: transfer "
+        "accuracy, a workload predicted from a run of another (the default is replay: this schedule's warm-up)",
+    )
+    o.add_argument(
         "--probe-calibration",
         action="store_true",
         help="also calibrate each mode with `pdserve bench probe --quick` of its server (about a minute "

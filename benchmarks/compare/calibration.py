@@ -158,6 +158,21 @@ class PoolFit:
             "prompt_fit": self.prompt_fit.to_dict() if self.prompt_fit else None,
         }
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PoolFit:
+        """A pool fit as `to_dict` wrote it (an earlier `bench compare` result's)."""
+        prompt = d.get("prompt_fit")
+        return cls(
+            d["pool"],
+            StepCostFit.from_dict(d["fit"]),
+            int(d["steps"]),
+            int(d.get("trimmed", 0)),
+            d.get("torch_threads"),
+            StepCostFit.from_dict(prompt) if prompt else None,
+            d.get("prompt_threads"),
+            int(d.get("prompt_steps", 0)),
+        )
+
 
 def trimmed_fit(samples: Sequence[tuple[StepShape, float]]) -> tuple[StepCostFit, int]:
     """The NNLS fit after dropping the steps it misprices by far more than the typical step."""
@@ -303,6 +318,19 @@ class SelfCalibration:
         k = self.decode_slowdown_beside_prefill
         beside = f", decode steps {k:.2f}x beside a prefill" if k > 1.0 else ""
         return f"{pools}; serving hop {hop}{link}{beside}"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SelfCalibration:
+        """A self-calibration as `to_dict` wrote it into an earlier `bench compare` result."""
+        return cls(
+            {k: PoolFit.from_dict(p) for k, p in d["pools"].items()},
+            d.get("hop_ms"),
+            int(d.get("hop_requests", 0)),
+            d.get("link_gbytes_per_s"),
+            d.get("recorder_error"),
+            float(d.get("decode_slowdown_beside_prefill", 1.0)),
+            list(d.get("notes", [])),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {

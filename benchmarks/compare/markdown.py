@@ -78,7 +78,9 @@ def _predicted_section(result: dict[str, Any]) -> list[str]:
     ]
     head = (
         "Calibration per mode (*self*: fitted to that server's own warm-up steps in this run; *file*: a "
-        "calibration file; of the two, the one that predicted the mode's warm-up better is used):"
+        "calibration file; of the two, the one that predicted the mode's warm-up better is used; *transfer*: "
+        "fitted to the same mode's server in an earlier run of another workload (`--transfer-from`), nothing of "
+        "this run's):"
     )
     bases = ["", head, "", *bases] if bases else []
     return _md_table(["mode"] + [label for _, label, _ in COMPARED], rows) + bases

@@ -52,6 +52,9 @@ class CompareRun:
     calibration_path: Path | None = None  # the calibration file (found or given), if modes run
     file_setup: Any = None  # its device model (compare_predict.Setup), None if absent or unusable
     file_error: str | None = None  # why there is no file_setup
+    # --transfer-from: mode label -> the earlier run's device model (benchmarks/compare/transfer.py)
+    transfer: dict[str, Any] = field(default_factory=dict)
+    transfer_missing: dict[str, str] = field(default_factory=dict)
     # measure
     runs: list[ModeRun] = field(default_factory=list)
     # calibrate
@@ -97,6 +100,17 @@ def plan(args: argparse.Namespace) -> CompareRun:
     )
     if modes:
         _read_calibration_file(run)
+    if args.transfer_from:
+        from benchmarks.compare import transfer  # noqa: PLC0415
+
+        if args.calibration:
+            raise CliError("--transfer-from and --calibration each choose the device model: give one")
+        try:
+            run.transfer, run.transfer_missing = transfer.load(Path(args.transfer_from), args.model)
+        except ValueError as e:
+            raise CliError(str(e)) from e
+        if not run.transfer:
+            raise CliError(f"--transfer-from {args.transfer_from}: no mode of it can be predicted from")
     return run
 
 
@@ -116,6 +130,14 @@ def calibrate(run: CompareRun) -> None:
     for r in run.ours:
         if r.bench is None or r.spec.mode == "auto":
             continue  # the simulator has no auto mode: the router's own predictions stand
+        if args.transfer_from:
+            t = run.transfer.get(r.spec.label)
+            why = run.transfer_missing.get(r.spec.label, f"{args.transfer_from} did not run {r.spec.label}")
+            r.prediction_basis = t.basis if t else {"used": None, "why": why, "self_error": why}
+            if t is not None:
+                run.setups[r.spec.label] = _with_link(args, t.setup)
+            log(f"{r.spec.label}: predicted from {pc.describe_basis(r.prediction_basis)}")
+            continue
         choice = pc.choose(
             args.model,
             r,
@@ -173,8 +195,10 @@ def predict(run: CompareRun) -> None:
         if setup is None:
             continue
         sc = pc.sim_config_of(r.spec, args.max_num_seqs, setup, args.kv_transfer, args.kv_stream_layers)
+        moved = run.transfer.get(r.spec.label)
+        hop = moved.hop_s if moved is not None else pc.hop_s(r)  # transfer: nothing of this run's
         run.predictions[r.spec.label] = cp.predict(
-            r.spec.label, sc, setup, sim_specs, slo["ttft_ms"], slo["tpot_ms"], pc.hop_s(r)
+            r.spec.label, sc, setup, sim_specs, slo["ttft_ms"], slo["tpot_ms"], hop
         )
         if r.probes is not None:
             from benchmarks.compare.link_probe import predict_documents  # noqa: PLC0415

@@ -1,0 +1,78 @@
+"""`bench compare --transfer-from RESULT`: each mode predicted from what an earlier run measured.
+
+By default a mode is predicted from the steps its own server ran in this run's warm-up, whose
+schedule and prompt lengths are the timed run's: *replay* accuracy. A user plans the other way
+round: a server measured on one workload, a prediction wanted for another. This module takes an
+earlier `bench compare` result and, for each mode label it shares with this run, rebuilds the
+device model that run fitted to its own server (the step-cost fits per pool, prompt steps on their
+own threads included), with that run's decode admission delay and serving hop: nothing measured
+in this run reaches the prediction, so its error is *transfer* accuracy.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.compare.calibration import SelfCalibration, prediction_setup
+from costmodel.sim.compare_predict import PredictionSetup
+
+
+@dataclass(frozen=True)
+class Transferred:
+    """One mode's device model from the earlier run, and that run's serving hop."""
+
+    setup: PredictionSetup
+    hop_s: float
+    basis: dict[str, Any]
+
+
+def load(path: Path, model: str) -> tuple[dict[str, Transferred], dict[str, str]]:
+    """(mode label -> its transferred device model, mode label -> why it has none) from the
+    result JSON at `path`. Raises ValueError if the file is not a `bench compare` result of `model`."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--transfer-from {path}: {e}") from e
+    config = (doc.get("provenance") or {}).get("config") or {}
+    if config.get("bench_command") != "compare" or not isinstance(doc.get("modes"), list):
+        raise ValueError(f"--transfer-from {path}: not a `pdserve bench compare` result")
+    if config.get("model") != model:
+        raise ValueError(f"--transfer-from {path}: measured {config.get('model')!r}, this run serves {model!r}")
+    found: dict[str, Transferred] = {}
+    missing: dict[str, str] = {}
+    for m in doc["modes"]:
+        label, cal_dict = m.get("label"), m.get("self_calibration")
+        mode = (m.get("spec") or {}).get("mode")
+        if not label or mode is None:
+            continue
+        if not cal_dict:
+            missing[label] = f"{path} has no self-calibration for {label}"
+            continue
+        cal = SelfCalibration.from_dict(cal_dict)
+        setup, why = prediction_setup(model, mode, cal)
+        if setup is None:
+            missing[label] = f"{path}: {why}"
+            continue
+        basis = m.get("prediction_basis") or {}
+        admit_ms = basis.get("decode_admission_ms") or 0.0
+        hop_ms = (m.get("serving_overhead") or {}).get("hop_ms") or 0.0
+        source = f"transfer: fitted to {cal.steps} steps of {label}'s warm-up in {path}"
+        setup = replace(setup, source=source, kind="transfer", admit_s=admit_ms / 1e3)
+        found[label] = Transferred(
+            setup,
+            hop_ms / 1e3,
+            {
+                "used": "transfer",
+                "why": f"--transfer-from {path} (that run's warm-up, decode admission and serving hop)",
+                "source": source,
+                "fitted_steps": cal.steps,
+                "warning": None,
+                "decode_admission_ms": admit_ms,
+                "decode_slowdown_beside_prefill": setup.decode_slowdown,
+                "transfer_hop_ms": hop_ms,
+            },
+        )
+    return found, missing
