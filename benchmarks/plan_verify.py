@@ -72,9 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.verify < 0 or args.verify > MAX_VERIFY:
         raise CliError(f"--verify must be 0-{MAX_VERIFY} (each candidate is a server started and loaded)")
+    by_kind = _compare_fits(args)
     if not args.verify:
-        return plan_cli.main(args)
-    plan = plan_cli.make_plan(args)
+        return plan_cli.main(args, by_kind)
+    plan = plan_cli.make_plan(args, by_kind)
     if not args.json:
         plan_cli.print_plan(plan)
     chosen = to_verify(plan.ranked, args.verify, args.workers)
@@ -96,6 +97,26 @@ def main(args: argparse.Namespace) -> int:
     print(format_verification(rows, summary))
     print(f"\nresult: {path}")
     return 0
+
+
+def _compare_fits(args: argparse.Namespace) -> dict[str, Any] | None:
+    """A device model per deployment kind when --calibration is a `bench compare` result (its
+    fits to each server it ran, benchmarks/compare/transfer.py), else None (a calibration file)."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from benchmarks.compare import transfer  # noqa: PLC0415
+
+    if not args.calibration or not transfer.is_compare_result(Path(args.calibration)):
+        return None
+    if args.gpu:
+        raise CliError("give one device model: --calibration FILE or --gpu NAME")
+    try:
+        found, _ = transfer.load(Path(args.calibration), args.model)
+    except ValueError as e:
+        raise CliError(str(e).replace("--transfer-from", "--calibration")) from None
+    if not found:
+        raise CliError(f"--calibration {args.calibration}: no mode of that run has a fit to price from")
+    return transfer.by_kind(found)
 
 
 def to_verify(ranked: list[Scored], k: int, budget: int) -> list[Scored]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "pdserve plan --gpu h100 --model llama-3.1-70b --workers 8 --workload article --slo-ttft-ms 2000"
     )
     g = p.add_argument_group("the device model (one of)")
-    g.add_argument("--calibration", help="calibration JSON (`bench chunks`, `bench probe`, `bench compare`)")
+    g.add_argument(
+        "--calibration",
+        help="calibration JSON (`bench chunks`, `bench probe`), or a `bench compare` result: each candidate "
+        "is then priced by the fit to the server of its kind (colocated, chunked, disagg) in that run",
+    )
     g.add_argument("--gpu", help=f"price from a datasheet instead (predicted only): {', '.join(sorted(cm.HARDWARE))}")
     g.add_argument("--model", required=True, help="model preset, checkpoint dir or config.json (its shapes)")
     g.add_argument(
@@ -119,10 +124,18 @@ class Plan:
     elapsed_s: float
 
 
-def make_plan(args: argparse.Namespace) -> Plan:
-    """Every candidate simulated, ranked and explained (raises CliError on bad flags)."""
+def make_plan(args: argparse.Namespace, by_kind: Mapping[str, cp.PredictionSetup] | None = None) -> Plan:
+    """Every candidate simulated, ranked and explained (raises CliError on bad flags). `by_kind`:
+    a device model per deployment kind ("colocated", "chunked", "disagg": a `bench compare`
+    result's fits to each of its servers, benchmarks/plan_verify.py reads them); a candidate of a
+    kind it lacks is priced by the colocated one (else the first)."""
     t0 = time.perf_counter()
-    setup = _setup(args)
+    if by_kind:
+        _check_flags(args)
+        setup = by_kind.get("colocated") or next(iter(by_kind.values()))
+    else:
+        setup = _setup(args)
+    setup_of = lambda c: (by_kind or {}).get(c.mode, setup)  # noqa: E731
     specs, note = _requests(args)
     try:
         chunks = [int(x) for x in args.chunk_sizes.split(",") if x.strip()]
@@ -130,18 +143,25 @@ def make_plan(args: argparse.Namespace) -> Plan:
     except ValueError as e:
         raise CliError(f"--chunk-sizes/--workers: {e}") from None
     slos = Slos(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_stall_ms)
-    ranked = rank([score(c, setup, specs, slos, args.max_num_seqs) for c in cands])
-    err = fit_error(setup)
+    ranked = rank([score(c, setup_of(c), specs, slos, args.max_num_seqs) for c in cands])
+    errs = [e for e in (fit_error(s) for s in {id(s): s for s in [setup, *(by_kind or {}).values()]}.values()) if e]
+    err = max(errs) if errs else None
     if err:  # the top candidates again at the fit's error either way: is the choice a toss-up?
         for s in ranked[:INTERVAL_TOP]:
-            s.interval = interval(s, setup, specs, slos, args.max_num_seqs, err)
+            s.interval = interval(s, setup_of(s.candidate), specs, slos, args.max_num_seqs, err)
     elapsed = time.perf_counter() - t0
     winner = ranked[0]
     command = ["pdserve", "serve", "--model", args.model, *winner.candidate.serve_args()]
     why = explain(ranked, setup, specs, err, slos)
     doc = {
         "predicted": True,
-        "device_model": {"source": setup.source, "kind": setup.kind, "link": setup.link.label, "fit_error": err},
+        "device_model": {
+            "source": setup.source,
+            "kind": setup.kind,
+            "link": setup.link.label,
+            "fit_error": err,
+            "by_kind": {k: s.source for k, s in by_kind.items()} if by_kind else None,
+        },
         "workload": {
             "preset": None if args.trace else args.workload,
             "trace": args.trace,
@@ -166,13 +186,18 @@ def print_plan(plan: Plan) -> None:
     if plan.note:
         print(f"  note: {plan.note}")
     print(
-        f"\n{len(plan.ranked)} candidates simulated in {plan.elapsed_s:.1f} s on {plan.setup.source}. Every figure is "
+        f"\n{len(plan.ranked)} candidates simulated in {plan.elapsed_s:.1f} s on {_source(plan)}. Every figure is "
         "predicted by the simulator, none measured: `--verify K` deploys the top K on this machine."
     )
 
 
-def main(args: argparse.Namespace) -> int:
-    plan = make_plan(args)
+def _source(plan: Plan) -> str:
+    by_kind = plan.doc["device_model"].get("by_kind")
+    return "; ".join(f"{k} candidates: {v}" for k, v in by_kind.items()) if by_kind else plan.setup.source
+
+
+def main(args: argparse.Namespace, by_kind: Mapping[str, cp.PredictionSetup] | None = None) -> int:
+    plan = make_plan(args, by_kind)
     if args.json:
         emit_json(plan.doc)
     else:
@@ -180,11 +205,15 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _setup(args: argparse.Namespace) -> cp.PredictionSetup:
+def _check_flags(args: argparse.Namespace) -> None:
     for flag in ("max_num_seqs", "slo_ttft_ms", "slo_tpot_ms", "slo_stall_ms"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise CliError(f"--{flag.replace('_', '-')} must be > 0")
+
+
+def _setup(args: argparse.Namespace) -> cp.PredictionSetup:
+    _check_flags(args)
     if bool(args.calibration) == bool(args.gpu):
         raise CliError("give one device model: --calibration FILE or --gpu NAME")
     if args.link is not None and args.link not in cm.LINKS:

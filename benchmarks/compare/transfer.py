@@ -27,6 +27,25 @@ class Transferred:
     setup: PredictionSetup
     hop_s: float
     basis: dict[str, Any]
+    kind: str = "colocated"  # the deployment it was fitted on: "colocated", "chunked" or "disagg"
+
+
+def is_compare_result(path: Path) -> bool:
+    """Whether `path` holds a `bench compare` result (not a calibration file)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return False
+    config = ((doc.get("provenance") or {}).get("config") or {}) if isinstance(doc, dict) else {}
+    return config.get("bench_command") == "compare"
+
+
+def by_kind(found: dict[str, Transferred]) -> dict[str, PredictionSetup]:
+    """One device model per deployment kind (the first mode of each kind in the result)."""
+    out: dict[str, PredictionSetup] = {}
+    for t in found.values():
+        out.setdefault(t.kind, t.setup)
+    return out
 
 
 def load(path: Path, model: str) -> tuple[dict[str, Transferred], dict[str, str]]:
@@ -61,6 +80,7 @@ def load(path: Path, model: str) -> tuple[dict[str, Transferred], dict[str, str]
         hop_ms = (m.get("serving_overhead") or {}).get("hop_ms") or 0.0
         source = f"transfer: fitted to {cal.steps} steps of {label}'s warm-up in {path}"
         setup = replace(setup, source=source, kind="transfer", admit_s=admit_ms / 1e3)
+        kind = "chunked" if mode == "colocated" and (m.get("spec") or {}).get("chunk_size") else mode
         found[label] = Transferred(
             setup,
             hop_ms / 1e3,
@@ -74,5 +94,6 @@ def load(path: Path, model: str) -> tuple[dict[str, Transferred], dict[str, str]
                 "decode_slowdown_beside_prefill": setup.decode_slowdown,
                 "transfer_hop_ms": hop_ms,
             },
+            kind,
         )
     return found, missing
