@@ -188,3 +188,31 @@ def test_verify_deploys_the_winner_and_the_baseline_and_puts_measured_beside_pre
 def test_verify_takes_a_small_count(calibration, capsys):
     assert cli_main(["plan", "--calibration", calibration, "--model", "tiny", "--verify", "20"]) == 2
     assert "--verify must be 0-8" in capsys.readouterr().err
+
+
+def test_a_compare_result_prices_each_candidate_by_the_fit_to_the_server_of_its_kind(tmp_path, capsys):
+    """--calibration <bench compare result>: its colocated server's fit prices whole-prompt
+    candidates, its chunked server's the chunked ones; a dearer chunked fit shows in every chunked row."""
+    from benchmarks.compare.calibration import PoolFit, SelfCalibration
+
+    def mode(label: str, chunk: int | None, fit: StepCostFit) -> dict:
+        cal = SelfCalibration({"colocated": PoolFit("colocated", fit, 100, 0, 1)}, 10.0, 4, None)
+        spec = {"mode": "colocated", "chunk_size": chunk}
+        return {"label": label, "spec": spec, "self_calibration": cal.to_dict(), "serving_overhead": {"hop_ms": 10.0}}
+
+    dear = StepCostFit(0.005, 3e-3, 0.0, 1e-3, samples=100, rms_rel_error=0.1)  # prompt tokens at 3x
+    doc = {
+        "provenance": {"config": {"bench_command": "compare", "model": "tiny"}},
+        "modes": [mode("colocated", None, FIT), mode("chunked-128", 128, dear)],
+    }
+    path = tmp_path / "compare-x.json"
+    path.write_text(json.dumps(doc))
+    args = ("--model", "tiny", "--workers", "1", "--slo-stall-ms", "500")
+    by_kind = _plan_json(capsys, "--calibration", str(path), *args)
+    assert set(by_kind["device_model"]["by_kind"]) == {"colocated", "chunked"}
+    one = tmp_path / "one.calibration.json"
+    one.write_text(json.dumps(cm.Calibration(device="cpu", dtype="fp32", step_fit=FIT.to_dict()).to_dict()))
+    flat = _plan_json(capsys, "--calibration", str(one), *args)
+    stall = lambda d, label: next(c for c in d["candidates"] if c["label"] == label)["predicted"]["stall_p90_ms"]  # noqa: E731
+    assert stall(by_kind, "colocated") == pytest.approx(stall(flat, "colocated"))  # the same fit
+    assert stall(by_kind, "chunked 128") > 1.5 * stall(flat, "chunked 128")  # the chunked server's dearer fit
