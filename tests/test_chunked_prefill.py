@@ -242,6 +242,29 @@ def test_fp8_widening_is_bit_exact():
     assert torch.equal(bits.t().view(torch.float16), fp8_as_float16(x2))
 
 
+def test_gather_widens_fp8_pages_bit_exactly():
+    """A chunk's context (`KVCache.gather`, the chunked-prefill path) widens through the two-byte
+    trick on CPU; the dequantized K and V equal torch's float8 conversion times the scales, bit for
+    bit, over random values and every e4m3 byte (subnormals included)."""
+    layout = KVLayout.build(CFG, CacheConfig(block_size=16, num_blocks=40, kv_dtype="fp8"))
+    cache = KVCache(layout)
+    H, D = layout.num_kv_heads, layout.head_dim
+    n = 40 * 16
+    k = torch.randn(n, H, D) * torch.logspace(-4, 2, n)[:, None, None]
+    cache.write(0, torch.arange(n), k, -k)
+    every_byte = torch.arange(256, dtype=torch.uint8).repeat(16 * H * D // 256 + 1)[: 16 * H * D]
+    every_byte[(every_byte & 0x7F) == 0x7F] = 0  # e4m3's NaNs: the pool never holds them (writes clamp)
+    cache.data[3, 0, 0] = every_byte.view(torch.float8_e4m3fn).view(16, H, D)
+    table = torch.randperm(40)
+    for length in (1, 37, 300, n):
+        got_k, got_v = cache.gather(0, table, length)
+        blocks = table[: -(-length // 16)]
+        raw = cache.data[blocks, 0].transpose(0, 1).reshape(2, -1, H, D)[:, :length].float()
+        s = cache.scales[blocks, 0].transpose(0, 1).reshape(2, -1, H)[:, :length].unsqueeze(-1)
+        want = raw * s
+        assert torch.equal(got_k, want[0]) and torch.equal(got_v, want[1]), length
+
+
 @pytest.mark.parametrize("kv_dtype", ["fp8", "bf16", "fp32"])
 def test_write_at_stores_the_bytes_write_does(kv_dtype):
     """The batched backend's write (slot indices once per step, K and V quantized together)
