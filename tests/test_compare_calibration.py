@@ -347,3 +347,18 @@ def test_transfer_from_an_earlier_result_rebuilds_each_modes_device_model(tmp_pa
     path.write_text(json.dumps({"provenance": {"config": {"bench_command": "probe"}}}))
     with pytest.raises(ValueError, match="not a `pdserve bench compare` result"):
         transfer.load(path, "tiny")
+
+
+def test_shape_requests_are_the_longest_documents_start_at_shorter_lengths():
+    from benchmarks.compare.side_requests import shape_specs
+
+    chat = RequestSpec("chat-0", "hi there", 2, 8, 0.0, "chat")
+    doc = RequestSpec("doc-0", " ".join(f"w{i}" for i in range(400)), 400, 4, 1.5, "doc")
+    got = shape_specs([chat, doc])
+    assert [(s.prompt_len, len(str(s.prompt).split()), s.max_tokens, s.arrival_s) for s in got] == [
+        (100, 100, 1, 0.0),
+        (200, 200, 1, 0.0),
+    ]
+    assert str(got[1].prompt).startswith(str(got[0].prompt))
+    ids = shape_specs([RequestSpec("doc-1", tuple(range(64)), 64, 4, 0.0, "doc")], fractions=(0.5,))
+    assert ids[0].prompt == tuple(range(32)) and ids[0].request_id == "shape-0"

@@ -14,8 +14,9 @@ in its warm-up, in the same run:
   --prompt-threads) has those steps priced apart (`fit_beside`): in the one fit they mixed two
   machines (`make demo`, 2026-12-05: colocated max stall predicted 1,219 ms, measured 593);
 - `hop_ms` times what a warm request waits beyond its worker's queue and prefill (HTTP/SSE,
-  router, Ray hops), from a few requests sent one at a time after the warm-up (`hop_specs`): the
-  warm-up's own requests queue behind each other.
+  router, Ray hops), from a few requests sent one at a time after the warm-up
+  (`side_requests.hop_specs`): the warm-up's own requests queue behind each other; and lone
+  shorter documents (`side_requests.shape_specs`) give the fit prompts of more than one length.
 
 A step that ran cold (the first of its shape: allocator growth, oneDNN weight layouts) would pull
 the fit up, so the fit is trimmed: steps the first fit misprices by far more than the typical
@@ -37,7 +38,6 @@ import httpx
 from costmodel.fit.step_fit import StepCostFit, StepShape, fit, fit_beside
 from costmodel.sim import compare_predict as cp
 from costmodel.sim.compare_predict import PredictionSetup
-from costmodel.workloads import RequestSpec
 from engine.config import PROMPT_STEP_TOKENS
 
 POLL_S = 1.0  # a worker keeps its last 256 steps; at >= 4 ms a step none is missed between polls
@@ -367,13 +367,6 @@ def link_rate(records: Sequence[Any], kv_bytes_per_token: int) -> float | None:
         if r.transfer and r.transfer.get("ms")
     ]
     return statistics.median(pulls) / 1e9 if pulls else None
-
-
-def hop_specs(warmup: Sequence[RequestSpec], n: int = 4, spacing_s: float = 0.4) -> list[RequestSpec]:
-    """`n` short requests, one at a time, on a warm server: the first chat of the warm-up (its text,
-    so no timed prompt lands in the prefix cache), two tokens each."""
-    chat = next((s for s in warmup if s.kind == "chat"), warmup[0])
-    return [replace(chat, request_id=f"hop-{i}", max_tokens=2, arrival_s=i * spacing_s) for i in range(n)]
 
 
 def build(

@@ -30,10 +30,11 @@ from benchmarks.client.bench_serve import BenchConfig, run_benchmark
 from benchmarks.client.gc_pauses import QuietGC
 from benchmarks.compare import demo_samples
 from benchmarks.compare.args import ModeSpec
-from benchmarks.compare.calibration import StepLogRecorder, hop_ms, hop_specs
+from benchmarks.compare.calibration import StepLogRecorder, hop_ms
 from benchmarks.compare.calibration import build as build_self_calibration
 from benchmarks.compare.equality import equality_pass
 from benchmarks.compare.record import ModeRun
+from benchmarks.compare.side_requests import hop_specs, shape_specs
 from costmodel.article import cost_model as cm
 from costmodel.workloads import RequestSpec, build_workload
 from engine.config import PRESETS
@@ -90,6 +91,9 @@ def run_mode(
             warmup = asyncio.run(run_benchmark(replace(bench, client=client), warm))
             log("  serving overhead (a few warm requests, one at a time)")
             hops = asyncio.run(run_benchmark(replace(bench, client=client), hop_specs(warm)))
+            log("  prompt lengths (shorter documents alone, new text: a per-token cost apart from attention)")
+            for one in shape_specs(warmup_specs(bench, specs, 3)):
+                asyncio.run(run_benchmark(replace(bench, client=client), [one]))
         kv_bytes = cm.kv_bytes_per_token(cm.ModelSpec.resolve(cfg.model), cfg.kv_dtype)
         calibration = build_self_calibration(steps.steps, warmup.records, hops.records, kv_bytes, steps.error)
         log(f"  self-calibration: {calibration.summary()}")
