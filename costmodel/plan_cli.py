@@ -28,6 +28,8 @@ from costmodel.sim import compare_predict as cp
 from costmodel.sim.model import StepModel
 from costmodel.workloads import RequestSpec, WorkloadConfig, workload_specs
 
+# a workload prompt this many times the longest the calibration measured gets a note: extrapolated
+EXTRAPOLATE = 1.5
 # without a fit error (a datasheet model): two candidates closer than this on goodput per worker
 # are not told apart
 TOSS_UP = 0.02
@@ -149,6 +151,14 @@ def make_plan(args: argparse.Namespace, by_kind: Mapping[str, cp.PredictionSetup
     if err:  # the top candidates again at the fit's error either way: is the choice a toss-up?
         for s in ranked[:INTERVAL_TOP]:
             s.interval = interval(s, setup_of(s.candidate), specs, slos, args.max_num_seqs, err)
+    longest = max(s.prompt_len for s in specs)
+    measured = [s.longest_prompt for s in [setup, *(by_kind or {}).values()] if s.longest_prompt]
+    if measured and longest > EXTRAPOLATE * min(measured):
+        beyond = (
+            f"the workload's prompts reach {longest} tokens, its calibration's measured prompts {min(measured)}: "
+            "attention and context costs are extrapolated (calibrate on prompts as long as the workload's)"
+        )
+        note = f"{note}; {beyond}" if note else beyond
     elapsed = time.perf_counter() - t0
     winner = ranked[0]
     command = ["pdserve", "serve", "--model", args.model, *winner.candidate.serve_args()]

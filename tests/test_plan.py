@@ -196,7 +196,7 @@ def test_a_compare_result_prices_each_candidate_by_the_fit_to_the_server_of_its_
     from benchmarks.compare.calibration import PoolFit, SelfCalibration
 
     def mode(label: str, chunk: int | None, fit: StepCostFit) -> dict:
-        cal = SelfCalibration({"colocated": PoolFit("colocated", fit, 100, 0, 1)}, 10.0, 4, None)
+        cal = SelfCalibration({"colocated": PoolFit("colocated", fit, 100, 0, 1)}, 10.0, 4, None, longest_prompt=300)
         spec = {"mode": "colocated", "chunk_size": chunk}
         return {"label": label, "spec": spec, "self_calibration": cal.to_dict(), "serving_overhead": {"hop_ms": 10.0}}
 
@@ -210,6 +210,8 @@ def test_a_compare_result_prices_each_candidate_by_the_fit_to_the_server_of_its_
     args = ("--model", "tiny", "--workers", "1", "--slo-stall-ms", "500")
     by_kind = _plan_json(capsys, "--calibration", str(path), *args)
     assert set(by_kind["device_model"]["by_kind"]) == {"colocated", "chunked"}
+    # the article's 2048-token documents, a fit that saw 300-token prompts: said, not hidden
+    assert "reach 2048 tokens" in by_kind["workload"]["note"] and "extrapolated" in by_kind["workload"]["note"]
     one = tmp_path / "one.calibration.json"
     one.write_text(json.dumps(cm.Calibration(device="cpu", dtype="fp32", step_fit=FIT.to_dict()).to_dict()))
     flat = _plan_json(capsys, "--calibration", str(one), *args)

@@ -273,6 +273,7 @@ class SelfCalibration:
     recorder_error: str | None = None
     decode_slowdown_beside_prefill: float = 1.0  # disagg on shared cores (beside_prefill_slowdown)
     notes: list[str] = field(default_factory=list)
+    longest_prompt: int | None = None  # tokens: the warm-up's longest prompt (beyond it the fit extrapolates)
 
     @property
     def decode_fit(self) -> StepCostFit | None:
@@ -330,6 +331,7 @@ class SelfCalibration:
             d.get("recorder_error"),
             float(d.get("decode_slowdown_beside_prefill", 1.0)),
             list(d.get("notes", [])),
+            d.get("longest_prompt"),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -344,6 +346,7 @@ class SelfCalibration:
             "decode_slowdown_beside_prefill": self.decode_slowdown_beside_prefill,
             "recorder_error": self.recorder_error,
             "notes": self.notes,
+            "longest_prompt": self.longest_prompt,
         }
 
 
@@ -382,6 +385,7 @@ def build(
     decode = pools.get("decode")
     slowdown = beside_prefill_slowdown(steps, decode.fit if decode else None)
     cal = SelfCalibration(pools, hop, n, link_rate(warmup_records, kv_bytes_per_token), recorder_error, slowdown)
+    cal.longest_prompt = max((r.n_in for r in warmup_records if getattr(r, "ok", False)), default=None)
     if not cal.pools:
         cal.notes.append(f"no pool ran {MIN_STEPS} steps in the warm-up ({len(steps)} steps seen)")
     return cal
@@ -409,4 +413,5 @@ def prediction_setup(model: str, mode: str, cal: SelfCalibration | None) -> tupl
         torch_threads=cal.torch_threads,
         prompt_fit=cal.prompt_fit,
     )
+    setup = replace(setup, longest_prompt=cal.longest_prompt)
     return replace(setup, decode_slowdown=cal.decode_slowdown_beside_prefill), None

@@ -75,6 +75,9 @@ def load(path: Path, model: str) -> tuple[dict[str, Transferred], dict[str, str]
         if setup is None:
             missing[label] = f"{path}: {why}"
             continue
+        if setup.longest_prompt is None:  # a result written before the field: its timed run's prompts
+            lens = [r.get("prompt_tokens") or r.get("prompt_len") or 0 for r in m.get("records") or []]
+            setup = replace(setup, longest_prompt=max(lens) or None if lens else None)
         basis = m.get("prediction_basis") or {}
         admit_ms = basis.get("decode_admission_ms") or 0.0
         hop_ms = (m.get("serving_overhead") or {}).get("hop_ms") or 0.0

@@ -42,6 +42,7 @@ class PredictionSetup:
     decode_slowdown: float = 1.0  # disagg: a decode step beside a prefill step (SimConfig.decode_slowdown)
     torch_threads: int | None = None  # intra-op threads the priced steps were measured with (None: unknown)
     prompt_threads: int | None = None  # threads of the prompt steps priced by steps.prompt_fit (None: no such fit)
+    longest_prompt: int | None = None  # the longest prompt (tokens) the fit saw: beyond it, it extrapolates
 
     def describe(self) -> dict[str, Any]:
         hw = self.steps.hw
