@@ -101,10 +101,10 @@ def main(args: argparse.Namespace) -> int:
 
 def _compare_fits(args: argparse.Namespace) -> dict[str, Any] | None:
     """A device model per deployment kind when --calibration is a `bench compare` result (its
-    fits to each server it ran, benchmarks/compare/transfer.py), else None (a calibration file)."""
+    fits to each server it ran, benchmarks/compare/calibrate/transfer.py), else None (a calibration file)."""
     from pathlib import Path  # noqa: PLC0415
 
-    from benchmarks.compare import transfer  # noqa: PLC0415
+    from benchmarks.compare.calibrate import transfer  # noqa: PLC0415
 
     if not args.calibration or not transfer.is_compare_result(Path(args.calibration)):
         return None

@@ -8,15 +8,9 @@ import random
 
 import pytest
 
-from benchmarks.compare.calibration import (
-    LoggedStep,
-    StepLogRecorder,
-    fit_pools,
-    link_rate,
-    prediction_setup,
-    trimmed_fit,
-)
-from benchmarks.compare.calibration import build as build_self_calibration
+from benchmarks.compare.calibrate.calibration import LoggedStep, fit_pools, link_rate, prediction_setup, trimmed_fit
+from benchmarks.compare.calibrate.calibration import build as build_self_calibration
+from benchmarks.compare.calibrate.step_log import StepLogRecorder
 from costmodel.article import cost_model as cm
 from costmodel.fit.step_fit import StepCostFit, StepShape
 from costmodel.machine import calibration_mismatch, cpu_model, git
@@ -174,7 +168,7 @@ def _mode_run(label: str, mode: str, warm_fit: StepCostFit, steps_fit: StepCostF
     `steps_fit`: what `compare_prediction.choose` sees after a real mode ran."""
     from benchmarks.client.bench_serve import BenchConfig, BenchResult
     from benchmarks.compare.args import ModeSpec
-    from benchmarks.compare.calibration import PoolFit, SelfCalibration
+    from benchmarks.compare.calibrate.calibration import PoolFit, SelfCalibration
     from benchmarks.compare.record import ModeRun
     from costmodel.serve_metrics import compute_metrics
     from costmodel.sim.compare_predict import simulate_specs
@@ -233,7 +227,7 @@ def test_slos_derived_from_the_calibration_scale_with_its_step_prices():
 
 
 def test_decode_steps_beside_a_prefill_are_priced_apart():
-    from benchmarks.compare.calibration import beside_prefill_slowdown, overlap
+    from benchmarks.compare.calibrate.calibration import beside_prefill_slowdown, overlap
 
     decode_shape = StepShape.of([200] * 4)
     price = TRUE.seconds(decode_shape)
@@ -314,7 +308,7 @@ def test_a_calibration_with_a_step_fit_and_no_peak_still_predicts(tmp_path):
 def test_transfer_from_an_earlier_result_rebuilds_each_modes_device_model(tmp_path):
     """--transfer-from: the earlier run's fits per pool (prompt steps apart), its decode admission
     and serving hop; a file of another model or another command is refused."""
-    from benchmarks.compare import transfer
+    from benchmarks.compare.calibrate import transfer
 
     rng = random.Random(3)
     steps = [LoggedStep("c-0", "colocated", s, y, torch_threads=1) for s, y in _steps(40, rng)]
@@ -350,7 +344,7 @@ def test_transfer_from_an_earlier_result_rebuilds_each_modes_device_model(tmp_pa
 
 
 def test_shape_requests_are_the_longest_documents_start_at_shorter_lengths():
-    from benchmarks.compare.side_requests import shape_specs
+    from benchmarks.compare.calibrate.side_requests import shape_specs
 
     chat = RequestSpec("chat-0", "hi there", 2, 8, 0.0, "chat")
     doc = RequestSpec("doc-0", " ".join(f"w{i}" for i in range(400)), 400, 4, 1.5, "doc")

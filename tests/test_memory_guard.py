@@ -110,7 +110,7 @@ def test_health_loop_warns_when_a_workers_rss_grows(watched_server, caplog):
 def test_soak_reads_the_trend_from_medians_not_from_one_sample():
     """The soak's flatness figure: a last sample that caught a long prompt's activations reads as
     growth first to last, not by the medians of the window's ends."""
-    from benchmarks.soak.soak import MEDIAN_S, rss_growth  # noqa: PLC0415
+    from benchmarks.soak.memory import MEDIAN_S, rss_growth  # noqa: PLC0415
 
     flat = [(t, 500.0 + (60.0 if t == 1800 else 0.0)) for t in range(0, 1805, 5)]
     g = rss_growth(flat, 600, 1800, 15)

@@ -193,7 +193,7 @@ def test_verify_takes_a_small_count(calibration, capsys):
 def test_a_compare_result_prices_each_candidate_by_the_fit_to_the_server_of_its_kind(tmp_path, capsys):
     """--calibration <bench compare result>: its colocated server's fit prices whole-prompt
     candidates, its chunked server's the chunked ones; a dearer chunked fit shows in every chunked row."""
-    from benchmarks.compare.calibration import PoolFit, SelfCalibration
+    from benchmarks.compare.calibrate.calibration import PoolFit, SelfCalibration
 
     def mode(label: str, chunk: int | None, fit: StepCostFit) -> dict:
         cal = SelfCalibration({"colocated": PoolFit("colocated", fit, 100, 0, 1)}, 10.0, 4, None, longest_prompt=300)

@@ -2,8 +2,8 @@
 beside the simulator.
 
 `command` (the command: the pipeline's stages in order), `pipeline` (`CompareRun` and the
-stages), `args` (the flags), `modes` and `endpoints` (running the servers), `calibration`
-(each server's own steps, fitted), `prediction` (which device model predicts each mode),
+stages), `args` (the flags), `modes` and `endpoints` (running the servers), `calibrate/`
+(each server's own steps, fitted; `--transfer-from`), `prediction` (which device model predicts each mode),
 `equality` (same requests, same tokens), `record` (what one run holds), `auto`, `table`,
 `markdown`, `plots`, `demo_samples`, `link_probe`.
 

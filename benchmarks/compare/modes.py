@@ -13,7 +13,7 @@ For each mode a pdserve server (Ray actors + uvicorn on a free loopback port,
    (and its prefix-cache hits) shape nothing that is timed, auto's online fits included.
 Through the warm-up (and a few warm requests after it, which time the serving overhead: HTTP/SSE,
 router and Ray hops) the server's own step log is recorded: the mode is predicted from steps that
-very server ran (`benchmarks/compare/calibration.py`).
+very server ran (`benchmarks/compare/calibrate/calibration.py`).
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ from benchmarks.client.bench_serve import BenchConfig, run_benchmark
 from benchmarks.client.gc_pauses import QuietGC
 from benchmarks.compare import demo_samples
 from benchmarks.compare.args import ModeSpec
-from benchmarks.compare.calibration import StepLogRecorder, hop_ms
-from benchmarks.compare.calibration import build as build_self_calibration
+from benchmarks.compare.calibrate.calibration import build as build_self_calibration
+from benchmarks.compare.calibrate.calibration import hop_ms
+from benchmarks.compare.calibrate.side_requests import hop_specs, shape_specs
+from benchmarks.compare.calibrate.step_log import StepLogRecorder
 from benchmarks.compare.equality import equality_pass
 from benchmarks.compare.record import ModeRun
-from benchmarks.compare.side_requests import hop_specs, shape_specs
 from costmodel.article import cost_model as cm
 from costmodel.workloads import RequestSpec, build_workload
 from engine.config import PRESETS

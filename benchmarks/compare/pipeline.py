@@ -52,7 +52,7 @@ class CompareRun:
     calibration_path: Path | None = None  # the calibration file (found or given), if modes run
     file_setup: Any = None  # its device model (compare_predict.Setup), None if absent or unusable
     file_error: str | None = None  # why there is no file_setup
-    # --transfer-from: mode label -> the earlier run's device model (benchmarks/compare/transfer.py)
+    # --transfer-from: mode label -> the earlier run's device model (benchmarks/compare/calibrate/transfer.py)
     transfer: dict[str, Any] = field(default_factory=dict)
     transfer_missing: dict[str, str] = field(default_factory=dict)
     # measure
@@ -101,7 +101,7 @@ def plan(args: argparse.Namespace) -> CompareRun:
     if modes:
         _read_calibration_file(run)
     if args.transfer_from:
-        from benchmarks.compare import transfer  # noqa: PLC0415
+        from benchmarks.compare.calibrate import transfer  # noqa: PLC0415
 
         if args.calibration:
             raise CliError("--transfer-from and --calibration each choose the device model: give one")

@@ -3,7 +3,7 @@ model it ran on.
 
 Each pdserve mode has up to two candidate device models:
 - **self**: step-cost fits to the steps that very server ran in its warm-up, in this run
-  (`benchmarks/compare/calibration.py`);
+  (`benchmarks/compare/calibrate/calibration.py`);
 - **file**: a calibration file (`--calibration FILE`, else `pdserve bench chunks`' file for this
   model and device), possibly made on another machine or at another commit.
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from benchmarks.compare.args import EndpointSpec, ModeSpec
-from benchmarks.compare.calibration import prediction_setup as self_setup
+from benchmarks.compare.calibrate.calibration import prediction_setup as self_setup
 from benchmarks.compare.record import ModeRun
 from costmodel.serve_metrics import compute_metrics
 from costmodel.sim import compare_predict as cp

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.compare.calibration import SelfCalibration, prediction_setup
+from benchmarks.compare.calibrate.calibration import SelfCalibration, prediction_setup
 from costmodel.sim.compare_predict import PredictionSetup
 
 
