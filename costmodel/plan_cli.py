@@ -146,8 +146,8 @@ def make_plan(args: argparse.Namespace, by_kind: Mapping[str, cp.PredictionSetup
         raise CliError(f"--chunk-sizes/--workers: {e}") from None
     slos = Slos(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_stall_ms)
     ranked = rank([score(c, setup_of(c), specs, slos, args.max_num_seqs) for c in cands])
-    errs = [e for e in (fit_error(s) for s in {id(s): s for s in [setup, *(by_kind or {}).values()]}.values()) if e]
-    err = max(errs) if errs else None
+    errs = [e for e in map(fit_error, [setup, *(by_kind or {}).values()]) if e]
+    err = max(errs, default=None)
     if err:  # the top candidates again at the fit's error either way: is the choice a toss-up?
         for s in ranked[:INTERVAL_TOP]:
             s.interval = interval(s, setup_of(s.candidate), specs, slos, args.max_num_seqs, err)
