@@ -125,7 +125,7 @@ def to_verify(ranked: list[Scored], k: int, budget: int) -> list[Scored]:
     fixed = {Candidate("colocated", budget)}
     if budget >= 2:
         fixed.add(Candidate("disagg", budget - budget // 2, budget // 2))
-    baseline = next((s for s in ranked if s.candidate in fixed), None)
+    baseline = next((s for s in ranked if replace(s.candidate, prefix_policy=False) in fixed), None)
     if baseline is not None and baseline not in top:
         top.append(baseline)
     return top
@@ -174,6 +174,7 @@ def verify_one(s: Scored, rank: int, specs: list[RequestSpec], slos: Slos, args:
             decode=c.decode,
             kv_transfer=c.kv_transfer if c.mode == "disagg" else "bulk",
             max_num_seqs=args.max_num_seqs,
+            policy="prefix" if c.prefix_policy else ServeConfig.policy,
         )
         cfg.validate()
     except ConfigError as e:
@@ -221,9 +222,21 @@ def settle(limit_s: float, quiet: float = QUIET_LOAD) -> None:
 
 def fresh_prompts(specs: list[RequestSpec], seed: int) -> list[RequestSpec]:
     """The same schedule and lengths with new random token ids (a trace's prompts are placeholders,
-    and a preset's own prompts would be prefix-cache hits on a second pass)."""
+    and a preset's own prompts would be prefix-cache hits on a second pass). Requests that share a
+    prefix still do, with new ids: each pass starts with none of its prefixes cached, as the plan
+    simulates it."""
     rng = random.Random(seed)
-    return [replace(s, prompt=tuple(rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(s.prompt_len))) for s in specs]
+    draw = lambda n: tuple(rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(n))  # noqa: E731
+    longest: dict[str, int] = {}
+    for s in specs:
+        if s.prefix_id is not None:
+            longest[s.prefix_id] = max(longest.get(s.prefix_id, 0), s.prefix_len)
+    prefixes = {k: draw(n) for k, n in sorted(longest.items())}
+    out = []
+    for s in specs:
+        shared = prefixes[s.prefix_id][: s.prefix_len] if s.prefix_id is not None else ()
+        out.append(replace(s, prompt=shared + draw(s.prompt_len - len(shared))))
+    return out
 
 
 def summarize(rows: list[VerifyRow], winner: str) -> dict[str, Any]:

@@ -88,6 +88,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--rate", type=float, default=None, help="chat/rag: requests/s; mixed: documents/s (Poisson)")
     w.add_argument("--isl", type=int, default=None, help="chat/rag: mean prompt tokens; article/mixed: document tokens")
     w.add_argument("--osl", type=int, default=None, help="chat/rag: output tokens; article/mixed: a chat's output")
+    w.add_argument(
+        "--prefix-share",
+        type=float,
+        default=None,
+        help="chat/rag: the share of each prompt that is a prefix shared with other requests (a system "
+        "prompt; 0-0.99), cached by the server and modelled so (default 0)",
+    )
+    w.add_argument(
+        "--prefixes", type=int, default=None, help="with --prefix-share: how many distinct shared prefixes (default 1)"
+    )
     w.add_argument("--seed", type=int, default=0)
     w.add_argument(
         "--trace",
@@ -141,7 +151,8 @@ def make_plan(args: argparse.Namespace, by_kind: Mapping[str, cp.PredictionSetup
     specs, note = _requests(args)
     try:
         chunks = [int(x) for x in args.chunk_sizes.split(",") if x.strip()]
-        cands = enumerate_candidates(args.workers, chunks, max(s.prompt_len for s in specs))
+        shared = any(s.prefix_id is not None for s in specs)
+        cands = enumerate_candidates(args.workers, chunks, max(s.prompt_len for s in specs), shared)
     except ValueError as e:
         raise CliError(f"--chunk-sizes/--workers: {e}") from None
     slos = Slos(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_stall_ms)
@@ -258,15 +269,20 @@ def _requests(args: argparse.Namespace) -> tuple[list[RequestSpec], str | None]:
     """The workload's requests (a preset, or --trace), and a note on what the plan leaves out."""
     if not args.trace:
         return workload_specs(_workload(args)), None
-    if any(getattr(args, f) is not None for f in ("rate", "isl", "osl", "num_requests")):
-        raise CliError("--trace gives the requests: --rate, --isl, --osl and --num-requests do not apply")
+    if any(getattr(args, f) is not None for f in ("rate", "isl", "osl", "num_requests", "prefix_share", "prefixes")):
+        raise CliError(
+            "--trace gives the requests: --rate, --isl, --osl, --num-requests, --prefix-share and --prefixes "
+            "do not apply"
+        )
     try:
         specs, shared = read_trace(Path(args.trace))
     except OSError as e:
         raise CliError(f"--trace {args.trace}: {e.strerror or e}") from None
     except ValueError as e:
         raise CliError(str(e)) from None
-    note = f"{shared} requests carry a prefix_id; prefix sharing is not modelled yet" if shared else None
+    note = None
+    if shared:
+        note = f"{shared} requests carry a prefix_id without prefix_tokens: their sharing is not modelled"
     return specs, note
 
 
@@ -279,6 +295,8 @@ def _workload(args: argparse.Namespace) -> WorkloadConfig:
         ("rate", "request_rate", "doc_rate"),
         ("isl", "random_input_len", "doc_prompt_len"),
         ("osl", "random_output_len", "chat_output_len"),
+        ("prefix_share", "prefix_share", None),
+        ("prefixes", "prefix_count", None),
     ):
         value = getattr(args, flag)
         if value is None:

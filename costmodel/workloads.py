@@ -28,7 +28,7 @@ import json
 import math
 import random
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -49,6 +49,10 @@ class RequestSpec:
     max_tokens: int
     arrival_s: float  # offset from benchmark start at which the request is sent
     kind: RequestKind
+    # a shared prompt prefix: the first `prefix_len` tokens are those of every request with this
+    # id (a system prompt), so a server's prefix cache can reuse them; None: nothing shared
+    prefix_id: str | None = None
+    prefix_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,11 @@ class WorkloadConfig:
     random_input_len: int = 128
     random_output_len: int = 64
     random_range_ratio: float = 0.0
+    # random: the first prefix_share x random_input_len tokens of each prompt are one of
+    # `prefix_count` shared prefixes (request i takes prefix i mod count; a system prompt), the
+    # rest its own; 0 = nothing shared. A prompt keeps at least one token of its own.
+    prefix_share: float = 0.0
+    prefix_count: int = 1
     sharegpt_file: str | None = None
     sharegpt_max_output_len: int = 256
     # article mix
@@ -86,6 +95,7 @@ class WorkloadConfig:
             (self.request_rate > 0, "--request-rate must be > 0 (use inf for all at once)"),
             (self.random_input_len >= 1 and self.random_output_len >= 1, "random lengths must be >= 1"),
             (0.0 <= self.random_range_ratio < 1.0, "--random-range-ratio must be in [0, 1)"),
+            (0.0 <= self.prefix_share < 1.0 and self.prefix_count >= 1, "--prefix-share in [0, 1), --prefixes >= 1"),
             (self.chat_streams >= 0 and self.doc_count >= 0, "--chat-streams/--doc-count must be >= 0"),
             (self.chat_prompt_len >= 1 and self.doc_prompt_len >= 1, "prompt lengths must be >= 1"),
             (self.chat_output_len >= 1 and self.doc_output_len >= 1, "output lengths must be >= 1"),
@@ -146,11 +156,26 @@ def _length(rng: random.Random, mean: int, ratio: float) -> int:
 
 def _random_workload(cfg: WorkloadConfig, rng: random.Random) -> list[RequestSpec]:
     arrivals = poisson_arrivals(cfg.num_requests, cfg.request_rate, rng)
+    shared = round(cfg.prefix_share * cfg.random_input_len)
+    # the prefixes from their own stream: the lengths and times are those of the same workload unshared
+    prefix_rng = random.Random(f"{cfg.seed}-prefixes")
+    prefixes = [make_prompt(shared, prefix_rng, cfg) for _ in range(cfg.prefix_count)] if shared else []
     specs = []
     for i, t in enumerate(arrivals):
         n_in = _length(rng, cfg.random_input_len, cfg.random_range_ratio)
         n_out = _length(rng, cfg.random_output_len, cfg.random_range_ratio)
-        specs.append(RequestSpec(f"random-{i}", make_prompt(n_in, rng, cfg), n_in, n_out, t, "random"))
+        prompt = make_prompt(n_in, rng, cfg)
+        spec = RequestSpec(f"random-{i}", prompt, n_in, n_out, t, "random")
+        if prefixes:
+            k, own = i % len(prefixes), min(shared, n_in - 1)
+            head, tail = prefixes[k][:own], prompt[own:]
+            joined: str | tuple[int, ...]
+            if isinstance(head, str) and isinstance(tail, str):
+                joined = head + tail
+            else:
+                joined = tuple(int(x) for x in head) + tuple(int(x) for x in tail)
+            spec = replace(spec, prompt=joined, prefix_id=f"prefix-{k}", prefix_len=own)
+        specs.append(spec)
     return specs
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 DEFAULT_CHUNKS = (64, 128, 256, 512, 1024, 2048)
 # the splits grow as the square of the budget: 64 workers is ~4,400 candidates, minutes of simulation
@@ -14,13 +14,16 @@ MAX_BUDGET = 64
 class Candidate:
     """One deployment: `mode` "colocated" (whole prompts), "chunked" (colocated, prompts in chunks
     of `chunk` tokens mixed into decode steps) or "disagg" (`prefill` + `decode` workers, the KV
-    pulled whole after the prefill, "bulk", or streamed layer by layer while it runs)."""
+    pulled whole after the prefill, "bulk", or streamed layer by layer while it runs).
+    `prefix_policy`: requests go to the worker that caches most of their shared prefix
+    (`--policy prefix`); set where the workload shares prefixes and a pool has several workers."""
 
     mode: str
     decode: int
     prefill: int = 0
     chunk: int | None = None
     kv_transfer: str = "bulk"
+    prefix_policy: bool = False
 
     @property
     def workers(self) -> int:
@@ -35,18 +38,22 @@ class Candidate:
 
     def serve_args(self) -> list[str]:
         """The `pdserve serve` flags that deploy it."""
+        policy = ["--policy", "prefix"] if self.prefix_policy else []
         if self.mode == "disagg":
             split = ["--prefill", str(self.prefill), "--decode", str(self.decode)]
-            return ["--mode", "disagg", *split, "--kv-transfer", self.kv_transfer]
+            return ["--mode", "disagg", *split, "--kv-transfer", self.kv_transfer, *policy]
         chunk = ["--chunk-size", str(self.chunk)] if self.mode == "chunked" else []
-        return ["--mode", "colocated", "--decode", str(self.decode), *chunk]
+        return ["--mode", "colocated", "--decode", str(self.decode), *chunk, *policy]
 
 
-def enumerate_candidates(budget: int, chunks: Sequence[int], longest_prompt: int) -> list[Candidate]:
+def enumerate_candidates(
+    budget: int, chunks: Sequence[int], longest_prompt: int, shared_prefixes: bool = False
+) -> list[Candidate]:
     """Every deployment of 1 to `budget` workers: colocated whole; chunked at each size in `chunks`
     shorter than the longest prompt (a chunk no prompt fills is the whole prompt again); every
     xPyD split with x, y >= 1, its KV pulled whole or streamed layer by layer. Smaller deployments
-    compete too: ranked by goodput per worker, the fewest workers that meet the SLOs win."""
+    compete too: ranked by goodput per worker, the fewest workers that meet the SLOs win. With
+    `shared_prefixes`, a deployment with several workers in a pool routes by prefix."""
     if not 1 <= budget <= MAX_BUDGET:
         raise ValueError(f"--workers must be 1-{MAX_BUDGET}")
     useful = [c for c in sorted(set(chunks)) if 0 < c < longest_prompt]
@@ -54,4 +61,6 @@ def enumerate_candidates(budget: int, chunks: Sequence[int], longest_prompt: int
     for n in range(1, budget + 1):
         out += [Candidate("colocated", n), *(Candidate("chunked", n, chunk=c) for c in useful)]
         out += [Candidate("disagg", n - p, p, kv_transfer=t) for p in range(1, n) for t in ("bulk", "layerwise")]
+    if shared_prefixes:
+        out = [replace(c, prefix_policy=max(c.prefill, c.decode) > 1) for c in out]
     return out

@@ -78,10 +78,13 @@ def score(
 ) -> Scored:
     """One candidate through the simulator."""
     sim_mode = "disagg" if cand.mode == "disagg" else "colocated"
+    # what the calibration measured beyond the steps: decode admission, decode steps beside a
+    # prefill on shared cores, the serving hop (0 and 1 where it measured none)
     cfg = cp.sim_config(
-        sim_mode, cand.chunk, cand.prefill, cand.decode, max_num_seqs, setup.link, kv_transfer=cand.kv_transfer
-    )
-    pred = cp.predict(cand.label, cfg, setup, specs, slos.ttft_ms, slos.tpot_ms)
+        sim_mode, cand.chunk, cand.prefill, cand.decode, max_num_seqs, setup.link, setup.admit_s,
+        setup.decode_slowdown, kv_transfer=cand.kv_transfer, prefix_policy=cand.prefix_policy,
+    )  # fmt: skip
+    pred = cp.predict(cand.label, cfg, setup, specs, slos.ttft_ms, slos.tpot_ms, setup.hop_s)
     j = judge(pred.records, pred.metrics, slos, cand.workers)
     return Scored(cand, pred.metrics, j.attainment, j.meets, j.goodput_per_worker)
 

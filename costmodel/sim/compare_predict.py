@@ -43,6 +43,9 @@ class PredictionSetup:
     torch_threads: int | None = None  # intra-op threads the priced steps were measured with (None: unknown)
     prompt_threads: int | None = None  # threads of the prompt steps priced by steps.prompt_fit (None: no such fit)
     longest_prompt: int | None = None  # the longest prompt (tokens) the fit saw: beyond it, it extrapolates
+    # every token reaches the client this long after its worker emits it (router and HTTP hops,
+    # measured by `bench compare`; 0: not known). `bench compare` passes its own run's hop apart.
+    hop_s: float = 0.0
 
     def describe(self) -> dict[str, Any]:
         hw = self.steps.hw
@@ -187,6 +190,7 @@ def sim_config(
     decode_slowdown: float = 1.0,
     kv_transfer: str = "bulk",
     kv_stream_layers: int = 1,
+    prefix_policy: bool = False,
 ) -> SimConfig:
     """The simulator's view of one pdserve mode ("colocated" whole or chunked, or "disagg"; the
     KV transfer settings only matter to "disagg": nothing crosses a link otherwise)."""
@@ -201,10 +205,13 @@ def sim_config(
             decode_slowdown=decode_slowdown,
             kv_transfer=kv_transfer,
             kv_stream_layers=kv_stream_layers,
+            prefix_policy=prefix_policy,
         )
     if chunk_size:
-        return SimConfig("chunked", workers=decode, chunk=chunk_size, max_batch=max_num_seqs, link=link)
-    return SimConfig("colocated", workers=decode, max_batch=max_num_seqs, link=link)
+        return SimConfig(
+            "chunked", workers=decode, chunk=chunk_size, max_batch=max_num_seqs, link=link, prefix_policy=prefix_policy
+        )
+    return SimConfig("colocated", workers=decode, max_batch=max_num_seqs, link=link, prefix_policy=prefix_policy)
 
 
 def simulate_requests(cfg: SimConfig, steps: StepModel, specs: list[RequestSpec]) -> list[Request]:
@@ -214,6 +221,7 @@ def simulate_requests(cfg: SimConfig, steps: StepModel, specs: list[RequestSpec]
     reqs: list[Request] = []
     for i, s in enumerate(specs):
         r = Request(i, "doc" if s.kind == "document" else "chat", s.arrival_s, s.prompt_len, s.max_tokens)
+        r.prefix_key, r.prefix_len = s.prefix_id, s.prefix_len
         sim.requests.append(r)
         sim.at(s.arrival_s, sim.dispatch, r)
         reqs.append(r)

@@ -123,9 +123,15 @@ class Sim:
         return r
 
     def dispatch(self, r: Request) -> None:
-        w = min(self.front, key=lambda w: w.load)
+        w = self._pick(self.front, r)
         w.queue.append(r)
         w.kick()
+
+    def _pick(self, workers: list, r: Request):
+        """The least loaded worker; under the prefix policy, the one holding most of `r`'s prefix first."""
+        if self.cfg.prefix_policy and r.prefix_key is not None:
+            return min(workers, key=lambda w: (-w.held(r), w.load))
+        return min(workers, key=lambda w: w.load)
 
     def finish(self, r: Request) -> None:
         self.finished.append(r)
@@ -138,7 +144,7 @@ class Sim:
         note what its link already carries: the stream's groups queue behind it."""
         if not self._streams(r, prefill_s):
             return
-        dw = self._least_loaded_decode()
+        dw = self._least_loaded_decode(r)
         dw.inflight += 1
         self._open[r.rid] = _OpenStream(dw, self.now, max(0.0, dw.link_free - self.now))
 
@@ -147,7 +153,7 @@ class Sim:
         or what is left of its stream) and the request joins that worker's batch once it has."""
         stream = self._open.pop(r.rid, None)
         if stream is None:
-            dw = self._least_loaded_decode()
+            dw = self._least_loaded_decode(r)
             dw.inflight += 1
             landed = self._pull_kv(r, dw)
         else:
@@ -155,15 +161,20 @@ class Sim:
         r.exposed_transfer_s = landed - self.now
         self.at(landed + self.cfg.admit_s, dw.receive, r)
 
-    def _least_loaded_decode(self) -> DecodeWorker:
-        dw = min(self.decode, key=lambda w: w.load)
+    def _least_loaded_decode(self, r: Request) -> DecodeWorker:
+        dw = self._pick(self.decode, r)
         assert isinstance(dw, DecodeWorker)  # KV is only sent in disaggregated mode
         return dw
+
+    @staticmethod
+    def _pulled(r: Request, dw: DecodeWorker) -> int:
+        """Prompt tokens whose KV crosses to `dw`: those its own prefix cache does not hold."""
+        return r.prompt - dw.held(r, leave_one=False)
 
     def _pull_kv(self, r: Request, dw: DecodeWorker) -> float:
         """Bulk: the whole KV crosses once the prefill has ended and the link is free."""
         r.kv_transfer = "bulk"
-        r.transfer_s = self.steps.transfer(r.prompt, self.cfg.link)
+        r.transfer_s = self.steps.transfer(self._pulled(r, dw), self.cfg.link)
         landed = max(self.now, dw.link_free) + r.transfer_s
         self._charge_link(dw, landed - r.transfer_s, landed, r.transfer_s)
         return landed
@@ -173,10 +184,11 @@ class Sim:
         them; what is left now is the layer-wise recurrence's exposed part (costmodel/article/layerwise.py)."""
         cfg = self.cfg
         groups = cfg.kv_groups(self.steps.model)
-        kv, prefill_s = self.steps.kv_bytes(r.prompt), self._prefill_s(r)
+        pulled = self._pulled(r, stream.worker)
+        kv, prefill_s = self.steps.kv_bytes(pulled), self._prefill_s(r)
         exposed = layerwise_exposed_s(kv, prefill_s, groups, cfg.kv_link(), stream.ahead_s)
         r.kv_transfer = "layerwise"
-        r.transfer_s = self.steps.transfer(r.prompt, cfg.link)  # its bytes' time on the link, as bulk's
+        r.transfer_s = self.steps.transfer(pulled, cfg.link)  # its bytes' time on the link, as bulk's
         landed = self.now + exposed
         # its pulls and their overheads, spread over the prefill and the exposed part after it
         self._charge_link(stream.worker, stream.start, landed, r.transfer_s + groups * cfg.kv_group_overhead_s)

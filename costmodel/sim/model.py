@@ -37,6 +37,12 @@ class Request:
     # once its prefill had ended (the link's queue included), as pdserve's timeline says exposed_ms
     kv_transfer: str | None = None
     exposed_transfer_s: float | None = None
+    # a shared prompt prefix (a system prompt, a document asked about again): its first
+    # `prefix_len` tokens are the same as every other request's with this `prefix_key`, so a
+    # worker whose KV cache holds them computes (and a decode worker pulls) only the rest
+    prefix_key: str | None = None
+    prefix_len: int = 0
+    cached: int = 0  # prompt tokens its prefill found in the worker's prefix cache (whole blocks)
 
     @property
     def done(self) -> bool:
@@ -95,12 +101,14 @@ class StepModel:
             return self.prompt_fit
         return self.fit
 
-    def prefill_pool_step(self, prompts: list[int]) -> float:
-        """One step of a disaggregated prefill worker: these whole prompts, batched."""
+    def prefill_pool_step(self, parts: list[tuple[int, int]]) -> float:
+        """One step of a disaggregated prefill worker: these prompts (start, n), batched; a prompt
+        whose prefix was cached starts past it."""
         f = self.prefill_fit or self.fit
         if f is not None:
-            return f.seconds(StepShape.of((), [(0, n) for n in prompts]))
-        return self.prefill(prompts[0])
+            return f.seconds(StepShape.of((), parts))
+        start, n = parts[0]
+        return self.prefill(n) if start == 0 else self.chunk(start, n)
 
     def decode(self, batch: list[Request]) -> float:
         if self.fit is not None:
@@ -150,6 +158,12 @@ class SimConfig:
     kv_transfer: str = "bulk"
     kv_stream_layers: int = 1
     kv_group_overhead_s: float = DEFAULT_GROUP_OVERHEAD_S
+    # prefix caching, as the engine does it: a prompt reuses the whole `block_size`-token blocks
+    # of its shared prefix a worker already holds (no eviction: the pools are taken to hold every
+    # prefix). `prefix_policy`: requests go to the worker holding most of their prefix, ties and
+    # misses to the least loaded (pdserve's --policy prefix); else to the least loaded.
+    block_size: int = 16
+    prefix_policy: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -48,6 +48,22 @@ class Worker:
         self.running: list[Request] = []
         self.busy = False
         self.log: list[StepRecord] = []
+        self.prefixes: dict[str, int] = {}  # prefix key -> how many of its tokens this worker's KV cache holds
+
+    def held(self, r: Request, leave_one: bool = True) -> int:
+        """Tokens of `r`'s prompt this worker's prefix cache holds, in whole blocks. A prefill
+        leaves at least one token to compute (its logits give the first token); a decode worker
+        taking a prefilled prompt in reuses every whole block it holds."""
+        if r.prefix_key is None:
+            return 0
+        n = min(self.prefixes.get(r.prefix_key, 0), r.prefix_len, r.prompt - 1 if leave_one else r.prompt)
+        return n - n % self.sim.cfg.block_size
+
+    def remember(self, r: Request, upto: int) -> None:
+        """`r`'s prompt KV up to token `upto` is in this worker's cache now: its shared prefix part is
+        a hit for the next request with the same prefix (full blocks register as they fill)."""
+        if r.prefix_key is not None:
+            self.prefixes[r.prefix_key] = max(self.prefixes.get(r.prefix_key, 0), min(upto, r.prefix_len))
 
     @property
     def load(self) -> int:
@@ -90,16 +106,27 @@ class Worker:
         whatever its length, then more while they fit `max_prefill_tokens` and the batch limit."""
         cfg, budget = self.sim.cfg, self.sim.cfg.max_prefill_tokens
         out: list[Request] = []
-        while self.queue and batch + len(out) < cfg.max_batch and (not out or self.queue[0].prompt <= budget):
+        while (
+            self.queue
+            and batch + len(out) < cfg.max_batch
+            and (not out or self.queue[0].prompt - self.held(self.queue[0]) <= budget)
+        ):
             r = self.queue.popleft()
+            r.cached = self.held(r)
             r.prefilled, r.prefill_start = r.prompt, self.sim.now
-            budget -= r.prompt
+            budget -= r.prompt - r.cached
             out.append(r)
         return out
+
+    @staticmethod
+    def _computed(prompts: list[Request]) -> list[tuple[int, int]]:
+        """The (start, tokens) each whole prompt computes: what its cached prefix leaves."""
+        return [(r.cached, r.prompt - r.cached) for r in prompts]
 
     def _prefilled(self, r: Request) -> None:
         """First token of `r` is out: decode it here, or finish."""
         r.token_times.append(self.sim.now)
+        self.remember(r, r.prompt)
         if r.done:
             self.sim.finish(r)
         else:
@@ -113,8 +140,11 @@ class ColocatedWorker(Worker):
             if self.queue and len(self.running) < cfg.max_batch:
                 if steps.fit is None:  # the article's freeze: the prefill runs instead of the decode step
                     r = self.queue.popleft()
+                    r.cached = self.held(r)
                     r.prefilled, r.prefill_start = r.prompt, self.sim.now
-                    return steps.prefill(r.prompt), r.prompt, 0, lambda: self._prefilled(r)
+                    n = r.prompt - r.cached
+                    dur = steps.chunk(r.cached, n) if r.cached else steps.prefill(r.prompt)
+                    return dur, n, 0, lambda: self._prefilled(r)
                 # the engine's: one forward of the decode batch + every waiting prompt that fits
                 batch, prompts = list(self.running), self._take_whole(len(self.running))
 
@@ -123,19 +153,20 @@ class ColocatedWorker(Worker):
                     for r in prompts:
                         self._prefilled(r)
 
-                whole = [(0, r.prompt) for r in prompts]
-                return steps.step(batch, whole), sum(r.prompt for r in prompts), len(batch), fin_mixed
+                whole = self._computed(prompts)
+                return steps.step(batch, whole), sum(n for _, n in whole), len(batch), fin_mixed
             return self._decode_step() if self.running else None
         batch, budget = list(self.running), cfg.chunk
         parts: list[tuple[Request, int, int]] = []  # (request, chunk start, chunk tokens)
         for r in self.queue:
             if budget == 0 or len(batch) + len(parts) >= cfg.max_batch:
                 break
+            if r.prefill_start is None:  # its first chunk starts past the prefix the cache holds
+                r.prefill_start = self.sim.now
+                r.cached = r.prefilled = self.held(r)
             n = min(budget, r.prompt - r.prefilled)
             parts.append((r, r.prefilled, n))
             budget -= n
-            if r.prefill_start is None:
-                r.prefill_start = self.sim.now
         if not batch and not parts:
             return None
         dur = steps.step(batch, [(s, n) for _, s, n in parts])
@@ -144,6 +175,7 @@ class ColocatedWorker(Worker):
             self._emit(batch)
             for r, s, n in parts:
                 r.prefilled = s + n
+                self.remember(r, r.prefilled)
                 if r.prefilled == r.prompt:
                     self.queue.remove(r)
                     self._prefilled(r)
@@ -162,23 +194,29 @@ class PrefillWorker(Worker):
         steps = self.sim.steps
         # measured steps (a fit): the engine's batch of waiting whole prompts; else one at a time
         measured = steps.fit is not None or steps.prefill_fit is not None
-        prompts = self._take_whole(0) if measured else [self.queue.popleft()]
+        if measured:
+            prompts = self._take_whole(0)
+        else:
+            prompts = [self.queue.popleft()]
+            prompts[0].cached = self.held(prompts[0])
         for r in prompts:
             r.prefilled, r.prefill_start = r.prompt, self.sim.now
 
         def fin() -> None:
             for r in prompts:
                 r.token_times.append(self.sim.now)
+                self.remember(r, r.prompt)
                 if r.done:
                     self.sim.finish(r)
                 else:
                     self.sim.send_kv(r)
 
-        dur = steps.prefill_pool_step([r.prompt for r in prompts])
+        parts = self._computed(prompts)
+        dur = steps.prefill_pool_step(parts)
         for r in prompts:
             if r.output > 1:  # its KV crosses once this step ends (a 1-token request just finishes)
                 self.sim.open_kv_stream(r, dur)
-        return dur, sum(r.prompt for r in prompts), 0, fin
+        return dur, sum(n for _, n in parts), 0, fin
 
 
 class DecodeWorker(Worker):
@@ -193,6 +231,7 @@ class DecodeWorker(Worker):
 
     def receive(self, r: Request) -> None:
         self.inflight -= 1
+        self.remember(r, r.prompt)
         self.queue.append(r)
         self.kick()
 

@@ -82,7 +82,7 @@ def load(path: Path, model: str) -> tuple[dict[str, Transferred], dict[str, str]
         admit_ms = basis.get("decode_admission_ms") or 0.0
         hop_ms = (m.get("serving_overhead") or {}).get("hop_ms") or 0.0
         source = f"transfer: fitted to {cal.steps} steps of {label}'s warm-up in {path}"
-        setup = replace(setup, source=source, kind="transfer", admit_s=admit_ms / 1e3)
+        setup = replace(setup, source=source, kind="transfer", admit_s=admit_ms / 1e3, hop_s=hop_ms / 1e3)
         kind = "chunked" if mode == "colocated" and (m.get("spec") or {}).get("chunk_size") else mode
         found[label] = Transferred(
             setup,
