@@ -11,7 +11,7 @@ from benchmarks.plan_verify import fresh_prompts, to_verify
 from cli import main as cli_main
 from costmodel.article import cost_model as cm
 from costmodel.fit.step_fit import StepCostFit
-from costmodel.plan.candidates import Candidate, enumerate_candidates
+from costmodel.plan.candidates import enumerate_candidates
 from costmodel.plan.trace import read_trace
 from costmodel.sim import compare_predict as cp
 from costmodel.sim.model import StepModel
@@ -145,5 +145,6 @@ def test_the_prefix_share_flag_shortens_predicted_prefills(tmp_path, capsys):
     assert ttft("--prefix-share", "0.75") < 0.6 * ttft()
     assert cli_main([*argv, "--prefix-share", "1.5"]) == 2
     assert "--prefix-share in [0, 1)" in capsys.readouterr().err
-    assert cli_main(["plan", "--calibration", str(cal), "--model", "tiny", "--workload", "article", "--prefixes", "2"]) == 2
+    article = ["plan", "--calibration", str(cal), "--model", "tiny", "--workload", "article"]
+    assert cli_main([*article, "--prefixes", "2"]) == 2
     assert "--prefixes does not apply to --workload article" in capsys.readouterr().err
