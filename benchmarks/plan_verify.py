@@ -100,22 +100,30 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _compare_fits(args: argparse.Namespace) -> dict[str, Any] | None:
-    """A device model per deployment kind when --calibration is a `bench compare` result (its
-    fits to each server it ran, benchmarks/compare/calibrate/transfer.py), else None (a calibration file)."""
+    """A device model per deployment kind when --calibration names `bench compare` results (their
+    fits to each server they ran, benchmarks/compare/calibrate/transfer.py; several, comma-separated,
+    pool what each measured: one run of 1-worker servers and one of `--decode 2`), else None (a
+    calibration file)."""
     from pathlib import Path  # noqa: PLC0415
 
     from benchmarks.compare.calibrate import transfer  # noqa: PLC0415
 
-    if not args.calibration or not transfer.is_compare_result(Path(args.calibration)):
+    paths = [Path(p.strip()) for p in (args.calibration or "").split(",") if p.strip()]
+    if not paths or (len(paths) == 1 and not transfer.is_compare_result(paths[0])):
         return None
     if args.gpu:
         raise CliError("give one device model: --calibration FILE or --gpu NAME")
-    try:
-        found, _ = transfer.load(Path(args.calibration), args.model)
-    except ValueError as e:
-        raise CliError(str(e).replace("--transfer-from", "--calibration")) from None
-    if not found:
-        raise CliError(f"--calibration {args.calibration}: no mode of that run has a fit to price from")
+    found: dict[str, Any] = {}
+    for path in paths:
+        if not transfer.is_compare_result(path):
+            raise CliError(f"--calibration {path}: several calibrations must each be a `bench compare` result")
+        try:
+            each, _ = transfer.load(path, args.model)
+        except ValueError as e:
+            raise CliError(str(e).replace("--transfer-from", "--calibration")) from None
+        if not each:
+            raise CliError(f"--calibration {path}: no mode of that run has a fit to price from")
+        found.update({f"{path}:{label}": t for label, t in each.items()})
     return transfer.by_kind(found)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from cli import CliError
 from cli.output import emit_json
 from costmodel.article import cost_model as cm
-from costmodel.plan.candidates import DEFAULT_CHUNKS, enumerate_candidates
+from costmodel.plan.candidates import DEFAULT_CHUNKS, Candidate, enumerate_candidates
 from costmodel.plan.score import Scored, Slos, fit_error, interval, rank, score, toss_up
 from costmodel.plan.trace import read_trace
 from costmodel.sim import compare_predict as cp
@@ -147,7 +147,7 @@ def make_plan(args: argparse.Namespace, by_kind: Mapping[str, cp.PredictionSetup
         setup = by_kind.get("colocated") or next(iter(by_kind.values()))
     else:
         setup = _setup(args)
-    setup_of = lambda c: (by_kind or {}).get(c.mode, setup)  # noqa: E731
+    setup_of = lambda c: setup_for(c, by_kind, setup)  # noqa: E731
     specs, note = _requests(args)
     try:
         chunks = [int(x) for x in args.chunk_sizes.split(",") if x.strip()]
@@ -170,6 +170,14 @@ def make_plan(args: argparse.Namespace, by_kind: Mapping[str, cp.PredictionSetup
             "attention and context costs are extrapolated (calibrate on prompts as long as the workload's)"
         )
         note = f"{note}; {beyond}" if note else beyond
+    unmatched = sorted({c.label for c in cands if by_kind and _shared_host(c) and _key(c) not in by_kind})
+    if unmatched:
+        fewer = (
+            f"{len(unmatched)} candidates with several workers on one host ({', '.join(unmatched[:3])}"
+            f"{', ...' if len(unmatched) > 3 else ''}) are priced from servers with fewer: on one CPU host "
+            "workers contend for cores and memory (calibrate a server with as many: bench compare --decode N)"
+        )
+        note = f"{note}; {fewer}" if note else fewer
     elapsed = time.perf_counter() - t0
     winner = ranked[0]
     command = ["pdserve", "serve", "--model", args.model, *winner.candidate.serve_args()]
@@ -199,6 +207,25 @@ def make_plan(args: argparse.Namespace, by_kind: Mapping[str, cp.PredictionSetup
         "seconds": elapsed,
     }
     return Plan(doc, ranked, specs, slos, setup, command, why, note, elapsed)
+
+
+def _key(c: Candidate) -> str:
+    """The calibration kind that prices `c` exactly: its mode, with its workers where several."""
+    return f"{c.mode} x{c.decode}" if c.mode != "disagg" and c.decode > 1 else c.mode
+
+
+def _shared_host(c: Candidate) -> bool:
+    return c.mode != "disagg" and c.decode > 1
+
+
+def setup_for(
+    c: Candidate, by_kind: Mapping[str, cp.PredictionSetup] | None, default: cp.PredictionSetup
+) -> cp.PredictionSetup:
+    """The device model that prices `c`: the fit to a server of its kind and worker count, else
+    of its kind, else `default` (a `bench compare` result's colocated fit, or a calibration file)."""
+    if not by_kind:
+        return default
+    return by_kind.get(_key(c)) or by_kind.get(c.mode) or default
 
 
 def print_plan(plan: Plan) -> None:

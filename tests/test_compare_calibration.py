@@ -8,7 +8,14 @@ import random
 
 import pytest
 
-from benchmarks.compare.calibrate.calibration import LoggedStep, fit_pools, link_rate, prediction_setup, trimmed_fit
+from benchmarks.compare.calibrate.calibration import (
+    LoggedStep,
+    PoolFit,
+    fit_pools,
+    link_rate,
+    prediction_setup,
+    trimmed_fit,
+)
 from benchmarks.compare.calibrate.calibration import build as build_self_calibration
 from benchmarks.compare.calibrate.step_log import StepLogRecorder
 from costmodel.article import cost_model as cm
@@ -245,6 +252,38 @@ def test_decode_steps_beside_a_prefill_are_priced_apart():
     assert beside_prefill_slowdown(steps, pools["decode"].fit) == pytest.approx(2.0, rel=0.02)
     alone = [s for s in steps if s.role == "decode"]
     assert beside_prefill_slowdown(alone, pools["decode"].fit) == 1.0  # separate devices: no prefill steps
+
+
+def test_prefill_steps_beside_decoding_are_priced_at_lone_prices_and_a_slowdown():
+    """A disaggregated prefill pool on the decode pool's cores: the fit prices a lone prefill step,
+    and the slowdown beside decoding is read from the steps that ran beside it."""
+    lone_fit = StepCostFit(0.01, 0.002, 0.0, 0.0)
+    steps, t = [], 100.0
+    for i, n in enumerate([64, 128, 256, 512, 1024, 2048, 96, 384, 768, 1536]):
+        beside = i % 2 == 0  # every other prompt runs while the decode worker decodes, at 1.4x
+        secs = lone_fit.seconds(StepShape.of((), [(0, n)])) * (1.4 if beside else 1.0)
+        steps.append(LoggedStep("prefill-0", "prefill", StepShape.of((), [(0, n)]), secs, t + secs))
+        if beside:  # decode steps covering the whole prefill step
+            for j in range(1, 11):
+                steps.append(LoggedStep("decode-0", "decode", StepShape.of([100]), secs / 10, t + j * secs / 10))
+        t += secs + 1.0
+    for j in range(10):  # and decode steps alone
+        steps.append(LoggedStep("decode-0", "decode", StepShape.of([100]), 0.03, t + j * 0.05))
+    pool = fit_pools(steps)["prefill"]
+    assert pool.beside_slowdown == pytest.approx(1.4, rel=0.02)
+    assert pool.fit.seconds(StepShape.of((), [(0, 1000)])) == pytest.approx(2.01, rel=0.02)  # the lone price
+    assert PoolFit.from_dict(pool.to_dict()).beside_slowdown == pool.beside_slowdown
+    # the simulator charges it for the share of a prefill step the decode worker is decoding
+    setup = setup_from_steps("tiny", TRUE, lone_fit, 5.0, "t", 1)
+    chats = [RequestSpec(f"chat-{i}", "x", 64, 400, 0.0, "chat") for i in range(2)]
+    doc = RequestSpec("doc-0", "x", 1000, 2, 0.5, "document")
+
+    def doc_prefill(**kw) -> float:
+        p = predict("d", sim_config("disagg", None, 1, 1, 64, setup.link, **kw), setup, [*chats, doc], None, None)
+        r = p.records[2]
+        return r.worker_prefill_ms
+
+    assert doc_prefill(prefill_slowdown=1.4) == pytest.approx(1.4 * doc_prefill(), rel=0.01)  # chats decoding all along
 
 
 def test_the_simulator_slows_decode_steps_beside_a_prefill_and_admits_late():

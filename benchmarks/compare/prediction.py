@@ -54,7 +54,7 @@ def sim_config_of(
     so a layer-wise server is predicted with its KV crossing while the prefill runs."""
     return cp.sim_config(
         spec.mode, spec.chunk_size, spec.prefill, spec.decode, max_num_seqs, setup.link, setup.admit_s,
-        setup.decode_slowdown, kv_transfer, kv_stream_layers,
+        setup.decode_slowdown, kv_transfer, kv_stream_layers, prefill_slowdown=setup.prefill_slowdown,
     )  # fmt: skip
 
 
@@ -187,6 +187,7 @@ def _about(setup: PredictionSetup) -> dict[str, Any]:
         "warning": setup.warning,
         "decode_admission_ms": setup.admit_s * 1e3,
         "decode_slowdown_beside_prefill": setup.decode_slowdown,
+        "prefill_slowdown_beside_decode": setup.prefill_slowdown,
     }
 
 
@@ -198,6 +199,8 @@ def describe_basis(basis: dict[str, Any] | None) -> str:
     admit = f", decode admission {basis['decode_admission_ms']:.0f} ms" if basis.get("decode_admission_ms") else ""
     if (basis.get("decode_slowdown_beside_prefill") or 1.0) > 1.0:
         admit += f", decode {basis['decode_slowdown_beside_prefill']:.2f}x beside a prefill"
+    if (basis.get("prefill_slowdown_beside_decode") or 1.0) > 1.0:
+        admit += f", prefill {basis['prefill_slowdown_beside_decode']:.2f}x beside decoding"
     return f"{basis['used']}{steps}{admit}: {basis['why']}"
 
 

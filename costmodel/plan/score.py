@@ -83,6 +83,7 @@ def score(
     cfg = cp.sim_config(
         sim_mode, cand.chunk, cand.prefill, cand.decode, max_num_seqs, setup.link, setup.admit_s,
         setup.decode_slowdown, kv_transfer=cand.kv_transfer, prefix_policy=cand.prefix_policy,
+        prefill_slowdown=setup.prefill_slowdown,
     )  # fmt: skip
     pred = cp.predict(cand.label, cfg, setup, specs, slos.ttft_ms, slos.tpot_ms, setup.hop_s)
     j = judge(pred.records, pred.metrics, slos, cand.workers)

@@ -40,6 +40,7 @@ class PredictionSetup:
     warning: str | None = None  # a calibration file measured on another CPU or commit
     admit_s: float = 0.0  # disagg: decode admission beyond pull and step boundary (SimConfig.admit_s)
     decode_slowdown: float = 1.0  # disagg: a decode step beside a prefill step (SimConfig.decode_slowdown)
+    prefill_slowdown: float = 1.0  # disagg: a prefill step beside decoding (SimConfig.prefill_slowdown)
     torch_threads: int | None = None  # intra-op threads the priced steps were measured with (None: unknown)
     prompt_threads: int | None = None  # threads of the prompt steps priced by steps.prompt_fit (None: no such fit)
     longest_prompt: int | None = None  # the longest prompt (tokens) the fit saw: beyond it, it extrapolates
@@ -59,6 +60,7 @@ class PredictionSetup:
             "warning": self.warning,
             "decode_admission_ms": self.admit_s * 1e3,
             "decode_slowdown_beside_prefill": self.decode_slowdown,
+            "prefill_slowdown_beside_decode": self.prefill_slowdown,
             "prefill_pool_step_fit": self.steps.prefill_fit.to_dict() if self.steps.prefill_fit else None,
             "hardware": hw.name,
             "mem_bw_gbps": hw.mem_bw / cm.GB,
@@ -191,6 +193,7 @@ def sim_config(
     kv_transfer: str = "bulk",
     kv_stream_layers: int = 1,
     prefix_policy: bool = False,
+    prefill_slowdown: float = 1.0,
 ) -> SimConfig:
     """The simulator's view of one pdserve mode ("colocated" whole or chunked, or "disagg"; the
     KV transfer settings only matter to "disagg": nothing crosses a link otherwise)."""
@@ -203,6 +206,7 @@ def sim_config(
             link=link,
             admit_s=admit_s,
             decode_slowdown=decode_slowdown,
+            prefill_slowdown=prefill_slowdown,
             kv_transfer=kv_transfer,
             kv_stream_layers=kv_stream_layers,
             prefix_policy=prefix_policy,

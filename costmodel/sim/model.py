@@ -151,6 +151,9 @@ class SimConfig:
     # disagg with both pools on one host's CPU cores: a decode step costs this many times its
     # price for the share of it during which a prefill step runs (1 on separate GPUs; measured)
     decode_slowdown: float = 1.0
+    # ... and a prefill step this many times its price for the share of it during which a decode
+    # worker is decoding (its price: a lone prefill step's)
+    prefill_slowdown: float = 1.0
     # disagg: how the KV crosses the link (pdserve's --kv-transfer): "bulk" pulls it whole after
     # the prefill; "layerwise" pulls `kv_stream_layers` layers at a time while the prefill runs,
     # each pull costing `kv_group_overhead_s` beyond its bytes, so only what the link has not

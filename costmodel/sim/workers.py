@@ -23,6 +23,7 @@ class SimHost(Protocol):
     steps: StepModel
     now: float
     prefill: list[Worker]
+    decode: list[Worker]
 
     def at(self, t: float, fn: Callable, *args: Any) -> None: ...
 
@@ -68,6 +69,15 @@ class Worker:
     @property
     def load(self) -> int:
         return len(self.queue) + len(self.running)
+
+    def decoding_for(self) -> float:
+        """How long from now this worker goes on decoding what it runs (its streams' tokens left
+        at its last step's pace; 0 when it runs nothing)."""
+        if not self.running or not self.log:
+            return 0.0
+        last = self.log[-1]
+        left = max(r.output - len(r.token_times) for r in self.running)
+        return max(0.0, last.end - self.sim.now) + left * (last.end - last.start)
 
     def plan(self) -> tuple[float, int, int, Callable[[], None]] | None:
         raise NotImplementedError
@@ -213,6 +223,10 @@ class PrefillWorker(Worker):
 
         parts = self._computed(prompts)
         dur = steps.prefill_pool_step(parts)
+        k = self.sim.cfg.prefill_slowdown
+        if k != 1.0:  # the share of the step a decode worker is decoding for, at k times the price
+            share = min(1.0, max((w.decoding_for() for w in self.sim.decode), default=0.0) / dur) if dur > 0 else 0.0
+            dur *= 1.0 + (k - 1.0) * share
         for r in prompts:
             if r.output > 1:  # its KV crosses once this step ends (a 1-token request just finishes)
                 self.sim.open_kv_stream(r, dur)

@@ -40,6 +40,7 @@ from engine.config import PROMPT_STEP_TOKENS
 TRIM_FACTOR = 4.0
 TRIM_MAX_SHARE = 0.1
 MIN_STEPS = 8  # fewer steps than this and a pool's fit is not trusted
+ITERATIONS = 4  # beside_decode_slowdown's rounds of reading the slowdown and refitting at lone prices
 
 
 @dataclass(frozen=True)
@@ -65,10 +66,14 @@ class PoolFit:
     prompt_fit: StepCostFit | None = None
     prompt_threads: int | None = None
     prompt_steps: int = 0
+    # a disaggregated prefill pool on the decode pool's cores: its steps cost this many times the
+    # fit's (lone) price for the share of them a decode step ran beside (`beside_decode_slowdown`)
+    beside_slowdown: float = 1.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "pool": self.pool,
+            "beside_slowdown": self.beside_slowdown,
             "steps": self.steps,
             "trimmed": self.trimmed,
             "torch_threads": self.torch_threads,
@@ -91,6 +96,7 @@ class PoolFit:
             StepCostFit.from_dict(prompt) if prompt else None,
             d.get("prompt_threads"),
             int(d.get("prompt_steps", 0)),
+            float(d.get("beside_slowdown", 1.0)),
         )
 
 
@@ -109,11 +115,13 @@ def trimmed_fit(samples: Sequence[tuple[StepShape, float]]) -> tuple[StepCostFit
 def fit_pools(steps: Sequence[LoggedStep]) -> dict[str, PoolFit]:
     """A fit per pool role that ran at least MIN_STEPS steps. A decode pool is fitted on its steps
     that ran while no prefill step did, where there are enough of them: the others are priced by
-    `beside_prefill_slowdown`."""
+    `beside_prefill_slowdown`. A prefill pool is fitted at lone prices where it has lone steps and
+    steps beside decoding to tell them apart (`beside_decode_slowdown`)."""
     by_role: dict[str, list[LoggedStep]] = {}
     for s in steps:
         if s.seconds > 0:
             by_role.setdefault(s.role, []).append(s)
+    decoding = list(by_role.get("decode", []))
     if "decode" in by_role and "prefill" in by_role:
         alone = [s for s in by_role["decode"] if overlap(s, by_role["prefill"]) == 0.0]
         if len(alone) >= MIN_STEPS:
@@ -124,7 +132,10 @@ def fit_pools(steps: Sequence[LoggedStep]) -> dict[str, PoolFit]:
         if len(base) < MIN_STEPS:
             continue
         f, trimmed = trimmed_fit([(s.shape, s.seconds) for s in base])
-        pool = PoolFit(role, f, len(base) - trimmed, trimmed, threads_of(base))
+        k = 1.0
+        if role == "prefill" and decoding:
+            k, f, trimmed = beside_decode_slowdown(base, decoding, f, trimmed)
+        pool = PoolFit(role, f, len(base) - trimmed, trimmed, threads_of(base), beside_slowdown=k)
         if prompt:
             pf = fit_beside([(s.shape, s.seconds) for s in prompt], f)
             pool = replace(pool, prompt_fit=pf, prompt_threads=threads_of(prompt), prompt_steps=pf.samples)
@@ -182,6 +193,31 @@ def beside_prefill_slowdown(steps: Sequence[LoggedStep], decode: StepCostFit | N
     return max(1.0, statistics.median(reads)) if len(reads) >= 3 else 1.0
 
 
+def beside_decode_slowdown(
+    steps: Sequence[LoggedStep], decoding: Sequence[LoggedStep], f: StepCostFit, trimmed: int
+) -> tuple[float, StepCostFit, int]:
+    """How many times its lone price a prefill step costs while decode steps run beside it (a
+    disaggregated run's pools share a CPU's cores: a 2,058-token document's prefill ran 7.4 s
+    beside four decoding chats, 6.6 s mostly alone, 2026-12-05), with the pool's fit made again at
+    lone prices (each step's seconds divided by its slowdown) and what that fit trimmed. Read as the
+    median price ratio of the steps at least half overlapped against the lone steps' median, per
+    share of overlap: 1 + (ratio - 1) / share. (1, `f`, `trimmed`) with fewer than 3 of either."""
+    shares = [overlap(s, decoding) for s in steps]
+    lone = [i for i, sh in enumerate(shares) if sh == 0.0]
+    beside = [i for i, sh in enumerate(shares) if sh >= 0.5]
+    if len(lone) < 3 or len(beside) < 3:
+        return 1.0, f, trimmed
+    k = 1.0
+    for _ in range(ITERATIONS):  # the fit moves toward lone prices, the ratios with it
+        ratios = [s.seconds / max(f.seconds(s.shape), 1e-9) for s in steps]
+        base = statistics.median(ratios[i] for i in lone)
+        k = max(1.0, statistics.median(1.0 + (ratios[i] / base - 1.0) / shares[i] for i in beside))
+        if k == 1.0:
+            break
+        f, trimmed = trimmed_fit([(s.shape, s.seconds / (1.0 + (k - 1.0) * sh)) for s, sh in zip(steps, shares)])
+    return k, f, trimmed
+
+
 @dataclass
 class SelfCalibration:
     """What `bench compare` measured on one server to predict that server."""
@@ -204,6 +240,11 @@ class SelfCalibration:
     def prefill_fit(self) -> StepCostFit | None:
         p = self.pools.get("prefill")
         return p.fit if p else None
+
+    @property
+    def prefill_slowdown_beside_decode(self) -> float:
+        p = self.pools.get("prefill")
+        return p.beside_slowdown if p else 1.0
 
     @property
     def prompt_fit(self) -> tuple[StepCostFit, int] | None:
@@ -236,8 +277,9 @@ class SelfCalibration:
         )
         hop = f"{self.hop_ms:.1f} ms" if self.hop_ms is not None else "not measured"
         link = f", KV pulls at {self.link_gbytes_per_s:.2f} GB/s" if self.link_gbytes_per_s else ""
-        k = self.decode_slowdown_beside_prefill
+        k, kp = self.decode_slowdown_beside_prefill, self.prefill_slowdown_beside_decode
         beside = f", decode steps {k:.2f}x beside a prefill" if k > 1.0 else ""
+        beside += f", prefill steps {kp:.2f}x beside decoding" if kp > 1.0 else ""
         return f"{pools}; serving hop {hop}{link}{beside}"
 
     @classmethod
@@ -334,4 +376,5 @@ def prediction_setup(model: str, mode: str, cal: SelfCalibration | None) -> tupl
         prompt_fit=cal.prompt_fit,
     )
     setup = replace(setup, longest_prompt=cal.longest_prompt)
-    return replace(setup, decode_slowdown=cal.decode_slowdown_beside_prefill), None
+    k = cal.decode_slowdown_beside_prefill
+    return replace(setup, decode_slowdown=k, prefill_slowdown=cal.prefill_slowdown_beside_decode), None

@@ -28,6 +28,7 @@ class Transferred:
     hop_s: float
     basis: dict[str, Any]
     kind: str = "colocated"  # the deployment it was fitted on: "colocated", "chunked" or "disagg"
+    workers: int = 1  # colocated and chunked: its server's workers (on one CPU host they contend)
 
 
 def is_compare_result(path: Path) -> bool:
@@ -41,9 +42,13 @@ def is_compare_result(path: Path) -> bool:
 
 
 def by_kind(found: dict[str, Transferred]) -> dict[str, PredictionSetup]:
-    """One device model per deployment kind (the first mode of each kind in the result)."""
+    """One device model per deployment kind (the first mode of each kind found): "colocated",
+    "chunked", "disagg", and "colocated xN"/"chunked xN" where a server ran N workers (the kind
+    alone is its fewest workers' fit; `costmodel.plan_cli.setup_for` picks)."""
     out: dict[str, PredictionSetup] = {}
-    for t in found.values():
+    for t in sorted(found.values(), key=lambda t: t.workers):
+        if t.workers > 1:
+            out.setdefault(f"{t.kind} x{t.workers}", t.setup)
         out.setdefault(t.kind, t.setup)
     return out
 
@@ -83,7 +88,9 @@ def load(path: Path, model: str) -> tuple[dict[str, Transferred], dict[str, str]
         hop_ms = (m.get("serving_overhead") or {}).get("hop_ms") or 0.0
         source = f"transfer: fitted to {cal.steps} steps of {label}'s warm-up in {path}"
         setup = replace(setup, source=source, kind="transfer", admit_s=admit_ms / 1e3, hop_s=hop_ms / 1e3)
-        kind = "chunked" if mode == "colocated" and (m.get("spec") or {}).get("chunk_size") else mode
+        spec = m.get("spec") or {}
+        kind = "chunked" if mode == "colocated" and spec.get("chunk_size") else mode
+        workers = int(spec.get("decode") or 1) if mode == "colocated" else 1
         found[label] = Transferred(
             setup,
             hop_ms / 1e3,
@@ -95,8 +102,10 @@ def load(path: Path, model: str) -> tuple[dict[str, Transferred], dict[str, str]
                 "warning": None,
                 "decode_admission_ms": admit_ms,
                 "decode_slowdown_beside_prefill": setup.decode_slowdown,
+                "prefill_slowdown_beside_decode": setup.prefill_slowdown,
                 "transfer_hop_ms": hop_ms,
             },
             kind,
+            workers,
         )
     return found, missing
