@@ -218,3 +218,34 @@ def test_a_compare_result_prices_each_candidate_by_the_fit_to_the_server_of_its_
     stall = lambda d, label: next(c for c in d["candidates"] if c["label"] == label)["predicted"]["stall_p90_ms"]  # noqa: E731
     assert stall(by_kind, "colocated") == pytest.approx(stall(flat, "colocated"))  # the same fit
     assert stall(by_kind, "chunked 128") > 1.5 * stall(flat, "chunked 128")  # the chunked server's dearer fit
+
+
+def test_several_compare_results_price_each_worker_count_by_its_own_server(tmp_path, capsys):
+    """--calibration A,B: a run of 1-worker servers and one of `--decode 2`; candidates with two
+    workers on the host are priced by the two-worker server's fit, and without one the plan says so."""
+    from benchmarks.compare.calibrate.calibration import PoolFit, SelfCalibration
+
+    def result(name: str, decode: int, fit: StepCostFit):
+        cal = SelfCalibration({"colocated": PoolFit("colocated", fit, 100, 0, 1)}, 10.0, 4, None, longest_prompt=3000)
+        mode = {"label": "colocated", "spec": {"mode": "colocated", "chunk_size": None, "decode": decode}}
+        mode |= {"self_calibration": cal.to_dict(), "serving_overhead": {"hop_ms": 10.0}}
+        doc = {"provenance": {"config": {"bench_command": "compare", "model": "tiny"}}, "modes": [mode]}
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(doc))
+        return str(path)
+
+    contended = StepCostFit(0.01, 2e-3, 0.0, 2e-3, samples=100, rms_rel_error=0.1)  # two workers: 2x dearer
+    one, two = result("one", 1, FIT), result("two", 2, contended)
+    args = ("--model", "tiny", "--workers", "2", "--workload", "chat", "--num-requests", "8", "--isl", "256")
+    both = _plan_json(capsys, "--calibration", f"{one},{two}", *args)
+    alone = _plan_json(capsys, "--calibration", one, *args)
+    assert set(both["device_model"]["by_kind"]) == {"colocated", "colocated x2"}
+    tpot = lambda d, label: next(c for c in d["candidates"] if c["label"] == label)["predicted"]["tpot_p90_ms"]  # noqa: E731
+    assert tpot(both, "colocated") == pytest.approx(tpot(alone, "colocated"))
+    assert tpot(both, "colocated x2") > 1.5 * tpot(alone, "colocated x2")
+    # the chunked x2 candidates had no chunked server at all: noted both times; colocated x2 only alone
+    assert both["workload"]["note"].startswith("3 candidates with several workers on one host")
+    assert alone["workload"]["note"].startswith("4 candidates")
+    assert "priced from servers with fewer" in alone["workload"]["note"]
+    assert cli_main(["plan", "--calibration", f"{one},{tmp_path / 'missing.json'}", *args]) == 2
+    assert "must each be a `bench compare` result" in capsys.readouterr().err
