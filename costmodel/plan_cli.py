@@ -170,6 +170,13 @@ def make_plan(args: argparse.Namespace, by_kind: Mapping[str, cp.PredictionSetup
             "attention and context costs are extrapolated (calibrate on prompts as long as the workload's)"
         )
         note = f"{note}; {beyond}" if note else beyond
+    batches = [s.largest_batch for s in [setup, *(by_kind or {}).values()] if s.largest_batch]
+    if batches and ranked[0].peak_batch > EXTRAPOLATE * min(batches):
+        wide = (
+            f"the winner decodes up to {ranked[0].peak_batch} requests at once on a worker, its calibration's steps "
+            f"at most {min(batches)}: step prices at those batches are extrapolated (calibrate with as many streams)"
+        )
+        note = f"{note}; {wide}" if note else wide
     unmatched = sorted({c.label for c in cands if by_kind and _shared_host(c) and _key(c) not in by_kind})
     if unmatched:
         fewer = (

@@ -249,3 +249,21 @@ def test_several_compare_results_price_each_worker_count_by_its_own_server(tmp_p
     assert "priced from servers with fewer" in alone["workload"]["note"]
     assert cli_main(["plan", "--calibration", f"{one},{tmp_path / 'missing.json'}", *args]) == 2
     assert "must each be a `bench compare` result" in capsys.readouterr().err
+
+
+def test_a_winner_decoding_more_at_once_than_its_calibration_did_is_noted(tmp_path, capsys):
+    from benchmarks.compare.calibrate.calibration import PoolFit, SelfCalibration
+
+    cal = SelfCalibration({"colocated": PoolFit("colocated", FIT, 100, 0, 1)}, 10.0, 4, None, longest_prompt=3000)
+    cal.largest_batch = 2
+    mode = {"label": "colocated", "spec": {"mode": "colocated", "chunk_size": None, "decode": 1}}
+    mode |= {"self_calibration": cal.to_dict(), "serving_overhead": {"hop_ms": 10.0}}
+    path = tmp_path / "narrow.json"
+    doc = {"provenance": {"config": {"bench_command": "compare", "model": "tiny"}}, "modes": [mode]}
+    path.write_text(json.dumps(doc))
+    args = ("--calibration", str(path), "--model", "tiny", "--workers", "1", "--workload", "chat")
+    wide = _plan_json(capsys, *args, "--num-requests", "16", "--rate", "50", "--osl", "64")
+    assert wide["candidates"][0]["label"] == wide["winner"]
+    assert "requests at once on a worker, its calibration's steps at most 2" in wide["workload"]["note"]
+    lone = _plan_json(capsys, *args, "--num-requests", "2", "--rate", "0.1", "--osl", "4")
+    assert lone["workload"]["note"] is None

@@ -48,6 +48,7 @@ class Scored:
     goodput_per_worker: float  # requests/s within the TTFT and TPOT SLOs (all completed if none), per worker
     # figure -> (at step prices lowered, raised by the fit's error); None: not computed
     interval: dict[str, tuple[float | None, float | None]] | None = None
+    peak_batch: int = 0  # the most requests decoding at once on one decode-side worker (evenly spread)
 
     def to_dict(self) -> dict[str, Any]:
         m = self.metrics
@@ -87,7 +88,19 @@ def score(
     )  # fmt: skip
     pred = cp.predict(cand.label, cfg, setup, specs, slos.ttft_ms, slos.tpot_ms, setup.hop_s)
     j = judge(pred.records, pred.metrics, slos, cand.workers)
-    return Scored(cand, pred.metrics, j.attainment, j.meets, j.goodput_per_worker)
+    return Scored(cand, pred.metrics, j.attainment, j.meets, j.goodput_per_worker, peak_batch=_peak(pred.records, cand))
+
+
+def _peak(records: Sequence[RequestRecord], cand: Candidate) -> int:
+    """The most requests between their first and last token at once, per decode-side worker."""
+    edges = sorted(
+        (t, d) for r in records if r.chunk_times_s for t, d in ((r.chunk_times_s[0], 1), (r.chunk_times_s[-1], -1))
+    )
+    now = peak = 0
+    for _, d in edges:
+        now += d
+        peak = max(peak, now)
+    return -(-peak // max(1, cand.decode))
 
 
 @dataclass(frozen=True)

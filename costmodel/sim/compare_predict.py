@@ -44,6 +44,7 @@ class PredictionSetup:
     torch_threads: int | None = None  # intra-op threads the priced steps were measured with (None: unknown)
     prompt_threads: int | None = None  # threads of the prompt steps priced by steps.prompt_fit (None: no such fit)
     longest_prompt: int | None = None  # the longest prompt (tokens) the fit saw: beyond it, it extrapolates
+    largest_batch: int | None = None  # the most sequences a step it saw decoded: beyond it, likewise
     # every token reaches the client this long after its worker emits it (router and HTTP hops,
     # measured by `bench compare`; 0: not known). `bench compare` passes its own run's hop apart.
     hop_s: float = 0.0

@@ -230,6 +230,7 @@ class SelfCalibration:
     decode_slowdown_beside_prefill: float = 1.0  # disagg on shared cores (beside_prefill_slowdown)
     notes: list[str] = field(default_factory=list)
     longest_prompt: int | None = None  # tokens: the warm-up's longest prompt (beyond it the fit extrapolates)
+    largest_batch: int | None = None  # the most sequences a step decoded (beyond it the fit extrapolates)
 
     @property
     def decode_fit(self) -> StepCostFit | None:
@@ -294,6 +295,7 @@ class SelfCalibration:
             float(d.get("decode_slowdown_beside_prefill", 1.0)),
             list(d.get("notes", [])),
             d.get("longest_prompt"),
+            d.get("largest_batch"),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -309,6 +311,7 @@ class SelfCalibration:
             "recorder_error": self.recorder_error,
             "notes": self.notes,
             "longest_prompt": self.longest_prompt,
+            "largest_batch": self.largest_batch,
         }
 
 
@@ -348,6 +351,7 @@ def build(
     slowdown = beside_prefill_slowdown(steps, decode.fit if decode else None)
     cal = SelfCalibration(pools, hop, n, link_rate(warmup_records, kv_bytes_per_token), recorder_error, slowdown)
     cal.longest_prompt = max((r.n_in for r in warmup_records if getattr(r, "ok", False)), default=None)
+    cal.largest_batch = max((s.shape.decode_seqs for s in steps), default=0) or None
     if not cal.pools:
         cal.notes.append(f"no pool ran {MIN_STEPS} steps in the warm-up ({len(steps)} steps seen)")
     return cal
@@ -375,6 +379,6 @@ def prediction_setup(model: str, mode: str, cal: SelfCalibration | None) -> tupl
         torch_threads=cal.torch_threads,
         prompt_fit=cal.prompt_fit,
     )
-    setup = replace(setup, longest_prompt=cal.longest_prompt)
+    setup = replace(setup, longest_prompt=cal.longest_prompt, largest_batch=cal.largest_batch)
     k = cal.decode_slowdown_beside_prefill
     return replace(setup, decode_slowdown=k, prefill_slowdown=cal.prefill_slowdown_beside_decode), None
