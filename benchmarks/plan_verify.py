@@ -31,6 +31,8 @@ from typing import Any
 from benchmarks.client.bench_serve import BenchConfig, run_benchmark
 from benchmarks.client.serve_client import ClientConfig
 from benchmarks.compare.modes import ensure_ray, load_average
+from benchmarks.pace import describe as describe_pace
+from benchmarks.pace import machine_pace
 from cli import CliError
 from cli.output import emit_json
 from costmodel import plan_cli
@@ -149,6 +151,7 @@ class VerifyRow:
     error: str | None = None
     startup_s: float | None = None
     load_average: list[float] | None = None
+    pace: dict[str, Any] | None = None  # the machine's pace before the server started (benchmarks/pace.py)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -161,6 +164,7 @@ class VerifyRow:
             "error": self.error,
             "startup_s": self.startup_s,
             "load_average_at_start": self.load_average,
+            "machine_pace_at_start": self.pace,
         }
 
 
@@ -171,7 +175,8 @@ def verify_one(s: Scored, rank: int, specs: list[RequestSpec], slos: Slos, args:
 
     c = s.candidate
     predicted = Judged(s.attainment, s.meets, s.goodput_per_worker)
-    row = VerifyRow(c, rank, predicted, None, {}, load_average=load_average())
+    row = VerifyRow(c, rank, predicted, None, {}, load_average=load_average(), pace=machine_pace())
+    log(f"  load {row.load_average[0] if row.load_average else '?'}, {describe_pace(row.pace)}")
     try:
         cfg = ServeConfig(
             model=args.model,

@@ -36,6 +36,8 @@ from benchmarks.compare.calibrate.side_requests import hop_specs, shape_specs
 from benchmarks.compare.calibrate.step_log import StepLogRecorder
 from benchmarks.compare.equality import equality_pass
 from benchmarks.compare.record import ModeRun
+from benchmarks.pace import describe as describe_pace
+from benchmarks.pace import machine_pace
 from costmodel.article import cost_model as cm
 from costmodel.workloads import RequestSpec, build_workload
 from engine.config import PRESETS
@@ -74,6 +76,8 @@ def run_mode(
 
     cfg = ServeConfig(mode=spec.mode, chunk_size=spec.chunk_size, prefill=spec.prefill, decode=spec.decode, **cfg_kw)
     cfg.validate()
+    pace = machine_pace()
+    log(f"  {describe_pace(pace)}")
     t0 = time.perf_counter()
     with ServerThread(cfg, startup_timeout_s=timeout_s) as srv:
         startup = time.perf_counter() - t0
@@ -132,6 +136,7 @@ def run_mode(
         self_calibration=calibration,
         warmup=warmup,
         probe_calibration=probe_cal,
+        machine_pace=pace,
     )
 
 

@@ -37,6 +37,7 @@ class ModeRun:
     warmup: Any = None  # BenchResult of the warm-up (the calibration's choice is scored on it)
     prediction_basis: dict[str, Any] | None = None  # which calibration predicted this mode, and why
     probe_calibration: str | None = None  # --probe-calibration: the quick probe's calibration file
+    machine_pace: dict[str, Any] | None = None  # the machine's pace before the server started (benchmarks/pace.py)
 
 
 def pack(times: list[float]) -> str:
@@ -68,6 +69,7 @@ def result_payload(
             "serve_config": r.serve_config,
             "startup_s": r.startup_s,
             "load_average": r.load_average,
+            "machine_pace": r.machine_pace,
             "samples": r.samples,
             "serving_overhead": r.serving_overhead,
             "gc_timed_run": r.gc,
