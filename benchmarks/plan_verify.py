@@ -30,6 +30,8 @@ from typing import Any
 
 from benchmarks.client.bench_serve import BenchConfig, run_benchmark
 from benchmarks.client.serve_client import ClientConfig
+from benchmarks.compare.calibrate.calibration import LoggedStep
+from benchmarks.compare.calibrate.step_log import StepLogRecorder
 from benchmarks.compare.modes import ensure_ray, load_average
 from benchmarks.pace import describe as describe_pace
 from benchmarks.pace import machine_pace
@@ -39,6 +41,7 @@ from costmodel import plan_cli
 from costmodel.plan.candidates import Candidate
 from costmodel.plan.score import Judged, Scored, Slos, judge
 from costmodel.provenance import OUT_DIR_HELP, write_result
+from costmodel.sim.compare_predict import PredictionSetup
 from costmodel.workloads import RequestSpec
 
 TOKEN_LOW, TOKEN_HIGH = 32, 127  # prompt token ids, as the workloads draw them (printable bytes)
@@ -87,7 +90,8 @@ def main(args: argparse.Namespace) -> int:
     for i, s in enumerate(chosen, 1):
         settle(args.settle_s)
         log(f"[{i}/{len(chosen)}] {s.candidate.label}: {' '.join(s.candidate.serve_args())}")
-        rows.append(verify_one(s, plan.ranked.index(s) + 1, plan.specs, plan.slos, args))
+        setup = plan_cli.setup_for(s.candidate, by_kind, plan.setup)
+        rows.append(verify_one(s, plan.ranked.index(s) + 1, plan.specs, plan.slos, args, setup))
     summary = summarize(rows, plan.ranked[0].candidate.label)
     doc = {**plan.doc, "verification": {"rows": [r.to_dict() for r in rows], **summary}}
     name = args.out or f"plan-verify-{args.workload if not args.trace else 'trace'}"
@@ -152,6 +156,8 @@ class VerifyRow:
     startup_s: float | None = None
     load_average: list[float] | None = None
     pace: dict[str, Any] | None = None  # the machine's pace before the server started (benchmarks/pace.py)
+    # the workers' steps in the timed pass against the prices the plan gave them, per pool
+    step_prices: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -165,11 +171,20 @@ class VerifyRow:
             "startup_s": self.startup_s,
             "load_average_at_start": self.load_average,
             "machine_pace_at_start": self.pace,
+            "step_prices": self.step_prices,
         }
 
 
-def verify_one(s: Scored, rank: int, specs: list[RequestSpec], slos: Slos, args: argparse.Namespace) -> VerifyRow:
-    """Deploy `s`'s candidate on a fresh server, warm it, time the workload, judge it."""
+def verify_one(
+    s: Scored,
+    rank: int,
+    specs: list[RequestSpec],
+    slos: Slos,
+    args: argparse.Namespace,
+    setup: PredictionSetup | None = None,
+) -> VerifyRow:
+    """Deploy `s`'s candidate on a fresh server, warm it, time the workload, judge it; with the
+    `setup` that priced it, also say what its workers' steps cost against those prices."""
     from router.config import ConfigError, ServeConfig  # noqa: PLC0415 (starts nothing until used)
     from router.serve_cli import ServerThread  # noqa: PLC0415
 
@@ -202,7 +217,13 @@ def verify_one(s: Scored, rank: int, specs: list[RequestSpec], slos: Slos, args:
             log(f"  up in {row.startup_s:.1f} s; warm-up pass (other token ids)")
             asyncio.run(run_benchmark(bench, fresh_prompts(specs, args.seed + 1)))
             log("  timed pass")
-            result = asyncio.run(run_benchmark(bench, fresh_prompts(specs, args.seed + 2)))
+            with StepLogRecorder(srv.url, cfg.api_key) as recorder:
+                result = asyncio.run(run_benchmark(bench, fresh_prompts(specs, args.seed + 2)))
+            if setup is not None:
+                row.step_prices = step_prices(recorder.steps, setup)
+                for pool, p in (row.step_prices or {}).items():
+                    cost = f"{p['ratio_p50']:.2f}x the plan's price (p50; p90 {p['ratio_p90']:.2f}x)"
+                    log(f"  {pool}: {p['steps']} steps at {cost}, batches up to {p['largest_batch']}")
     except Exception as e:  # noqa: BLE001 - one candidate failing leaves the others' figures
         row.error = f"{type(e).__name__}: {e}"
         log(f"  failed: {row.error}")
@@ -220,6 +241,30 @@ def verify_one(s: Scored, rank: int, specs: list[RequestSpec], slos: Slos, args:
     got, want = row.measured.goodput_per_worker, predicted.goodput_per_worker
     log(f"  measured goodput/worker {got:.3f}/s (predicted {want:.3f})")
     return row
+
+
+def step_prices(steps: list[LoggedStep], setup: PredictionSetup) -> dict[str, Any] | None:
+    """Per pool: how many steps ran, and what they cost against the plan's price for their shape
+    (p50 and p90 of measured / priced), with the most sequences a step decoded. Tells a step
+    model that was off from a scheduling model that was (None: a datasheet model prices no shape)."""
+    by_pool: dict[str, list[tuple[float, int]]] = {}
+    for s in steps:
+        f = setup.steps.fit_of(s.role, s.shape.prefill_tokens)
+        if f is None:
+            return None
+        priced = f.seconds(s.shape)
+        if priced > 0 and s.seconds > 0:
+            by_pool.setdefault(s.role, []).append((s.seconds / priced, s.shape.decode_seqs))
+    out = {}
+    for pool, xs in by_pool.items():
+        ratios = sorted(r for r, _ in xs)
+        out[pool] = {
+            "steps": len(xs),
+            "ratio_p50": ratios[len(ratios) // 2],
+            "ratio_p90": ratios[min(len(ratios) - 1, int(0.9 * len(ratios)))],
+            "largest_batch": max(b for _, b in xs),
+        }
+    return out
 
 
 def settle(limit_s: float, quiet: float = QUIET_LOAD) -> None:

@@ -177,6 +177,10 @@ def test_verify_deploys_the_winner_and_the_baseline_and_puts_measured_beside_pre
     assert set(labels[1:]) <= {"colocated x2", "disagg 1P1D"}  # the fixed baseline, unless it won
     for r in v["rows"]:
         assert r["error"] is None and r["measured_metrics"]["completed"] == 6
+        assert r["machine_pace_at_start"]["gemm_gflops_1thread"] > 0 and r["machine_pace_at_start"]["copy_gbps"] > 0
+        # the workers' own steps of the timed pass, against the prices the plan gave them
+        for pool in r["step_prices"].values():
+            assert pool["steps"] >= 1 and 0 < pool["ratio_p50"] <= pool["ratio_p90"]
         m = r["measured"]
         assert 0.0 <= m["attainment"]["ttft"] <= 1.0 and m["attainment"]["tpot"] is None  # no TPOT SLO asked
         assert m["goodput_per_worker"] > 0 and r["predicted"]["goodput_per_worker"] > 0
@@ -267,3 +271,19 @@ def test_a_winner_decoding_more_at_once_than_its_calibration_did_is_noted(tmp_pa
     assert "requests at once on a worker, its calibration's steps at most 2" in wide["workload"]["note"]
     lone = _plan_json(capsys, *args, "--num-requests", "2", "--rate", "0.1", "--osl", "4")
     assert lone["workload"]["note"] is None
+
+
+def test_step_prices_read_each_pools_steps_against_the_plans_price():
+    from benchmarks.compare.calibrate.calibration import LoggedStep
+    from benchmarks.plan_verify import step_prices
+    from costmodel.fit.step_fit import StepShape
+    from costmodel.sim.compare_predict import setup_from_steps
+
+    setup = setup_from_steps("tiny", FIT, StepCostFit(0.0, 2e-3, 0.0, 0.0), None, "t", 1)
+    decode = [StepShape.of([100] * b) for b in (1, 4, 8, 8)]
+    steps = [LoggedStep("d-0", "decode", sh, FIT.seconds(sh) * k) for sh, k in zip(decode, (1.0, 1.2, 1.4, 1.6))]
+    steps.append(LoggedStep("p-0", "prefill", StepShape.of((), [(0, 500)]), 2.0))  # 2x its 1 s price
+    got = step_prices(steps, setup)
+    assert got["decode"]["steps"] == 4 and got["decode"]["largest_batch"] == 8
+    assert got["decode"]["ratio_p50"] == pytest.approx(1.4) and got["decode"]["ratio_p90"] == pytest.approx(1.6)
+    assert got["prefill"]["ratio_p50"] == pytest.approx(2.0)  # priced by the prefill pool's own fit

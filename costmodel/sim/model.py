@@ -101,6 +101,15 @@ class StepModel:
             return self.prompt_fit
         return self.fit
 
+    def fit_of(self, role: str, prompt_tokens: int) -> StepCostFit | None:
+        """The fit that prices a step of a worker in `role` ("colocated", "prefill", "decode")
+        carrying `prompt_tokens` prompt tokens; None for a datasheet model."""
+        if self.fit is None:
+            return None
+        if role == "prefill":
+            return self.prefill_fit or self.fit
+        return self._fit_for(prompt_tokens)
+
     def prefill_pool_step(self, parts: list[tuple[int, int]]) -> float:
         """One step of a disaggregated prefill worker: these prompts (start, n), batched; a prompt
         whose prefix was cached starts past it."""
