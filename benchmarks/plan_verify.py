@@ -39,7 +39,7 @@ from cli import CliError
 from cli.output import emit_json
 from costmodel import plan_cli
 from costmodel.plan.candidates import Candidate
-from costmodel.plan.score import Judged, Scored, Slos, judge
+from costmodel.plan.score import Judged, Scored, Slos, judge, priced_at, score
 from costmodel.provenance import OUT_DIR_HELP, write_result
 from costmodel.sim.compare_predict import PredictionSetup
 from costmodel.workloads import RequestSpec
@@ -158,6 +158,10 @@ class VerifyRow:
     pace: dict[str, Any] | None = None  # the machine's pace before the server started (benchmarks/pace.py)
     # the workers' steps in the timed pass against the prices the plan gave them, per pool
     step_prices: dict[str, Any] | None = None
+    # the prediction again with every step priced at the pace measured before this server (the
+    # calibration's pace / this one's); None where either pace is unknown
+    pace_adjusted: Judged | None = None
+    pace_ratio: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -172,6 +176,8 @@ class VerifyRow:
             "load_average_at_start": self.load_average,
             "machine_pace_at_start": self.pace,
             "step_prices": self.step_prices,
+            "pace_ratio": self.pace_ratio,
+            "predicted_at_this_pace": self.pace_adjusted.to_dict() if self.pace_adjusted else None,
         }
 
 
@@ -192,6 +198,14 @@ def verify_one(
     predicted = Judged(s.attainment, s.meets, s.goodput_per_worker)
     row = VerifyRow(c, rank, predicted, None, {}, load_average=load_average(), pace=machine_pace())
     log(f"  load {row.load_average[0] if row.load_average else '?'}, {describe_pace(row.pace)}")
+    if setup is not None and setup.pace_gflops and row.pace:
+        row.pace_ratio = setup.pace_gflops / row.pace["gemm_gflops_1thread"]
+        again = score(s.candidate, priced_at(setup, row.pace_ratio), specs, slos, args.max_num_seqs)
+        row.pace_adjusted = Judged(again.attainment, again.meets, again.goodput_per_worker)
+        log(
+            f"  at this pace (steps {row.pace_ratio:.2f}x the calibration's): predicted goodput/worker "
+            f"{again.goodput_per_worker:.3f}/s"
+        )
     try:
         cfg = ServeConfig(
             model=args.model,
@@ -320,17 +334,24 @@ def summarize(rows: list[VerifyRow], winner: str) -> dict[str, Any]:
         for r in done
         if r.measured and r.measured.goodput_per_worker > 0
     ]
+    at_pace = [
+        abs(r.pace_adjusted.goodput_per_worker - r.measured.goodput_per_worker) / r.measured.goodput_per_worker
+        for r in done
+        if r.measured and r.pace_adjusted and r.measured.goodput_per_worker > 0
+    ]
     return {
         "winner": winner,
         "best_measured": best.candidate.label,
         "regret": regret,
         "attainment_error_max_pts": max(att_err) * 100 if att_err else None,
         "goodput_error_max": max(good_err) if good_err else None,
+        "goodput_error_max_at_pace": max(at_pace) if len(at_pace) == len(done) and at_pace else None,
     }
 
 
 def format_verification(rows: list[VerifyRow], summary: dict[str, Any]) -> str:
     head = ["candidate", "plan #", "attain ttft/tpot/stall pred", "measured", "goodput/worker pred", "measured", "err"]
+    head += ["pred at pace", "err"]
     out = [head]
     for r in rows:
         p, m = r.predicted, r.measured
@@ -340,6 +361,7 @@ def format_verification(rows: list[VerifyRow], summary: dict[str, Any]) -> str:
         out.append([
             r.candidate.label, str(r.rank) if r.rank else "-", _att(p), _att(m) if m else (r.error or "failed"),
             f"{p.goodput_per_worker:.3f}/s", f"{m.goodput_per_worker:.3f}/s" if m else "-", err,
+            *_at_pace(r),
         ])  # fmt: skip
     widths = [max(len(row[i]) for row in out) for i in range(len(head))]
     just = lambda i, c, w: c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
@@ -350,6 +372,19 @@ def format_verification(rows: list[VerifyRow], summary: dict[str, Any]) -> str:
         f"{regret:.1%}" if regret is not None else "- (the winner was not measured)"
     )
     return "verified on this machine (measured) beside the plan (predicted)\n" + "\n".join(lines) + "\n" + tail
+
+
+def _at_pace(r: VerifyRow) -> list[str]:
+    """The goodput predicted at the pace measured before this server, and its error."""
+    a, m = r.pace_adjusted, r.measured
+    if a is None:
+        return ["-", "-"]
+    err = (
+        f"{(a.goodput_per_worker - m.goodput_per_worker) / m.goodput_per_worker:+.0%}"
+        if m and m.goodput_per_worker > 0
+        else "-"
+    )
+    return [f"{a.goodput_per_worker:.3f}/s", err]
 
 
 def _att(j: Judged) -> str:

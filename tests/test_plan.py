@@ -287,3 +287,36 @@ def test_step_prices_read_each_pools_steps_against_the_plans_price():
     assert got["decode"]["steps"] == 4 and got["decode"]["largest_batch"] == 8
     assert got["decode"]["ratio_p50"] == pytest.approx(1.4) and got["decode"]["ratio_p90"] == pytest.approx(1.6)
     assert got["prefill"]["ratio_p50"] == pytest.approx(2.0)  # priced by the prefill pool's own fit
+
+
+def test_a_verification_reprices_at_the_pace_it_measured(tmp_path):
+    """A `bench compare` result records the machine's pace per mode; a verified candidate is
+    predicted again with its steps priced at the pace measured before its server."""
+    from benchmarks.compare.calibrate import transfer
+    from benchmarks.compare.calibrate.calibration import PoolFit, SelfCalibration
+    from benchmarks.plan_verify import VerifyRow, format_verification, summarize
+    from costmodel.plan.score import Judged, Slos, priced_at, score
+    from costmodel.workloads import RequestSpec
+
+    cal = SelfCalibration({"colocated": PoolFit("colocated", FIT, 100, 0, 1)}, 10.0, 4, None, longest_prompt=300)
+    mode = {"label": "colocated", "spec": {"mode": "colocated", "chunk_size": None, "decode": 1}}
+    mode |= {"self_calibration": cal.to_dict(), "serving_overhead": {"hop_ms": 10.0}}
+    mode |= {"machine_pace": {"gemm_gflops_1thread": 140.0, "copy_gbps": 10.0}}
+    path = tmp_path / "paced.json"
+    path.write_text(
+        json.dumps({"provenance": {"config": {"bench_command": "compare", "model": "tiny"}}, "modes": [mode]})
+    )
+    setup = transfer.by_kind(transfer.load(path, "tiny")[0])["colocated"]
+    assert setup.pace_gflops == 140.0
+    specs = [RequestSpec(f"r{i}", (1,) * 200, 200, 32, i * 0.05, "chat") for i in range(12)]
+    cand = Candidate("colocated", 1)
+    slow = score(cand, priced_at(setup, 1.4), specs, Slos(), 64)  # the machine at 100 GFLOP/s: steps 1.4x
+    fast = score(cand, setup, specs, Slos(), 64)
+    assert slow.metrics.tpot_ms.p50 > 1.35 * fast.metrics.tpot_ms.p50  # (and the queue grows with it)
+    row = VerifyRow(cand, 1, Judged({}, True, 1.0), Judged({}, True, 0.8), {}, pace_ratio=1.4)
+    row.pace_adjusted = Judged({}, True, 0.82)
+    summary = summarize([row], "colocated")
+    assert summary["goodput_error_max"] == pytest.approx(0.25) and summary[
+        "goodput_error_max_at_pace"
+    ] == pytest.approx(0.025)
+    assert "0.820/s" in format_verification([row], summary)

@@ -158,6 +158,15 @@ def fit_error(setup: cp.PredictionSetup) -> float | None:
     return max(known) if known else None
 
 
+def priced_at(setup: cp.PredictionSetup, k: float) -> cp.PredictionSetup:
+    """`setup` with every term of its step fits `k` times its price (a datasheet model: unchanged)."""
+    st = setup.steps
+    steps = replace(
+        st, fit=_scaled(st.fit, k), prefill_fit=_scaled(st.prefill_fit, k), prompt_fit=_scaled(st.prompt_fit, k)
+    )
+    return replace(setup, steps=steps)
+
+
 def interval(
     s: Scored, setup: cp.PredictionSetup, specs: list[RequestSpec], slos: Slos, max_num_seqs: int, err: float
 ) -> dict[str, tuple[float | None, float | None]]:
@@ -166,11 +175,7 @@ def interval(
         k: [] for k in ("ttft_p90_ms", "tpot_p90_ms", "stall_p90_ms", "goodput_per_worker")
     }
     for k in (1 - err, 1 + err):
-        st = setup.steps
-        steps = replace(
-            st, fit=_scaled(st.fit, k), prefill_fit=_scaled(st.prefill_fit, k), prompt_fit=_scaled(st.prompt_fit, k)
-        )
-        m = score(s.candidate, replace(setup, steps=steps), specs, slos, max_num_seqs)
+        m = score(s.candidate, priced_at(setup, k), specs, slos, max_num_seqs)
         out["ttft_p90_ms"].append(m.metrics.ttft_ms.p90)
         out["tpot_p90_ms"].append(m.metrics.tpot_ms.p90)
         out["stall_p90_ms"].append(m.metrics.stall_ms.p90)

@@ -48,6 +48,9 @@ class PredictionSetup:
     # every token reaches the client this long after its worker emits it (router and HTTP hops,
     # measured by `bench compare`; 0: not known). `bench compare` passes its own run's hop apart.
     hop_s: float = 0.0
+    # the machine's pace when the fitted steps ran: a one-thread GEMM's GFLOP/s (benchmarks/pace.py;
+    # None: not recorded). `plan --verify` re-prices at the pace it measures before each server.
+    pace_gflops: float | None = None
 
     def describe(self) -> dict[str, Any]:
         hw = self.steps.hw

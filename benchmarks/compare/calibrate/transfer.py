@@ -87,7 +87,10 @@ def load(path: Path, model: str) -> tuple[dict[str, Transferred], dict[str, str]
         admit_ms = basis.get("decode_admission_ms") or 0.0
         hop_ms = (m.get("serving_overhead") or {}).get("hop_ms") or 0.0
         source = f"transfer: fitted to {cal.steps} steps of {label}'s warm-up in {path}"
-        setup = replace(setup, source=source, kind="transfer", admit_s=admit_ms / 1e3, hop_s=hop_ms / 1e3)
+        pace = (m.get("machine_pace") or {}).get("gemm_gflops_1thread")
+        setup = replace(
+            setup, source=source, kind="transfer", admit_s=admit_ms / 1e3, hop_s=hop_ms / 1e3, pace_gflops=pace
+        )
         spec = m.get("spec") or {}
         kind = "chunked" if mode == "colocated" and spec.get("chunk_size") else mode
         workers = int(spec.get("decode") or 1) if mode == "colocated" else 1
