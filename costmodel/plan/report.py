@@ -1,0 +1,86 @@
+"""What `pdserve plan` prints: the ranked table, and why the winner wins in the article's terms
+(the prefill tax in decode steps, the stall it leaves against colocated whole, how far the fit's
+error moves it, whether the runner-up is a toss-up)."""
+
+from __future__ import annotations
+
+import math
+
+from costmodel.plan.score import Scored, Slos, toss_up
+from costmodel.sim import compare_predict as cp
+from costmodel.workloads import RequestSpec
+
+# without a fit error (a datasheet model): two candidates closer than this on goodput per worker
+# are not told apart
+TOSS_UP = 0.02
+
+
+def explain(
+    ranked: list[Scored], setup: cp.PredictionSetup, specs: list[RequestSpec], err: float | None, slos: Slos
+) -> str:
+    """Why the winner wins, in the article's terms: what a long prompt's prefill costs the
+    streams when it runs whole beside them (the prefill tax, in decode steps), and the stall each
+    candidate leaves."""
+    w = ranked[0]
+    meeting = sum(s.meets for s in ranked)
+    parts = [
+        f"{w.candidate.label} has the most goodput per worker ({w.goodput_per_worker:.2f} requests/s)"
+        + (f" of the {meeting} candidates that meet every SLO" if meeting else "; no candidate meets every SLO")
+    ]
+    longest = max(s.prompt_len for s in specs)
+    prefill_s = setup.steps.step([], [(0, longest)])
+    # colocated whole on the winner's workers: the deployment the article's tax is paid in
+    colo = next(
+        (s for s in ranked if s.candidate.mode == "colocated" and s.candidate.workers == w.candidate.workers), None
+    )
+    tpot = colo.metrics.tpot_ms.p50 if colo is not None else None
+    if tpot and not math.isnan(tpot):
+        tax = prefill_s * 1e3 / tpot
+        parts.append(
+            f"a {longest}-token prompt's prefill takes {prefill_s * 1e3:.0f} ms, {tax:.0f} decode steps of every "
+            f"stream when it runs whole beside them (the prefill tax)"
+        )
+    stall = w.metrics.stall_ms.p90
+    if colo is not None and colo is not w and colo.metrics.stall_ms.p90 is not None and stall is not None:
+        parts.append(f"its stall p90 is {stall:.0f} ms against {colo.metrics.stall_ms.p90:.0f} ms colocated whole")
+    if w.interval:
+        lo, hi = sorted(x or 0.0 for x in w.interval["goodput_per_worker"])
+        parts.append(f"goodput per worker {lo:.2f}-{hi:.2f}/s with every step priced {err:.0%} lower or higher")
+        for name, limit in (("ttft", slos.ttft_ms), ("tpot", slos.tpot_ms), ("stall", slos.stall_ms)):
+            worst = max((x for x in w.interval[f"{name}_p90_ms"] if x is not None), default=None)
+            if limit is not None and worst is not None and worst > limit:
+                parts.append(f"at the higher prices its {name} p90 ({worst:.0f} ms) would miss the {limit:.0f} ms SLO")
+    if len(ranked) > 1:
+        r = ranked[1]
+        gap = (w.goodput_per_worker - r.goodput_per_worker) / w.goodput_per_worker if w.goodput_per_worker else 0.0
+        close = toss_up(w, r) if w.interval and r.interval else gap < TOSS_UP
+        if close:
+            within = f"its range reaches {w.candidate.label}'s" if w.interval else f"within {TOSS_UP:.0%} on goodput"
+            parts.append(f"next: {r.candidate.label}, {within}: a toss-up on these figures")
+        else:
+            parts.append(f"next: {r.candidate.label}, {gap:.0%} less goodput per worker")
+    return "; ".join(parts) + "."
+
+
+def format_table(ranked: list[Scored]) -> str:
+    head = ["#", "candidate", "workers", "TTFT p90", "TPOT p90", "stall p90", "attain ttft/tpot/stall", "SLOs"]
+    rows = [[*head, "goodput/worker"]]
+    for i, s in enumerate(ranked, 1):
+        m, a = s.metrics, s.attainment
+        rows.append([
+            str(i), s.candidate.label, str(s.candidate.workers), _ms(m.ttft_ms.p90), _ms(m.tpot_ms.p90),
+            _ms(m.stall_ms.p90), "/".join(_pct(a[k]) for k in ("ttft", "tpot", "stall")),
+            "met" if s.meets else "missed", f"{s.goodput_per_worker:.2f}/s",
+        ])  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) if i != 1 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "predicted (simulated), not measured\n" + "\n".join(lines)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f} ms"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0%}"
