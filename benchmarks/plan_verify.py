@@ -25,16 +25,18 @@ import asyncio
 import random
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
 from benchmarks.client.bench_serve import BenchConfig, run_benchmark
 from benchmarks.client.serve_client import ClientConfig
-from benchmarks.compare.calibrate.calibration import LoggedStep
 from benchmarks.compare.calibrate.step_log import StepLogRecorder
 from benchmarks.compare.modes import ensure_ray, load_average
 from benchmarks.pace import describe as describe_pace
 from benchmarks.pace import machine_pace
+from benchmarks.verify_rows import VerifyRow, format_verification, step_prices, summarize
 from cli import CliError
 from cli.output import emit_json
 from costmodel import plan_cli
@@ -70,6 +72,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="before each server, wait up to this long for the one-minute load average to fall under 0.5 "
         "(the last candidate's run lingers in it), and record it (default 120; 0 = do not wait)",
     )
+    v.add_argument(
+        "--base-url",
+        default=None,
+        help="verify on a server you run (any OpenAI-compatible one) instead of servers started here: before "
+        "each candidate the plan prints its `pdserve serve` command and waits for Enter once you have restarted "
+        "the server at this URL so (interactive)",
+    )
+    v.add_argument("--api-key", default="EMPTY", help="with --base-url: the server's API key")
     v.add_argument("--out", default=None, help="verification result name (default plan-verify-<workload>)")
     v.add_argument("--out-dir", default=None, help=OUT_DIR_HELP)
 
@@ -77,6 +87,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.verify < 0 or args.verify > MAX_VERIFY:
         raise CliError(f"--verify must be 0-{MAX_VERIFY} (each candidate is a server started and loaded)")
+    if args.base_url and not args.verify:
+        raise CliError("--base-url is where --verify K measures: give --verify too")
+    if args.base_url and not sys.stdin.isatty():
+        raise CliError(
+            "--verify --base-url waits for you to restart the server between candidates: run it in a terminal"
+        )
     by_kind = _compare_fits(args)
     if not args.verify:
         return plan_cli.main(args, by_kind)
@@ -85,7 +101,8 @@ def main(args: argparse.Namespace) -> int:
         plan_cli.print_plan(plan)
     chosen = to_verify(plan.ranked, args.verify, args.workers)
     log(f"\nverifying {len(chosen)} candidates on this machine: {', '.join(s.candidate.label for s in chosen)}")
-    ensure_ray()
+    if not args.base_url:
+        ensure_ray()
     rows = []
     for i, s in enumerate(chosen, 1):
         settle(args.settle_s)
@@ -145,42 +162,6 @@ def to_verify(ranked: list[Scored], k: int, budget: int) -> list[Scored]:
     return top
 
 
-@dataclass
-class VerifyRow:
-    candidate: Candidate
-    rank: int  # in the plan, 1 = the winner
-    predicted: Judged
-    measured: Judged | None  # None: the server failed to start or the run failed
-    metrics: dict[str, Any]  # the measured p90s and throughput
-    error: str | None = None
-    startup_s: float | None = None
-    load_average: list[float] | None = None
-    pace: dict[str, Any] | None = None  # the machine's pace before the server started (benchmarks/pace.py)
-    # the workers' steps in the timed pass against the prices the plan gave them, per pool
-    step_prices: dict[str, Any] | None = None
-    # the prediction again with every step priced at the pace measured before this server (the
-    # calibration's pace / this one's); None where either pace is unknown
-    pace_adjusted: Judged | None = None
-    pace_ratio: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "label": self.candidate.label,
-            "serve_args": self.candidate.serve_args(),
-            "plan_rank": self.rank,
-            "predicted": self.predicted.to_dict(),
-            "measured": self.measured.to_dict() if self.measured else None,
-            "measured_metrics": self.metrics,
-            "error": self.error,
-            "startup_s": self.startup_s,
-            "load_average_at_start": self.load_average,
-            "machine_pace_at_start": self.pace,
-            "step_prices": self.step_prices,
-            "pace_ratio": self.pace_ratio,
-            "predicted_at_this_pace": self.pace_adjusted.to_dict() if self.pace_adjusted else None,
-        }
-
-
 def verify_one(
     s: Scored,
     rank: int,
@@ -206,6 +187,8 @@ def verify_one(
             f"  at this pace (steps {row.pace_ratio:.2f}x the calibration's): predicted goodput/worker "
             f"{again.goodput_per_worker:.3f}/s"
         )
+    if args.base_url:
+        return _measure(row, s, specs, slos, args, setup, lambda: _restarted(s.candidate, args))
     try:
         cfg = ServeConfig(
             model=args.model,
@@ -222,16 +205,59 @@ def verify_one(
     except ConfigError as e:
         row.error = f"not deployable here: {e}"
         return row
+    started = lambda: _started(ServerThread(cfg, startup_timeout_s=args.startup_timeout_s), cfg)  # noqa: E731
+    return _measure(row, s, specs, slos, args, setup, started)
+
+
+@dataclass(frozen=True)
+class _Target:
+    """The server a candidate is measured on: its root URL, the model to ask for (None: the first
+    it lists), its API key."""
+
+    url: str
+    model: str | None
+    api_key: str | None
+
+
+@contextmanager
+def _started(server: Any, cfg: Any) -> Iterator[_Target]:
+    with server as srv:
+        yield _Target(srv.url, cfg.model_name, cfg.api_key)
+
+
+@contextmanager
+def _restarted(c: Candidate, args: argparse.Namespace) -> Iterator[_Target]:
+    """--base-url: the user restarts their server as the candidate, and says so."""
+    command = f"pdserve serve --model {args.model} {' '.join(c.serve_args())}"
+    log(f"  restart the server at {args.base_url} as:\n    {command}")
+    input("  then press Enter ")
+    yield _Target(args.base_url.rstrip("/").removesuffix("/v1"), None, args.api_key)
+
+
+def _measure(
+    row: VerifyRow,
+    s: Scored,
+    specs: list[RequestSpec],
+    slos: Slos,
+    args: argparse.Namespace,
+    setup: PredictionSetup | None,
+    server: Callable[[], AbstractContextManager[_Target]],
+) -> VerifyRow:
+    """Warm the candidate's server, time the workload on it, judge it."""
+    c = s.candidate
     t0 = time.perf_counter()
     try:
-        with ServerThread(cfg, startup_timeout_s=args.startup_timeout_s) as srv:
+        with server() as srv:
             row.startup_s = time.perf_counter() - t0
-            client = ClientConfig(base_url=srv.base_url, model=cfg.model_name, show_progress=False, seed=args.seed)
+            client = ClientConfig(
+                base_url=srv.url + "/v1", model=srv.model, api_key=srv.api_key or "EMPTY", show_progress=False,
+                seed=args.seed,
+            )  # fmt: skip
             bench = BenchConfig(client=client, slo_ttft_ms=slos.ttft_ms, slo_tpot_ms=slos.tpot_ms)
             log(f"  up in {row.startup_s:.1f} s; warm-up pass (other token ids)")
             asyncio.run(run_benchmark(bench, fresh_prompts(specs, args.seed + 1)))
             log("  timed pass")
-            with StepLogRecorder(srv.url, cfg.api_key) as recorder:
+            with StepLogRecorder(srv.url, srv.api_key) as recorder:  # a server not pdserve's: no steps
                 result = asyncio.run(run_benchmark(bench, fresh_prompts(specs, args.seed + 2)))
             if setup is not None:
                 row.step_prices = step_prices(recorder.steps, setup)
@@ -252,33 +278,9 @@ def verify_one(
         "completed": m.completed,
         "failed": m.failed,
     }
-    got, want = row.measured.goodput_per_worker, predicted.goodput_per_worker
+    got, want = row.measured.goodput_per_worker, row.predicted.goodput_per_worker
     log(f"  measured goodput/worker {got:.3f}/s (predicted {want:.3f})")
     return row
-
-
-def step_prices(steps: list[LoggedStep], setup: PredictionSetup) -> dict[str, Any] | None:
-    """Per pool: how many steps ran, and what they cost against the plan's price for their shape
-    (p50 and p90 of measured / priced), with the most sequences a step decoded. Tells a step
-    model that was off from a scheduling model that was (None: a datasheet model prices no shape)."""
-    by_pool: dict[str, list[tuple[float, int]]] = {}
-    for s in steps:
-        f = setup.steps.fit_of(s.role, s.shape.prefill_tokens)
-        if f is None:
-            return None
-        priced = f.seconds(s.shape)
-        if priced > 0 and s.seconds > 0:
-            by_pool.setdefault(s.role, []).append((s.seconds / priced, s.shape.decode_seqs))
-    out = {}
-    for pool, xs in by_pool.items():
-        ratios = sorted(r for r, _ in xs)
-        out[pool] = {
-            "steps": len(xs),
-            "ratio_p50": ratios[len(ratios) // 2],
-            "ratio_p90": ratios[min(len(ratios) - 1, int(0.9 * len(ratios)))],
-            "largest_batch": max(b for _, b in xs),
-        }
-    return out
 
 
 def settle(limit_s: float, quiet: float = QUIET_LOAD) -> None:
@@ -309,86 +311,6 @@ def fresh_prompts(specs: list[RequestSpec], seed: int) -> list[RequestSpec]:
         shared = prefixes[s.prefix_id][: s.prefix_len] if s.prefix_id is not None else ()
         out.append(replace(s, prompt=shared + draw(s.prompt_len - len(shared))))
     return out
-
-
-def summarize(rows: list[VerifyRow], winner: str) -> dict[str, Any]:
-    """Regret and the worst prediction errors over the rows measured."""
-    done = [r for r in rows if r.measured is not None]
-    if not done:
-        return {"regret": None, "best_measured": None, "winner": winner}
-    best = max(done, key=lambda r: r.measured.goodput_per_worker if r.measured else 0.0)
-    chosen = next((r for r in done if r.candidate.label == winner), None)
-    best_g = best.measured.goodput_per_worker if best.measured else 0.0
-    regret = None
-    if chosen is not None and chosen.measured is not None:
-        regret = (best_g - chosen.measured.goodput_per_worker) / best_g if best_g > 0 else 0.0
-    att_err = [
-        abs(p - m)
-        for r in done
-        if r.measured
-        for k in ("ttft", "tpot", "stall")
-        if (p := r.predicted.attainment.get(k)) is not None and (m := r.measured.attainment.get(k)) is not None
-    ]
-    good_err = [
-        abs(r.predicted.goodput_per_worker - r.measured.goodput_per_worker) / r.measured.goodput_per_worker
-        for r in done
-        if r.measured and r.measured.goodput_per_worker > 0
-    ]
-    at_pace = [
-        abs(r.pace_adjusted.goodput_per_worker - r.measured.goodput_per_worker) / r.measured.goodput_per_worker
-        for r in done
-        if r.measured and r.pace_adjusted and r.measured.goodput_per_worker > 0
-    ]
-    return {
-        "winner": winner,
-        "best_measured": best.candidate.label,
-        "regret": regret,
-        "attainment_error_max_pts": max(att_err) * 100 if att_err else None,
-        "goodput_error_max": max(good_err) if good_err else None,
-        "goodput_error_max_at_pace": max(at_pace) if len(at_pace) == len(done) and at_pace else None,
-    }
-
-
-def format_verification(rows: list[VerifyRow], summary: dict[str, Any]) -> str:
-    head = ["candidate", "plan #", "attain ttft/tpot/stall pred", "measured", "goodput/worker pred", "measured", "err"]
-    head += ["pred at pace", "err"]
-    out = [head]
-    for r in rows:
-        p, m = r.predicted, r.measured
-        err = "-"
-        if m is not None and m.goodput_per_worker > 0:
-            err = f"{(p.goodput_per_worker - m.goodput_per_worker) / m.goodput_per_worker:+.0%}"
-        out.append([
-            r.candidate.label, str(r.rank) if r.rank else "-", _att(p), _att(m) if m else (r.error or "failed"),
-            f"{p.goodput_per_worker:.3f}/s", f"{m.goodput_per_worker:.3f}/s" if m else "-", err,
-            *_at_pace(r),
-        ])  # fmt: skip
-    widths = [max(len(row[i]) for row in out) for i in range(len(head))]
-    just = lambda i, c, w: c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
-    lines = ["  ".join(just(i, c, w) for i, (c, w) in enumerate(zip(row, widths))) for row in out]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    regret = summary.get("regret")
-    tail = f"winner {summary['winner']}, best measured {summary['best_measured']}: regret " + (
-        f"{regret:.1%}" if regret is not None else "- (the winner was not measured)"
-    )
-    return "verified on this machine (measured) beside the plan (predicted)\n" + "\n".join(lines) + "\n" + tail
-
-
-def _at_pace(r: VerifyRow) -> list[str]:
-    """The goodput predicted at the pace measured before this server, and its error."""
-    a, m = r.pace_adjusted, r.measured
-    if a is None:
-        return ["-", "-"]
-    err = (
-        f"{(a.goodput_per_worker - m.goodput_per_worker) / m.goodput_per_worker:+.0%}"
-        if m and m.goodput_per_worker > 0
-        else "-"
-    )
-    return [f"{a.goodput_per_worker:.3f}/s", err]
-
-
-def _att(j: Judged) -> str:
-    return "/".join("-" if (v := j.attainment.get(k)) is None else f"{v:.0%}" for k in ("ttft", "tpot", "stall"))
 
 
 def log(msg: str) -> None:
