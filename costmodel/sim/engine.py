@@ -127,7 +127,7 @@ class Sim:
         w.queue.append(r)
         w.kick()
 
-    def _pick(self, workers: list, r: Request):
+    def _pick(self, workers: list[Worker], r: Request) -> Worker:
         """The least loaded worker; under the prefix policy, the one holding most of `r`'s prefix first."""
         if self.cfg.prefix_policy and r.prefix_key is not None:
             return min(workers, key=lambda w: (-w.held(r), w.load))
