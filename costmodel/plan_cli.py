@@ -69,8 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("the device model (one of)")
     g.add_argument(
         "--calibration",
-        help="calibration JSON (`bench chunks`, `bench probe`), or a `bench compare` result: each candidate "
-        "is then priced by the fit to the server of its kind (colocated, chunked, disagg) in that run",
+        help="calibration JSON (`bench chunks`, `bench probe`), or `bench compare` results (comma-separated, "
+        "e.g. one run of 1-worker servers and one of `--decode 2`): each candidate is then priced by the fit "
+        "to the server of its kind (colocated, chunked, disagg) and worker count",
     )
     g.add_argument("--gpu", help=f"price from a datasheet instead (predicted only): {', '.join(sorted(cm.HARDWARE))}")
     g.add_argument("--model", required=True, help="model preset, checkpoint dir or config.json (its shapes)")
