@@ -137,3 +137,32 @@ def test_a_server_that_dies_mid_probe_is_one_line_and_exit_2(capsys, tmp_path):
         killer.join()
     assert rc == 2 and "failed" in _one_line(err)
     assert time.monotonic() - t0 < 30
+
+
+def test_plan_verify_on_a_server_the_user_restarts(server, tmp_path, capsys, monkeypatch):
+    """`pdserve plan --verify --base-url`: each candidate's serve command is printed and the plan
+    waits for the user (here: Enter at once, this module's server standing in for every
+    candidate), then measures it."""
+    from costmodel.article import cost_model as cm
+    from costmodel.fit.step_fit import StepCostFit
+
+    cal = tmp_path / "c.calibration.json"
+    fit = StepCostFit(0.005, 1e-3, 0.0, 1e-3, samples=100, rms_rel_error=0.1)
+    cal.write_text(json.dumps(cm.Calibration(device="cpu", dtype="fp32", step_fit=fit.to_dict()).to_dict()))
+    argv = ["plan", "--calibration", str(cal), "--model", "tiny", "--workers", "2", "--workload", "chat"]
+    argv += ["--num-requests", "4", "--rate", "20", "--isl", "32", "--osl", "4", "--slo-ttft-ms", "5000"]
+    argv += ["--verify", "1", "--settle-s", "0", "--out-dir", str(tmp_path), "--json"]
+    assert pdserve([*argv, "--base-url", "http://127.0.0.1:9/v1"]) == 2  # pytest's stdin is no terminal
+    assert "run it in a terminal" in capsys.readouterr().err
+    assert pdserve(["plan", "--calibration", str(cal), "--model", "tiny", "--base-url", "http://x"]) == 2
+    assert "give --verify too" in capsys.readouterr().err
+    prompts: list[str] = []
+    monkeypatch.setattr("sys.stdin.isatty", lambda: True)
+    monkeypatch.setattr("builtins.input", lambda prompt="": prompts.append(prompt) or "")
+    assert pdserve([*argv, "--base-url", server.base_url]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = doc["verification"]["rows"]
+    assert len(prompts) == len(rows) >= 1  # one wait per candidate
+    for r in rows:
+        assert r["error"] is None and r["measured_metrics"]["completed"] == 4
+        assert r["step_prices"]  # a pdserve server: its steps were read too

@@ -320,29 +320,3 @@ def test_a_verification_reprices_at_the_pace_it_measured(tmp_path):
         "goodput_error_max_at_pace"
     ] == pytest.approx(0.025)
     assert "0.820/s" in format_verification([row], summary)
-
-
-def test_verify_on_a_server_the_user_restarts(ray_cluster, calibration, tmp_path, capsys, monkeypatch):
-    """--verify --base-url: each candidate's serve command is printed and the plan waits for the
-    user (here: Enter at once, the same server standing in for every candidate), then measures it."""
-    from router.config import ServeConfig
-    from router.serve_cli import ServerThread
-
-    argv = ["plan", "--calibration", calibration, "--model", "tiny", "--workers", "2", "--workload", "chat"]
-    argv += ["--num-requests", "4", "--rate", "20", "--isl", "32", "--osl", "4", "--slo-ttft-ms", "5000"]
-    argv += ["--verify", "1", "--settle-s", "0", "--out-dir", str(tmp_path), "--json"]
-    assert cli_main([*argv, "--base-url", "http://127.0.0.1:9/v1"]) == 2  # pytest's stdin is no terminal
-    assert "run it in a terminal" in capsys.readouterr().err
-    assert cli_main(["plan", "--calibration", calibration, "--model", "tiny", "--base-url", "http://x"]) == 2
-    assert "give --verify too" in capsys.readouterr().err
-    prompts: list[str] = []
-    monkeypatch.setattr("sys.stdin.isatty", lambda: True)
-    monkeypatch.setattr("builtins.input", lambda prompt="": prompts.append(prompt) or "")
-    with ServerThread(ServeConfig(model="tiny", num_blocks=512), startup_timeout_s=180) as srv:
-        assert cli_main([*argv, "--base-url", srv.base_url]) == 0
-    doc = json.loads(capsys.readouterr().out)
-    rows = doc["verification"]["rows"]
-    assert len(prompts) == len(rows) >= 1  # one wait per candidate
-    for r in rows:
-        assert r["error"] is None and r["measured_metrics"]["completed"] == 4
-        assert r["step_prices"]  # a pdserve server: its steps were read too
