@@ -16,6 +16,12 @@ candidate measured: (best - winner) / best.
 The fixed baselines are the deployments a user would run without a plan: the whole budget
 colocated, and disaggregated with the budget split evenly (KV pulled whole); the better of the
 two by the plan's own ranking is verified beside the top K when it is not among them.
+
+`--repeats R` measures every candidate R times, in rounds whose order alternates (A B C, then
+C B A: a machine that drifts steadily weighs on each candidate alike), on a fresh server each
+time; each row is the mean of its rounds, and the spread between rounds is reported beside the
+prediction's error (benchmarks/verify_rows.py `combine`): on a shared VM whose pace moves within
+the hour, a prediction cannot be held closer than the measurement repeats.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from benchmarks.compare.calibrate.step_log import StepLogRecorder
 from benchmarks.compare.modes import ensure_ray, load_average
 from benchmarks.pace import describe as describe_pace
 from benchmarks.pace import machine_pace
-from benchmarks.verify_rows import VerifyRow, format_verification, step_prices, summarize
+from benchmarks.verify_rows import VerifyRow, combine, format_verification, step_prices, summarize
 from cli import CliError
 from cli.output import emit_json
 from costmodel import plan_cli
@@ -48,6 +54,7 @@ from costmodel.workloads import RequestSpec
 
 TOKEN_LOW, TOKEN_HIGH = 32, 127  # prompt token ids, as the workloads draw them (printable bytes)
 MAX_VERIFY = 8
+MAX_REPEATS = 4
 QUIET_LOAD = 0.5  # one-minute load average a candidate's server may start at (`--settle-s`)
 
 
@@ -62,6 +69,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="deploy the top K candidates and the best fixed baseline (whole budget colocated, or split "
         "evenly disaggregated) one after another, run the workload on each, and print predicted against "
         "measured attainment and goodput, with the regret; 0 (default) = plan only",
+    )
+    v.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="R",
+        help=f"measure each candidate R times (1-{MAX_REPEATS}), in rounds of alternating order on fresh servers; "
+        "each row is the mean of its rounds and the spread between them is printed (default 1)",
     )
     v.add_argument("--device", default="cpu", help="where verified servers run (default cpu)")
     v.add_argument("--startup-timeout-s", type=float, default=300.0, help="per server (default 300)")
@@ -87,6 +102,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.verify < 0 or args.verify > MAX_VERIFY:
         raise CliError(f"--verify must be 0-{MAX_VERIFY} (each candidate is a server started and loaded)")
+    if not 1 <= args.repeats <= MAX_REPEATS:
+        raise CliError(f"--repeats must be 1-{MAX_REPEATS}")
+    if args.repeats > 1 and not args.verify:
+        raise CliError("--repeats is how often --verify K measures each candidate: give --verify too")
     if args.base_url and not args.verify:
         raise CliError("--base-url is where --verify K measures: give --verify too")
     if args.base_url and not sys.stdin.isatty():
@@ -103,12 +122,18 @@ def main(args: argparse.Namespace) -> int:
     log(f"\nverifying {len(chosen)} candidates on this machine: {', '.join(s.candidate.label for s in chosen)}")
     if not args.base_url:
         ensure_ray()
-    rows = []
-    for i, s in enumerate(chosen, 1):
-        settle(args.settle_s)
-        log(f"[{i}/{len(chosen)}] {s.candidate.label}: {' '.join(s.candidate.serve_args())}")
-        setup = plan_cli.setup_for(s.candidate, by_kind, plan.setup)
-        rows.append(verify_one(s, plan.ranked.index(s) + 1, plan.specs, plan.slos, args, setup))
+    measured: dict[int, list[VerifyRow]] = {i: [] for i in range(len(chosen))}
+    total, done = len(chosen) * args.repeats, 0
+    for rnd in range(args.repeats):
+        order = list(range(len(chosen)))
+        for i in order if rnd % 2 == 0 else order[::-1]:
+            s, done = chosen[i], done + 1
+            settle(args.settle_s)
+            round_note = f" (round {rnd + 1} of {args.repeats})" if args.repeats > 1 else ""
+            log(f"[{done}/{total}] {s.candidate.label}{round_note}: {' '.join(s.candidate.serve_args())}")
+            setup = plan_cli.setup_for(s.candidate, by_kind, plan.setup)
+            measured[i].append(verify_one(s, plan.ranked.index(s) + 1, plan.specs, plan.slos, args, setup))
+    rows = [combine(measured[i]) for i in range(len(chosen))]
     summary = summarize(rows, plan.ranked[0].candidate.label)
     doc = {**plan.doc, "verification": {"rows": [r.to_dict() for r in rows], **summary}}
     name = args.out or f"plan-verify-{args.workload if not args.trace else 'trace'}"

@@ -1,10 +1,13 @@
 """What `pdserve plan --verify` records of each candidate and prints (benchmarks/plan_verify.py
 runs them): a row of predicted beside measured, the workers' steps against the plan's prices, the
-regret and the worst errors, and the table."""
+regret and the worst errors, and the table. With `--repeats R` each candidate is measured R times
+in interleaved rounds and its row combines them (`combine`): the mean, and the spread between rounds,
+which is how far this machine's own measurement moves (the floor under any prediction's error)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.compare.calibrate.calibration import LoggedStep
@@ -30,8 +33,19 @@ class VerifyRow:
     # calibration's pace / this one's); None where either pace is unknown
     pace_adjusted: Judged | None = None
     pace_ratio: float | None = None
+    rounds: list[VerifyRow] = field(default_factory=list)  # each measurement, where there were several
+
+    @property
+    def goodput_range(self) -> tuple[float, float] | None:
+        """The lowest and highest goodput per worker measured over the rounds (None: under two)."""
+        got = [r.measured.goodput_per_worker for r in self.rounds if r.measured is not None]
+        return (min(got), max(got)) if len(got) >= 2 else None
 
     def to_dict(self) -> dict[str, Any]:
+        rng = self.goodput_range
+        extra: dict[str, Any] = {}
+        if self.rounds:
+            extra = {"goodput_measured_range": list(rng) if rng else None, "rounds": [r.to_dict() for r in self.rounds]}
         return {
             "label": self.candidate.label,
             "serve_args": self.candidate.serve_args(),
@@ -46,7 +60,38 @@ class VerifyRow:
             "step_prices": self.step_prices,
             "pace_ratio": self.pace_ratio,
             "predicted_at_this_pace": self.pace_adjusted.to_dict() if self.pace_adjusted else None,
+            **extra,
         }
+
+
+def combine(rounds: list[VerifyRow]) -> VerifyRow:
+    """One candidate's row from its rounds (`--repeats`): the mean of each measured attainment and of
+    the goodput, SLOs met only where every round met them, the pace-adjusted prediction averaged
+    likewise; the rounds themselves kept. A round that failed counts against nothing but is kept."""
+    first = rounds[0]
+    if len(rounds) == 1:
+        return first
+    ok = [r for r in rounds if r.measured is not None]
+    errors = [r.error for r in rounds if r.error]
+    return VerifyRow(
+        first.candidate, first.rank, first.predicted, _mean_judged([r.measured for r in ok if r.measured]),
+        ok[0].metrics if ok else {}, error="; ".join(errors) if not ok and errors else None,
+        startup_s=first.startup_s, load_average=first.load_average, pace=first.pace,
+        step_prices=ok[0].step_prices if ok else None,
+        pace_adjusted=_mean_judged([r.pace_adjusted for r in ok if r.pace_adjusted]) if ok else None,
+        pace_ratio=statistics.fmean(x) if (x := [r.pace_ratio for r in ok if r.pace_ratio]) else None,
+        rounds=rounds,
+    )  # fmt: skip
+
+
+def _mean_judged(js: list[Judged]) -> Judged | None:
+    if not js:
+        return None
+    att: dict[str, float | None] = {}
+    for k in js[0].attainment:
+        vals = [v for j in js if (v := j.attainment.get(k)) is not None]
+        att[k] = statistics.fmean(vals) if vals else None
+    return Judged(att, all(j.meets for j in js), statistics.fmean(j.goodput_per_worker for j in js))
 
 
 def step_prices(steps: list[LoggedStep], setup: PredictionSetup) -> dict[str, Any] | None:
@@ -101,19 +146,40 @@ def summarize(rows: list[VerifyRow], winner: str) -> dict[str, Any]:
         for r in done
         if r.measured and r.pace_adjusted and r.measured.goodput_per_worker > 0
     ]
+    ranges = [g for r in done if (g := r.goodput_range) is not None and g[1] > 0]
+    spreads = [(hi - lo) / ((hi + lo) / 2) for lo, hi in ranges]
     return {
         "winner": winner,
         "best_measured": best.candidate.label,
         "regret": regret,
+        "regret_per_round": _regret_per_round(rows, winner),
+        "goodput_spread_max": max(spreads) if spreads else None,
         "attainment_error_max_pts": max(att_err) * 100 if att_err else None,
         "goodput_error_max": max(good_err) if good_err else None,
         "goodput_error_max_at_pace": max(at_pace) if len(at_pace) == len(done) and at_pace else None,
     }
 
 
+def _regret_per_round(rows: list[VerifyRow], winner: str) -> list[float | None] | None:
+    """The regret within each round alone (None: one round only)."""
+    n = max((len(r.rounds) for r in rows), default=0)
+    if n < 2:
+        return None
+    out: list[float | None] = []
+    for i in range(n):
+        each = [(r.candidate.label, r.rounds[i].measured) for r in rows if i < len(r.rounds)]
+        got = {label: m.goodput_per_worker for label, m in each if m is not None}
+        best = max(got.values(), default=0.0)
+        out.append((best - got[winner]) / best if winner in got and best > 0 else None)
+    return out
+
+
 def format_verification(rows: list[VerifyRow], summary: dict[str, Any]) -> str:
     head = ["candidate", "plan #", "attain ttft/tpot/stall pred", "measured", "goodput/worker pred", "measured", "err"]
     head += ["pred at pace", "err"]
+    repeated = any(r.rounds for r in rows)
+    if repeated:
+        head.insert(6, "rounds' range")
     out = [head]
     for r in rows:
         p, m = r.predicted, r.measured
@@ -125,6 +191,9 @@ def format_verification(rows: list[VerifyRow], summary: dict[str, Any]) -> str:
             f"{p.goodput_per_worker:.3f}/s", f"{m.goodput_per_worker:.3f}/s" if m else "-", err,
             *_at_pace(r),
         ])  # fmt: skip
+        if repeated:
+            g = r.goodput_range
+            out[-1].insert(6, f"{g[0]:.3f}-{g[1]:.3f}" if g else "-")
     widths = [max(len(row[i]) for row in out) for i in range(len(head))]
     just = lambda i, c, w: c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
     lines = ["  ".join(just(i, c, w) for i, (c, w) in enumerate(zip(row, widths))) for row in out]
@@ -133,6 +202,12 @@ def format_verification(rows: list[VerifyRow], summary: dict[str, Any]) -> str:
     tail = f"winner {summary['winner']}, best measured {summary['best_measured']}: regret " + (
         f"{regret:.1%}" if regret is not None else "- (the winner was not measured)"
     )
+    if summary.get("regret_per_round"):
+        each = ", ".join("-" if x is None else f"{x:.1%}" for x in summary["regret_per_round"])
+        tail += f" (each round alone: {each})"
+    if summary.get("goodput_spread_max") is not None:
+        spread = summary["goodput_spread_max"]
+        tail += f"; measured = mean of the rounds, whose goodput moved by up to {spread:.0%}"
     return "verified on this machine (measured) beside the plan (predicted)\n" + "\n".join(lines) + "\n" + tail
 
 

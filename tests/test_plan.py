@@ -320,3 +320,38 @@ def test_a_verification_reprices_at_the_pace_it_measured(tmp_path):
         "goodput_error_max_at_pace"
     ] == pytest.approx(0.025)
     assert "0.820/s" in format_verification([row], summary)
+
+
+def test_repeated_rounds_give_each_candidate_its_mean_and_the_spread_between_rounds():
+    """--repeats R: a row is the mean of its rounds, SLOs met only where every round met them; the
+    summary gives the spread between rounds and the regret within each round alone."""
+    from benchmarks.verify_rows import VerifyRow, combine, format_verification, summarize
+    from costmodel.plan.score import Judged
+
+    def rounds(cand: Candidate, pred: float, got: list[tuple[float, float, bool]]) -> VerifyRow:
+        p = Judged({"ttft": 1.0, "tpot": 1.0, "stall": None}, True, pred)
+        return combine([
+            VerifyRow(cand, 1, p, Judged({"ttft": 1.0, "tpot": tpot, "stall": None}, meets, g), {})
+            for g, tpot, meets in got
+        ])  # fmt: skip
+
+    a = rounds(Candidate("colocated", 2), 1.0, [(0.9, 0.9, True), (1.1, 0.8, False)])
+    b = rounds(Candidate("chunked", 2, chunk=256), 0.9, [(1.0, 1.0, True), (0.8, 1.0, True)])
+    assert a.measured is not None and a.measured.goodput_per_worker == pytest.approx(1.0)
+    assert a.measured.attainment["tpot"] == pytest.approx(0.85) and a.measured.attainment["stall"] is None
+    assert not a.measured.meets and b.measured is not None and b.measured.meets
+    assert a.goodput_range == (0.9, 1.1) and len(a.to_dict()["rounds"]) == 2
+    summary = summarize([a, b], a.candidate.label)
+    assert summary["regret"] == 0.0 and summary["regret_per_round"] == pytest.approx([0.1, 0.0])
+    assert summary["goodput_spread_max"] == pytest.approx(0.2 / 0.9)  # b: 0.8-1.0 around 0.9
+    table = format_verification([a, b], summary)
+    assert "0.900-1.100" in table and "each round alone: 10.0%, 0.0%" in table
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [(["--verify", "1", "--repeats", "9"], "--repeats must be 1-4"), (["--repeats", "2"], "give --verify too")],
+)
+def test_repeats_are_few_and_only_with_verify(calibration, capsys, extra, message):
+    assert cli_main(["plan", "--calibration", calibration, "--model", "tiny", *extra]) == 2
+    assert message in capsys.readouterr().err
