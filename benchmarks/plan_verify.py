@@ -5,13 +5,13 @@ The plan itself is costmodel/plan_cli.py (nothing there is measured); this modul
 command's entry point because verifying needs servers and a client, which live in this layer.
 
 For each candidate, one at a time: a fresh pdserve server (Ray actors + uvicorn on a free
-loopback port, as `bench compare` starts them), a warm-up pass (the workload's schedule and
-lengths with other token ids, so the timed prompts are not in the prefix cache and no shape is
-met cold), then the timed pass. Measured figures are judged exactly as the plan judges its
-simulated ones (`costmodel.plan.score.judge`): p90 of TTFT and TPOT over the requests and of the
-stall over the documents, each SLO's attainment (the share within it), goodput per worker. The
-regret is how much measured goodput per worker the plan's winner gives up against the best
-candidate measured: (best - winner) / best.
+loopback port, as `bench compare` starts them), warmed as `bench compare` warms its servers (the
+workload's schedule and lengths twice with other token ids, so the timed prompts are not in the
+prefix cache and no shape is met cold, and a few lone requests), then the timed pass. Measured
+figures are judged exactly as the plan judges its simulated ones (`costmodel.plan.score.judge`):
+p90 of TTFT and TPOT over the requests and of the stall over the documents, each SLO's
+attainment (the share within it), goodput per worker. The regret is how much measured goodput
+per worker the plan's winner gives up against the best candidate measured: (best - winner) / best.
 
 The fixed baselines are the deployments a user would run without a plan: the whole budget
 colocated, and disaggregated with the budget split evenly (KV pulled whole); the better of the
@@ -37,7 +37,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from benchmarks.client.bench_serve import BenchConfig, run_benchmark
+from benchmarks.client.gc_pauses import QuietGC
 from benchmarks.client.serve_client import ClientConfig
+from benchmarks.compare.calibrate.side_requests import hop_specs
 from benchmarks.compare.calibrate.step_log import StepLogRecorder
 from benchmarks.compare.modes import ensure_ray, load_average
 from benchmarks.pace import describe as describe_pace
@@ -279,10 +281,17 @@ def _measure(
                 seed=args.seed,
             )  # fmt: skip
             bench = BenchConfig(client=client, slo_ttft_ms=slos.ttft_ms, slo_tpot_ms=slos.tpot_ms)
-            log(f"  up in {row.startup_s:.1f} s; warm-up pass (other token ids)")
-            asyncio.run(run_benchmark(bench, fresh_prompts(specs, args.seed + 1)))
+            # warmed as `bench compare` warms the servers its calibrations come from (benchmarks/
+            # compare/modes.py): a fresh server's first step of a shape runs cold, and a pass's
+            # Poisson gaps leave some shapes to the next; then the timed pass without a full GC of
+            # this process (the router and the client) in the middle of it
+            log(f"  up in {row.startup_s:.1f} s; warm-up: the workload twice (other token ids), lone requests")
+            first = fresh_prompts(specs, args.seed + 1)
+            asyncio.run(run_benchmark(bench, first))
+            asyncio.run(run_benchmark(bench, hop_specs(first)))
+            asyncio.run(run_benchmark(bench, fresh_prompts(specs, args.seed + 3)))
             log("  timed pass")
-            with StepLogRecorder(srv.url, srv.api_key) as recorder:  # a server not pdserve's: no steps
+            with StepLogRecorder(srv.url, srv.api_key) as recorder, QuietGC():  # not pdserve's: no steps
                 result = asyncio.run(run_benchmark(bench, fresh_prompts(specs, args.seed + 2)))
             if setup is not None:
                 row.step_prices = step_prices(recorder.steps, setup)
