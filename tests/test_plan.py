@@ -355,3 +355,20 @@ def test_repeated_rounds_give_each_candidate_its_mean_and_the_spread_between_rou
 def test_repeats_are_few_and_only_with_verify(calibration, capsys, extra, message):
     assert cli_main(["plan", "--calibration", calibration, "--model", "tiny", *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_candidate_meeting_its_slos_only_at_the_fits_own_prices_ranks_after_those_that_hold():
+    """The top candidates re-sorted by margin: one whose TPOT p90 would miss the SLO with every step
+    priced at the fit's error higher goes after those that still meet it there (goodput order kept
+    within each group); one that misses at the fit's prices stays last."""
+    from costmodel.plan.score import Scored, Slos, misses_at_high_price, rank_by_margin
+
+    def cand(workers: int, good: float, tpot_hi: float, meets: bool = True) -> Scored:
+        iv = {"ttft_p90_ms": (400.0, 600.0), "tpot_p90_ms": (tpot_hi * 0.8, tpot_hi), "stall_p90_ms": (None, None)}
+        return Scored(Candidate("chunked", workers, chunk=64), None, {}, meets, good, interval=iv)  # type: ignore[arg-type]
+
+    slos = Slos(ttft_ms=1500, tpot_ms=200)
+    edge, safe, safer, missing = cand(1, 1.7, 240.0), cand(2, 1.1, 110.0), cand(3, 1.0, 90.0), cand(4, 1.8, 300, False)
+    assert misses_at_high_price(edge, slos) == [("tpot", 240.0, 200)] and misses_at_high_price(safe, slos) == []
+    assert rank_by_margin([edge, safe, safer, missing], slos, top=4) == [safe, safer, edge, missing]
+    assert rank_by_margin([edge, safe, safer], slos, top=1) == [edge, safe, safer]  # past `top`: as ranked

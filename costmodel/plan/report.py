@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from costmodel.plan.score import Scored, Slos, toss_up
+from costmodel.plan.score import Scored, Slos, misses_at_high_price, toss_up
 from costmodel.sim import compare_predict as cp
 from costmodel.workloads import RequestSpec
 
@@ -46,10 +46,18 @@ def explain(
     if w.interval:
         lo, hi = sorted(x or 0.0 for x in w.interval["goodput_per_worker"])
         parts.append(f"goodput per worker {lo:.2f}-{hi:.2f}/s with every step priced {err:.0%} lower or higher")
-        for name, limit in (("ttft", slos.ttft_ms), ("tpot", slos.tpot_ms), ("stall", slos.stall_ms)):
-            worst = max((x for x in w.interval[f"{name}_p90_ms"] if x is not None), default=None)
-            if limit is not None and worst is not None and worst > limit:
-                parts.append(f"at the higher prices its {name} p90 ({worst:.0f} ms) would miss the {limit:.0f} ms SLO")
+        for name, worst, limit in misses_at_high_price(w, slos):
+            parts.append(f"at the higher prices its {name} p90 ({worst:.0f} ms) would miss the {limit:.0f} ms SLO")
+    richer = [s for s in ranked if s.meets and s.goodput_per_worker > w.goodput_per_worker]
+    edgy = [s for s in richer if misses_at_high_price(s, slos)]
+    if edgy and not misses_at_high_price(w, slos):
+        e = edgy[0]
+        name, worst, limit = misses_at_high_price(e, slos)[0]
+        parts.append(
+            f"{e.candidate.label} predicts more goodput ({e.goodput_per_worker:.2f}/s) but meets the SLOs only at the "
+            f"fit's own prices (its {name} p90 {worst:.0f} ms against {limit:.0f} at {err:.0%} higher): ranked after "
+            "those that hold"
+        )
     if len(ranked) > 1:
         r = ranked[1]
         gap = (w.goodput_per_worker - r.goodput_per_worker) / w.goodput_per_worker if w.goodput_per_worker else 0.0

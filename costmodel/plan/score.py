@@ -12,6 +12,13 @@ fitted on), so the top candidates are simulated again with every term of the fit
 much lower and higher (`interval`). Where the winner's goodput range overlaps the next one's, the choice is
 a toss-up on these figures. Step jitter under load is not in it yet; a datasheet model has no
 fit error to give and gets no interval.
+
+Margin: among the top candidates, those that still meet every SLO with every step priced at the
+high end of the interval rank before those that meet them only at the fit's own prices
+(`rank_by_margin`). A deployment whose p90 sits within its fit's error of an SLO is a cliff: on
+the 2-core dev VM one such candidate (TPOT p90 199 ms predicted against a 200 ms SLO) measured
+goodput 0.86 against 1.67 predicted, and two runs of another differed by 80%
+(docs/plan.md, "Repeated rounds").
 """
 
 from __future__ import annotations
@@ -142,6 +149,24 @@ def _share(values: list[float], limit: float | None) -> float | None:
 def rank(scored: Sequence[Scored]) -> list[Scored]:
     stall = lambda s: s.metrics.stall_ms.p90 if s.metrics.stall_ms.p90 is not None else 0.0  # noqa: E731
     return sorted(scored, key=lambda s: (not s.meets, -s.goodput_per_worker, stall(s)))
+
+
+def misses_at_high_price(s: Scored, slos: Slos) -> list[tuple[str, float, float]]:
+    """The SLOs `s` misses with every step priced at the high end of its interval: (name, p90 ms
+    there, limit ms); none without an interval."""
+    out = []
+    for name, limit in (("ttft", slos.ttft_ms), ("tpot", slos.tpot_ms), ("stall", slos.stall_ms)):
+        worst = max((x for x in (s.interval or {}).get(f"{name}_p90_ms", ()) if x is not None), default=None)
+        if limit is not None and worst is not None and worst > limit:
+            out.append((name, worst, limit))
+    return out
+
+
+def rank_by_margin(ranked: list[Scored], slos: Slos, top: int) -> list[Scored]:
+    """`ranked` with its first `top` re-sorted (stably): those meeting every SLO even at the high
+    end of their interval before those meeting them only at the fit's prices."""
+    head = sorted(ranked[:top], key=lambda s: (not s.meets, bool(misses_at_high_price(s, slos))))
+    return head + ranked[top:]
 
 
 def _scaled(fit: StepCostFit | None, k: float) -> StepCostFit | None:
