@@ -130,12 +130,11 @@ def fit(samples: Sequence[tuple[StepShape, float]]) -> StepCostFit:
         raise ValueError("the timed steps admit no non-negative step-cost fit") from e
     # Least squares on relative error leans toward the faster of steps that scatter (for one
     # shape it lands at sum(1/y) / sum(1/y^2): with timings +-15% about their median, ~4% under
-    # their mean), but a stream's latency is a sum of steps of its own kind: scale every term so
-    # a step takes on average (measured / priced, step by step, so the many decode steps are not
-    # outweighed by a few long prompts) what the fit prices. The fit's shape stays.
-    ratios = [y / p for x, y in rows if (p := sum(c * v for c, v in zip(coef, x))) > 0]
-    k = sum(ratios) / len(ratios) if ratios else 1.0
-    out = StepCostFit(coef[0] * k, coef[1] * k, coef[2] * k, coef[3] * k, samples=len(rows))
+    # their mean), but a stream's latency is a sum of steps: scale every term so the fit's
+    # steps add up to the measured ones. The shape of the fit (what each term prices) stays.
+    priced = sum(sum(c * v for c, v in zip(coef, x)) for x, _ in rows)
+    k = sum(y for _, y in rows) / priced if priced > 0 else 1.0
+    out = StepCostFit(*(c * k for c in coef), samples=len(rows))
     errs = [(out.seconds(s) - y) / y for s, y in samples if y > 0]
     return replace(out, rms_rel_error=math.sqrt(sum(e * e for e in errs) / len(errs)))
 
