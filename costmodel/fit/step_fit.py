@@ -134,7 +134,7 @@ def fit(samples: Sequence[tuple[StepShape, float]]) -> StepCostFit:
     # steps add up to the measured ones. The shape of the fit (what each term prices) stays.
     priced = sum(sum(c * v for c, v in zip(coef, x)) for x, _ in rows)
     k = sum(y for _, y in rows) / priced if priced > 0 else 1.0
-    out = StepCostFit(*(c * k for c in coef), samples=len(rows))
+    out = StepCostFit(coef[0] * k, coef[1] * k, coef[2] * k, coef[3] * k, samples=len(rows))
     errs = [(out.seconds(s) - y) / y for s, y in samples if y > 0]
     return replace(out, rms_rel_error=math.sqrt(sum(e * e for e in errs) / len(errs)))
 
