@@ -75,13 +75,21 @@ def combine(rounds: list[VerifyRow]) -> VerifyRow:
     errors = [r.error for r in rounds if r.error]
     return VerifyRow(
         first.candidate, first.rank, first.predicted, _mean_judged([r.measured for r in ok if r.measured]),
-        ok[0].metrics if ok else {}, error="; ".join(errors) if not ok and errors else None,
+        _mean_metrics([r.metrics for r in ok]), error="; ".join(errors) if not ok and errors else None,
         startup_s=first.startup_s, load_average=first.load_average, pace=first.pace,
-        step_prices=ok[0].step_prices if ok else None,
+        step_prices=ok[0].step_prices if ok else None,  # the first round's; every round's in `rounds`
         pace_adjusted=_mean_judged([r.pace_adjusted for r in ok if r.pace_adjusted]) if ok else None,
         pace_ratio=statistics.fmean(x) if (x := [r.pace_ratio for r in ok if r.pace_ratio]) else None,
         rounds=rounds,
     )  # fmt: skip
+
+
+def _mean_metrics(ms: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each measured figure's mean over the rounds (None where a round lacks it), like the row's."""
+    return {
+        k: statistics.fmean(vals) if len(vals := [m[k] for m in ms if m.get(k) is not None]) == len(ms) else None
+        for k in (ms[0] if ms else {})
+    }
 
 
 def _mean_judged(js: list[Judged]) -> Judged | None:
