@@ -71,10 +71,10 @@ class WorkerStats:
     blocks_free: int  # free or cached: what an allocation can take now
     steps: int = 0
     # the last steps this worker ran, oldest first: (step number, prefill tokens, attention pairs,
-    # decode sequences, seconds, end as unix s, intra-op threads it ran with); the router refines
-    # its step-cost fit from them and, from the ends, sees which steps ran while the other pool's
-    # did (--mode auto)
-    recent_steps: list[tuple[int, int, int, int, float, float, int]] = field(default_factory=list)
+    # decode sequences, seconds, end as unix s, intra-op threads it ran with, the attention pairs of
+    # decode rows); the router refines its step-cost fit from them and, from the ends, sees which
+    # steps ran while the other pool's did (--mode auto)
+    recent_steps: list[tuple[int, int, int, int, float, float, int, int]] = field(default_factory=list)
     blocks_cached: int = 0  # unreferenced blocks kept by the prefix cache (evicted LRU)
     preemptions: int = 0  # sequences preempted by recompute so far (cumulative)
     prefix_hit_blocks: int = 0  # full blocks found in the prefix cache (cumulative)
@@ -103,7 +103,16 @@ class WorkerStats:
     def step_log(self) -> dict:
         """The recent steps as named fields (the JSON of `GET /v1/workers/steps`). Each step names
         the threads it ran with, so a fit made from a log knows what it measured."""
-        keys = ("step", "prefill_tokens", "attention_pairs", "decode_seqs", "seconds", "end_unix_s", "torch_threads")
+        keys = (
+            "step",
+            "prefill_tokens",
+            "attention_pairs",
+            "decode_seqs",
+            "seconds",
+            "end_unix_s",
+            "torch_threads",
+            "decode_pairs",
+        )
         return {
             "worker": self.name,
             "role": self.role,

@@ -196,7 +196,7 @@ class EngineLoop:
         self._exited = False  # set by the loop thread once it will never read the inbox again
         self.steps = 0  # forward passes run
         # (step number, prefill tokens, attention pairs, decode sequences, seconds, end, threads) of recent steps
-        self.step_log: deque[tuple[int, int, int, int, float, float, int]] = deque(maxlen=STEP_LOG_KEPT)
+        self.step_log: deque[tuple[int, int, int, int, float, float, int, int]] = deque(maxlen=STEP_LOG_KEPT)
         self.fatal: BaseException | None = None
         self.heap = HeapTrimmer(enabled=os.environ.get("PDSERVE_HEAP_TRIM", "1") != "0")
 
@@ -324,7 +324,8 @@ class EngineLoop:
         st = engine.last_step
         if st is not None:
             shape = (st.prefill_tokens, st.attention_pairs, st.decode_tokens)
-            self.step_log.append((self.steps + 1, *shape, st.seconds, time.time(), st.threads or self.torch_threads))
+            threads = st.threads or self.torch_threads
+            self.step_log.append((self.steps + 1, *shape, st.seconds, time.time(), threads, st.decode_pairs))
 
     def drain_cache_events(self) -> tuple[list[tuple[bool, int]], list[int] | None]:
         """(prefix-cache events since the last call, every cached hash if events were lost)."""

@@ -10,7 +10,8 @@ from costmodel.article import cost_model as cm
 from costmodel.fit.step_fit import OnlineStepFit, StepCostFit, StepShape, fit
 from costmodel.sim.engine import Request, StepModel
 
-TRUE = StepCostFit(0.005, 90e-6, 0.03e-9 * 1e3, 800e-6)  # fixed, per token, per pair, per sequence
+# fixed, per token, per prompt pair, per sequence; a decode pair ~30x a prompt pair (50x measured on CPU)
+TRUE = StepCostFit(0.005, 90e-6, 0.03e-9 * 1e3, 800e-6, decode_attention_s=1e-6)
 
 
 def _samples(truth: StepCostFit, n: int = 80, noise: float = 0.03, seed: int = 0):
@@ -32,6 +33,20 @@ def test_shape_attention_is_the_score_block_each_item_computes():
     assert whole.attention_pairs == 2048**2  # the article's T^2
     assert sum(p.attention_pairs for p in parts) == 512 * (512 + 1024 + 1536 + 2048)  # chunks skip the triangle
     assert StepShape.of([100]).attention_pairs == 101  # a decode token at context 100
+
+
+def test_decode_pairs_are_priced_apart_from_prompt_pairs():
+    """A decode row reads its whole cached context (memory-bound): one price for both kinds of pair,
+    pinned by the prompts' millions, prices a long-context decode step short; the split does not."""
+    samples = _samples(TRUE, 200)
+    shared = [(StepShape(s.prefill_tokens, s.attention_pairs, s.decode_seqs), y) for s, y in samples]
+    long_decode = StepShape.of([1024] * 3)
+    assert fit(samples).seconds(long_decode) == pytest.approx(TRUE.seconds(long_decode), rel=0.05)
+    assert fit(shared).seconds(long_decode) < 0.9 * TRUE.seconds(long_decode)
+    # a worker log without the split: certain only where a step holds no prompt
+    assert StepShape.reported(0, 500.0, 4, None).decode_pairs == 500
+    assert StepShape.reported(128, 9000.0, 4, None).decode_pairs == 0
+    assert StepShape.reported(128, 9000.0, 4, 500).features()[2:4] == (8500.0, 500.0)
 
 
 def test_fit_recovers_the_terms_within_noise():
@@ -61,7 +76,7 @@ def test_fit_is_non_negative():
 
 
 def test_online_fit_follows_recent_steps_and_keeps_unexercised_terms():
-    slower = StepCostFit(*(c * 1.5 for c in TRUE.coef))
+    slower = TRUE.scaled(1.5)
     online = OnlineStepFit(TRUE, half_life=100)
     for s, y in _samples(slower, n=400, noise=0.0, seed=1):
         online.observe(s, y)
@@ -85,6 +100,9 @@ def test_calibration_round_trip_and_validation(tmp_path):
     assert back is not None and back.coef == pytest.approx(f.coef)
     with pytest.raises(ValueError, match="step_fit"):
         cm.Calibration.from_dict({"step_fit": {"fixed_ms": 1.0}})
+    # a file from before decode pairs were priced apart prices them as it did: at the prompt's rate
+    old = {"fixed_ms": 1.0, "per_token_us": 1.0, "attention_ns_per_pair": 2.0, "per_sequence_us": 1.0}
+    assert StepCostFit.from_dict(old).decode_attention_s == pytest.approx(2e-9)
     with pytest.raises(ValueError, match=">= 0"):
         cm.Calibration.from_dict(
             {"step_fit": {"fixed_ms": -1, "per_token_us": 1, "attention_ns_per_pair": 0, "per_sequence_us": 1}}
@@ -107,7 +125,7 @@ def test_cost_cli_shows_the_fitted_terms(tmp_path, capsys):
     p.write_text(json.dumps(cal.to_dict()))
     assert main(["cost", "--config", "tiny", "--calibration", str(p), "--weight-dtype", "fp32"]) == 0
     out = capsys.readouterr().out
-    assert "Measured step cost" in out and "us/token" in out and "ns/attention pair" in out
+    assert "Measured step cost" in out and "us/token" in out and "ns/prompt attention pair" in out
     assert main(["cost", "--config", "tiny", "--calibration", str(p), "--weight-dtype", "fp32", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["step_fit"]["terms"]["fixed_ms"] == pytest.approx(5.0)

@@ -191,7 +191,7 @@ def fit_joint(
     overhead_s: float = 0.0,
     floor_s: float = 0.0,
 ) -> StepCostFit:
-    """step_fit's four terms over every probed step, anchored where they are used: the decode
+    """step_fit's five terms over every probed step, anchored where they are used: the decode
     steps as measured; each prompt alone as its TTFT's difference from the shortest prompt's clear
     of the latency floor (the steps that carried it, whole or in `chunk`s, less that prompt's
     steps; `_prompt_rows`); and the tax's mixed steps, the very steps a stall is made of. What
@@ -207,7 +207,7 @@ def fit_joint(
     if len(rows) < 2:
         raise ValueError("need at least two timed steps to fit the step cost")
     c, err = nnls_rel([r[0].tolist() for r in rows], [r[1] for r in rows], [r[2] for r in rows])
-    return StepCostFit(float(c[0]), float(c[1]), float(c[2]), float(c[3]), samples=len(rows), rms_rel_error=err)
+    return StepCostFit.of_coef(c, samples=len(rows), rms_rel_error=err)
 
 
 # ---- the article's arithmetic on the fitted server --------------------------------------------

@@ -6,8 +6,9 @@ cost (Python, launches, sampling) whatever it holds. So a step is priced from it
 
     seconds = fixed                                   # per step, whatever it holds
             + per_token     * new tokens               # GEMMs: prompt tokens + one per decode sequence
-            + attention     * sum_i n_i * end_i        # attention pairs, quadratic in context
-            + per_sequence  * decode sequences         # per-stream bookkeeping and KV reads
+            + attention     * sum_i n_i * end_i        # prompt chunks' attention pairs, quadratic in context
+            + decode_attention * sum_j (c_j + 1)       # decode rows' attention pairs, linear in context
+            + per_sequence  * decode sequences         # per-stream bookkeeping
 
 Item i of a step computes n_i new positions [start_i, end_i): a prefill chunk [p, p + n) or a
 decode token [c, c + 1). Its attention work is n_i * end_i: each new token scores every position
@@ -15,9 +16,13 @@ up to the chunk's end, as the engine's attention computes it (a causal mask hide
 triangle but the kernel still computes the n x end score block). A whole prompt of T tokens is T^2
 (the article's term); its chunks add up to less (the triangle above each chunk is skipped), which
 is what `bench chunks` measures: a 1,024-token prompt in two chunks of 512 ran faster than whole.
-A decode token at context c costs c + 1: the same term, linear in context for decode.
+A decode token at context c has c + 1 pairs, priced apart: a prompt's pairs are a dense score
+block computed at GEMM speed, a decode row's are one query reading (and, FP8, dequantising) its whole
+cached context, memory-bound. On the 2-core CPU VM a decode pair cost ~5 us, a prompt pair ~0.1 us
+(`pdserve bench step --prompt-len 64,1024,2048`, 2026-12-05): one shared term, pinned by the prompts'
+millions of pairs, priced a decode step at a 1,024-token context ~15% short.
 
-`fit()` fits the four terms by non-negative least squares on *relative* error (a 7 ms chunk and a
+`fit()` fits the five terms by non-negative least squares on *relative* error (a 7 ms chunk and a
 700 ms prompt count alike), from the steps `pdserve bench chunks` times. `OnlineStepFit` refines
 them from the step timings workers report while serving, exponentially weighted (a step `half_life`
 steps old weighs half), pulled towards the calibration so a few odd steps cannot swing it.
@@ -33,9 +38,12 @@ from typing import Any
 
 from costmodel.fit.nnls import nnls_rel, solve_spd
 
-TERMS = ("fixed_ms", "per_token_us", "attention_ns_per_pair", "per_sequence_us")
-# seconds per unit of each feature, to display units (ms, us, ns, us)
-_UNIT = (1e3, 1e6, 1e9, 1e6)
+TERMS = ("fixed_ms", "per_token_us", "attention_ns_per_pair", "decode_attention_ns_per_pair", "per_sequence_us")
+# seconds per unit of each feature, to display units (ms, us, ns, ns, us)
+_UNIT = (1e3, 1e6, 1e9, 1e9, 1e6)
+# a calibration written before decode pairs were priced apart priced them at the prompt's rate
+_OPTIONAL = {"decode_attention_ns_per_pair": "attention_ns_per_pair"}
+_N = len(TERMS)
 
 
 @dataclass(frozen=True)
@@ -43,39 +51,68 @@ class StepShape:
     """The features of one step: what a worker reports and what the fit prices."""
 
     prefill_tokens: int = 0
-    attention_pairs: float = 0.0
+    attention_pairs: float = 0.0  # every item's, decode rows' included
     decode_seqs: int = 0
+    decode_pairs: float = 0.0  # the decode rows' share of attention_pairs
 
     @classmethod
     def of(cls, decode_contexts: Iterable[int] = (), chunks: Iterable[tuple[int, int]] = ()) -> StepShape:
         """A step of decode sequences at `decode_contexts` (cached tokens each) plus prompt chunks
         `(start, n)`."""
         ctxs = list(decode_contexts)
-        pairs = sum(c + 1 for c in ctxs)
-        toks = 0
+        dpairs = sum(c + 1 for c in ctxs)
+        pairs, toks = dpairs, 0
         for start, n in chunks:
             pairs += n * (start + n)
             toks += n
-        return cls(toks, float(pairs), len(ctxs))
+        return cls(toks, float(pairs), len(ctxs), float(dpairs))
 
-    def features(self) -> tuple[float, float, float, float]:
-        return (1.0, float(self.prefill_tokens + self.decode_seqs), self.attention_pairs, float(self.decode_seqs))
+    @classmethod
+    def reported(
+        cls, prefill_tokens: int, attention_pairs: float, decode_seqs: int, decode_pairs: float | None
+    ) -> StepShape:
+        """A step as a worker's log gives it. A log without the decode rows' pairs (a worker of an
+        earlier version) is split where it is certain: a step without prompt tokens is all decode."""
+        if decode_pairs is None:
+            decode_pairs = attention_pairs if prefill_tokens == 0 else 0.0
+        return cls(prefill_tokens, float(attention_pairs), decode_seqs, float(decode_pairs))
+
+    def features(self) -> tuple[float, float, float, float, float]:
+        prompt_pairs = self.attention_pairs - self.decode_pairs
+        tokens = float(self.prefill_tokens + self.decode_seqs)
+        return (1.0, tokens, prompt_pairs, self.decode_pairs, float(self.decode_seqs))
 
 
 @dataclass(frozen=True)
 class StepCostFit:
-    """The four fitted terms, in seconds per unit (see the module docstring)."""
+    """The five fitted terms, in seconds per unit (see the module docstring)."""
 
     fixed_s: float
     per_token_s: float
-    attention_s: float  # per attention pair
+    attention_s: float  # per prompt attention pair
     per_sequence_s: float
     samples: int = 0  # steps it was fitted from
     rms_rel_error: float | None = None  # of the fit over those steps
+    decode_attention_s: float = -1.0  # per decode attention pair; left out: attention_s's price
+
+    def __post_init__(self) -> None:
+        if self.decode_attention_s < 0:
+            object.__setattr__(self, "decode_attention_s", self.attention_s)
+
+    @classmethod
+    def of_coef(cls, coef: Sequence[float], **kw: Any) -> StepCostFit:
+        """From terms in `features()` order."""
+        fixed, tok, att, datt, seq = (float(c) for c in coef)
+        return cls(fixed, tok, att, seq, decode_attention_s=datt, **kw)
 
     @property
-    def coef(self) -> tuple[float, float, float, float]:
-        return (self.fixed_s, self.per_token_s, self.attention_s, self.per_sequence_s)
+    def coef(self) -> tuple[float, float, float, float, float]:
+        """The terms in `features()` order."""
+        return (self.fixed_s, self.per_token_s, self.attention_s, self.decode_attention_s, self.per_sequence_s)
+
+    def scaled(self, k: float) -> StepCostFit:
+        """Every term `k` times its price."""
+        return StepCostFit.of_coef([c * k for c in self.coef], samples=self.samples, rms_rel_error=self.rms_rel_error)
 
     def seconds(self, shape: StepShape) -> float:
         return sum(c * x for c, x in zip(self.coef, shape.features()))
@@ -102,18 +139,20 @@ class StepCostFit:
         unknown = set(d) - set(TERMS) - {"samples", "rms_rel_error"}
         if unknown:
             raise ValueError(f"unknown step_fit fields: {', '.join(sorted(unknown))}")
-        missing = [t for t in TERMS if t not in d]
+        missing = [t for t in TERMS if t not in d and t not in _OPTIONAL]
         if missing:
             raise ValueError(f"step_fit lacks {', '.join(missing)}")
-        coef = [float(d[t]) / u for t, u in zip(TERMS, _UNIT)]
+        coef = [float(d.get(t, d.get(_OPTIONAL.get(t, t), 0.0))) / u for t, u in zip(TERMS, _UNIT)]
         if any(c < 0 or not math.isfinite(c) for c in coef):
             raise ValueError("step_fit terms must be finite and >= 0")
-        return cls(coef[0], coef[1], coef[2], coef[3], int(d.get("samples", 0)), d.get("rms_rel_error"))
+        return cls.of_coef(coef, samples=int(d.get("samples", 0)), rms_rel_error=d.get("rms_rel_error"))
 
     def describe(self) -> str:
         return (
             f"{self.fixed_s * 1e3:.3f} ms/step + {self.per_token_s * 1e6:.2f} us/token + "
-            f"{self.attention_s * 1e9:.4f} ns/attention pair + {self.per_sequence_s * 1e6:.1f} us/decode sequence"
+            f"{self.attention_s * 1e9:.4f} ns/prompt attention pair + "
+            f"{self.decode_attention_s * 1e9:.1f} ns/decode attention pair + "
+            f"{self.per_sequence_s * 1e6:.1f} us/decode sequence"
         )
 
 
@@ -134,25 +173,27 @@ def fit(samples: Sequence[tuple[StepShape, float]]) -> StepCostFit:
     # steps add up to the measured ones. The shape of the fit (what each term prices) stays.
     priced = sum(sum(c * v for c, v in zip(coef, x)) for x, _ in rows)
     k = sum(y for _, y in rows) / priced if priced > 0 else 1.0
-    out = StepCostFit(coef[0] * k, coef[1] * k, coef[2] * k, coef[3] * k, samples=len(rows))
+    out = StepCostFit.of_coef([c * k for c in coef], samples=len(rows))
     errs = [(out.seconds(s) - y) / y for s, y in samples if y > 0]
     return replace(out, rms_rel_error=math.sqrt(sum(e * e for e in errs) / len(errs)))
 
 
 def fit_beside(samples: Sequence[tuple[StepShape, float]], base: StepCostFit) -> StepCostFit:
-    """`base` with its prompt-token and attention terms refitted on `samples`: steps that ran the
-    same engine on more intra-op threads (a colocated CPU worker's prompt steps, --prompt-threads).
-    A step's fixed cost and its decode rows' bookkeeping do not change with the GEMM threads, and
-    a warm-up holds only a few such steps (a handful of documents), too few for four terms."""
+    """`base` with its prompt-token and prompt-attention terms refitted on `samples`: steps that ran
+    the same engine on more intra-op threads (a colocated CPU worker's prompt steps, --prompt-threads).
+    A step's fixed cost and its decode rows' bookkeeping and context reads do not change with the GEMM
+    threads, and a warm-up holds only a few such steps (a handful of documents), too few for five terms."""
     rows = []
     for s, y in samples:
-        rest = y - base.fixed_s - base.per_sequence_s * s.decode_seqs
+        x = s.features()
+        rest = y - base.fixed_s - base.decode_attention_s * x[3] - base.per_sequence_s * x[4]
         if y > 0 and rest > 0:
-            rows.append(((float(s.prefill_tokens + s.decode_seqs), s.attention_pairs), rest, y))
+            rows.append(((x[1], x[2]), rest, y))
     if not rows:
         raise ValueError("no step left to fit beside the base fit")
     (tok, att), _ = nnls_rel([x for x, _, _ in rows], [r for _, r, _ in rows], [y for _, _, y in rows])
-    out = StepCostFit(base.fixed_s, tok, att, base.per_sequence_s, samples=len(rows))
+    out = StepCostFit(base.fixed_s, tok, att, base.per_sequence_s, decode_attention_s=base.decode_attention_s)
+    out = replace(out, samples=len(rows))
     errs = [(out.seconds(s) - y) / y for s, y in samples if y > 0]
     return replace(out, rms_rel_error=math.sqrt(sum(e * e for e in errs) / len(errs)))
 
@@ -163,8 +204,8 @@ class OnlineStepFit:
     Exponentially weighted least squares on relative error: each new step multiplies the weight
     of everything seen before by 0.5 ** (1 / half_life). A ridge term holds each coefficient near
     the calibration's (`prior_steps` steps' worth of evidence), so a term the recent steps do not
-    exercise (no long prompt lately) keeps its calibrated value instead of drifting. Cheap: a 4x4
-    solve per `refit()`, nothing per step beyond a 4x4 accumulate."""
+    exercise (no long prompt lately) keeps its calibrated value instead of drifting. Cheap: a 5x5
+    solve per `refit()`, nothing per step beyond a 5x5 accumulate."""
 
     def __init__(self, prior: StepCostFit, half_life: float = 200.0, prior_steps: float = 1.0):
         if half_life <= 0 or prior_steps <= 0:
@@ -172,8 +213,8 @@ class OnlineStepFit:
         self.prior = prior
         self.decay = 0.5 ** (1.0 / half_life)
         self.prior_steps = prior_steps
-        self._a = [[0.0] * 4 for _ in range(4)]
-        self._b = [0.0] * 4
+        self._a = [[0.0] * _N for _ in range(_N)]
+        self._b = [0.0] * _N
         self.observed = 0
         self.current = prior
 
@@ -182,9 +223,9 @@ class OnlineStepFit:
             return
         x, w = shape.features(), 1.0 / (seconds * seconds)
         d = self.decay
-        for i in range(4):
+        for i in range(_N):
             self._b[i] = d * self._b[i] + w * x[i] * seconds
-            for j in range(4):
+            for j in range(_N):
                 self._a[i][j] = d * self._a[i][j] + w * x[i] * x[j]
         self.observed += 1
 
@@ -194,21 +235,22 @@ class OnlineStepFit:
         # Ridge towards the prior: a coefficient at its prior value costs nothing; moving it by its
         # own size costs as much as `prior_steps` steps mispredicted by 100%. A zero prior term
         # gets the scale the data gives it (one typical step's worth).
-        diag = [self._a[i][i] for i in range(4)]
+        diag = [self._a[i][i] for i in range(_N)]
         a = [row[:] for row in self._a]
         b = self._b[:]
         for i, p in enumerate(self.prior.coef):
             lam = self.prior_steps * (1.0 / (p * p) if p > 0 else diag[i] / max(self.observed, 1))
             a[i][i] += lam
             b[i] += lam * p
-        scale = [math.sqrt(a[i][i]) or 1.0 for i in range(4)]  # Jacobi preconditioning
+        scale = [math.sqrt(a[i][i]) or 1.0 for i in range(_N)]  # Jacobi preconditioning
         sol = solve_spd(
-            [[a[i][j] / (scale[i] * scale[j]) for j in range(4)] for i in range(4)], [b[i] / scale[i] for i in range(4)]
+            [[a[i][j] / (scale[i] * scale[j]) for j in range(_N)] for i in range(_N)],
+            [b[i] / scale[i] for i in range(_N)],
         )
         if sol is None:
             return self.current
         coef = [max(0.0, v / s) for v, s in zip(sol, scale)]
-        self.current = StepCostFit(coef[0], coef[1], coef[2], coef[3], samples=self.prior.samples + self.observed)
+        self.current = StepCostFit.of_coef(coef, samples=self.prior.samples + self.observed)
         return self.current
 
     def to_dict(self) -> dict:

@@ -173,7 +173,7 @@ def _scaled(fit: StepCostFit | None, k: float) -> StepCostFit | None:
     """`fit` with every term `k` times its price."""
     if fit is None:
         return None
-    return replace(fit, **{t: getattr(fit, t) * k for t in ("fixed_s", "per_token_s", "attention_s", "per_sequence_s")})
+    return fit.scaled(k)
 
 
 def fit_error(setup: cp.PredictionSetup) -> float | None:

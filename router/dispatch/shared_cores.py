@@ -65,9 +65,9 @@ class SharedCores:
         for s in stats:
             role = "prefill" if s.role == "prefill" else "decode"
             pool, last = self.pools[role], self._seen.get(s.name, 0)
-            for n, ptok, pairs, dseqs, secs, end, *_ in s.recent_steps:
+            for n, ptok, pairs, dseqs, secs, end, _threads, dpairs in s.recent_steps:
                 if n > last:
-                    step = _Step(end - secs, end, StepShape(ptok, float(pairs), dseqs), secs)
+                    step = _Step(end - secs, end, StepShape.reported(ptok, pairs, dseqs, dpairs), secs)
                     pool.pending.append(step)
                     pool.busy.append((step.start, step.end))
                     pool.known_until = max(pool.known_until, end)

@@ -80,7 +80,13 @@ class StepLogRecorder:
             for s in w["steps"]:
                 if int(s["step"]) <= before:
                     continue
-                shape = StepShape(int(s["prefill_tokens"]), float(s["attention_pairs"]), int(s["decode_seqs"]))
+                dpairs = s.get("decode_pairs")
+                shape = StepShape.reported(
+                    int(s["prefill_tokens"]),
+                    float(s["attention_pairs"]),
+                    int(s["decode_seqs"]),
+                    None if dpairs is None else float(dpairs),
+                )
                 self._seen[(w["worker"], int(s["step"]))] = LoggedStep(
                     w["worker"],
                     w["role"],
