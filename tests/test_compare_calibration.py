@@ -389,8 +389,8 @@ def test_shape_requests_are_the_longest_documents_start_at_shorter_lengths():
     doc = RequestSpec("doc-0", " ".join(f"w{i}" for i in range(400)), 400, 4, 1.5, "doc")
     got = shape_specs([chat, doc])
     assert [(s.prompt_len, len(str(s.prompt).split()), s.max_tokens, s.arrival_s) for s in got] == [
-        (100, 100, 1, 0.0),
-        (200, 200, 1, 0.0),
+        (100, 100, 16, 0.0),
+        (200, 200, 16, 0.0),
     ]
     assert str(got[1].prompt).startswith(str(got[0].prompt))
     ids = shape_specs([RequestSpec("doc-1", tuple(range(64)), 64, 4, 0.0, "doc")], fractions=(0.5,))

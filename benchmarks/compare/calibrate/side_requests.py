@@ -9,6 +9,12 @@ from dataclasses import replace
 from costmodel.workloads import RequestSpec
 
 SHAPE_FRACTIONS = (0.25, 0.5)
+# tokens each lone prompt generates: its decode steps run alone at a long context, which the
+# warm-up's own steps rarely do (the article's documents answer in a few tokens, its chats are
+# short), so they tell a decode row's attention over its context (~5 us a pair on the 2-core CPU)
+# from its fixed per-row cost. A fit without them priced a 1,024-token context's decode pairs
+# at 2x (two workers' calibration, 2026-12-05)
+SHAPE_DECODE_TOKENS = 16
 
 
 def hop_specs(warmup: Sequence[RequestSpec], n: int = 4, spacing_s: float = 0.4) -> list[RequestSpec]:
@@ -20,10 +26,10 @@ def hop_specs(warmup: Sequence[RequestSpec], n: int = 4, spacing_s: float = 0.4)
 
 def shape_specs(fresh: Sequence[RequestSpec], fractions: Sequence[float] = SHAPE_FRACTIONS) -> list[RequestSpec]:
     """Lone prompts at `fractions` of the longest document's length (the start of its text, or
-    of its token ids), one output token each, to send one at a time inside the recording. A
-    warm-up's documents all have one length, so its prompt steps cannot tell a prompt's per-token
-    cost from its attention (linear from quadratic): a fit of two 300-token steps priced a 512-token
-    prompt at 1.8 s against ~0.9 s. `fresh`: specs whose text the server has not seen (no
+    of its token ids), `SHAPE_DECODE_TOKENS` output tokens each, to send one at a time inside the
+    recording. A warm-up's documents all have one length, so its prompt steps cannot tell a
+    prompt's per-token cost from its attention (linear from quadratic): a fit of two 300-token
+    steps priced a 512-token prompt at 1.8 s against ~0.9 s. `fresh`: specs whose text the server has not seen (no
     prefix-cache hit)."""
     doc = max(fresh, key=lambda s: s.prompt_len)
     out = []
@@ -34,5 +40,9 @@ def shape_specs(fresh: Sequence[RequestSpec], fractions: Sequence[float] = SHAPE
         else:
             prompt = doc.prompt[: max(1, int(len(doc.prompt) * f))]
         n = max(1, int(doc.prompt_len * f))
-        out.append(replace(doc, request_id=f"shape-{i}", prompt=prompt, prompt_len=n, max_tokens=1, arrival_s=0.0))
+        out.append(
+            replace(
+                doc, request_id=f"shape-{i}", prompt=prompt, prompt_len=n, max_tokens=SHAPE_DECODE_TOKENS, arrival_s=0.0
+            )
+        )
     return out
