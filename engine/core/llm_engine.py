@@ -68,9 +68,7 @@ class StepStats:
     # sum over the step's items of new tokens x (start + new tokens): the attention score block
     # the step computes, the shape term the cost model's step fit prices (costmodel/fit/step_fit.py)
     attention_pairs: int = 0
-    # the part of attention_pairs from decode rows: a decode token's scores read its whole cached
-    # context (memory-bound, ~50x a prefill pair's price on CPU), so the fit prices them apart
-    decode_pairs: int = 0
+    decode_pairs: int = 0  # of those, the decode rows' (memory-bound: the fit prices them apart)
     # the step split (`pdserve bench step`): host work vs the forward pass
     schedule_s: float = 0.0  # choosing the step's work, building the batch's inputs
     forward_s: float = 0.0  # the model (on CUDA: until its results are ready, see `sync`)
@@ -249,9 +247,8 @@ class LLMEngine:
         # decode rows attend over context_lens (start + 1 each); prefill items as in the cost model
         decode_pairs = int(inputs.context_lens.sum()) if inputs is not None else 0
         pairs = decode_pairs + sum(len(it.token_ids) * (it.start_pos + len(it.token_ids)) for it in items)
-        shape = (work.prefill_tokens, len(work.decode), t4 - t0, pairs, decode_pairs)
-        split = (t1 - t0, t2 - t1, t3 - t2, t4 - t3)  # schedule, forward, sample, output
-        self.last_step = StepStats(*shape, *split, threads=self.runner.last_threads)
+        shape = (work.prefill_tokens, len(work.decode), t4 - t0, pairs, decode_pairs)  # then schedule, forward, ...
+        self.last_step = StepStats(*shape, t1 - t0, t2 - t1, t3 - t2, t4 - t3, threads=self.runner.last_threads)
         return events
 
     def _sample(self, work: ScheduledBatch, logits: torch.Tensor) -> _Sampled:
