@@ -22,7 +22,8 @@ from cli.output import emit_json
 from costmodel.article import cost_model as cm
 from costmodel.plan.candidates import DEFAULT_CHUNKS, Candidate, enumerate_candidates
 from costmodel.plan.report import explain, format_table
-from costmodel.plan.score import Scored, Slos, fit_error, interval, rank, rank_by_margin, score
+from costmodel.plan.risk import rank_by_risk
+from costmodel.plan.score import Scored, Slos, fit_error, interval, rank, score
 from costmodel.plan.trace import read_trace
 from costmodel.sim import compare_predict as cp
 from costmodel.sim.model import StepModel
@@ -160,7 +161,7 @@ def make_plan(args: argparse.Namespace, by_kind: Mapping[str, cp.PredictionSetup
     if err:  # the top candidates again at the fit's error either way: is the choice a toss-up?
         for s in ranked[:INTERVAL_TOP]:
             s.interval = interval(s, setup_of(s.candidate), specs, slos, args.max_num_seqs, err)
-        ranked = rank_by_margin(ranked, slos, INTERVAL_TOP)
+        ranked = rank_by_risk(ranked, slos, INTERVAL_TOP)
     longest = max(s.prompt_len for s in specs)
     measured = [s.longest_prompt for s in [setup, *(by_kind or {}).values()] if s.longest_prompt]
     if measured and longest > EXTRAPOLATE * min(measured):
@@ -187,7 +188,7 @@ def make_plan(args: argparse.Namespace, by_kind: Mapping[str, cp.PredictionSetup
     elapsed = time.perf_counter() - t0
     winner = ranked[0]
     command = ["pdserve", "serve", "--model", args.model, *winner.candidate.serve_args()]
-    why = explain(ranked, setup, specs, err, slos)
+    why = explain(ranked, setup, specs, err)
     doc = {
         "predicted": True,
         "device_model": {

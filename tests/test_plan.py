@@ -8,6 +8,7 @@ the candidates the way the article says it should.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -15,6 +16,7 @@ from cli import main as cli_main
 from costmodel.article import cost_model as cm
 from costmodel.fit.step_fit import StepCostFit
 from costmodel.plan.candidates import Candidate, enumerate_candidates
+from costmodel.plan.score import Scored
 
 # 5 ms a step, 1 ms a prompt token, 1 ms a decode sequence: a 2048-token prompt is ~2 s of prefill
 FIT = StepCostFit(0.005, 1e-3, 0.0, 1e-3, samples=100, rms_rel_error=0.1)
@@ -357,18 +359,57 @@ def test_repeats_are_few_and_only_with_verify(calibration, capsys, extra, messag
     assert message in capsys.readouterr().err
 
 
-def test_a_candidate_meeting_its_slos_only_at_the_fits_own_prices_ranks_after_those_that_hold():
-    """The top candidates re-sorted by margin: one whose TPOT p90 would miss the SLO with every step
-    priced at the fit's error higher goes after those that still meet it there (goodput order kept
-    within each group); one that misses at the fit's prices stays last."""
-    from costmodel.plan.score import Scored, Slos, misses_at_high_price, rank_by_margin
+def _risky(
+    workers: int,
+    good: tuple[float, float, float],
+    tpot: tuple[float, float, float],
+    meets: bool = True,
+    stall: tuple[float, float, float] | None = None,
+) -> Scored:
+    """A scored candidate with only what the risk rule reads: p90s at the fit's price (middle of
+    each triple) and at its error lower and higher."""
+    from types import SimpleNamespace
 
-    def cand(workers: int, good: float, tpot_hi: float, meets: bool = True) -> Scored:
-        iv = {"ttft_p90_ms": (400.0, 600.0), "tpot_p90_ms": (tpot_hi * 0.8, tpot_hi), "stall_p90_ms": (None, None)}
-        return Scored(Candidate("chunked", workers, chunk=64), None, {}, meets, good, interval=iv)  # type: ignore[arg-type]
+    def p90(v: float | None) -> SimpleNamespace:
+        return SimpleNamespace(p90=v)
+
+    metrics = SimpleNamespace(ttft_ms=p90(500.0), tpot_ms=p90(tpot[1]), stall_ms=p90(stall[1] if stall else None))
+    iv = {
+        "ttft_p90_ms": (400.0, 600.0), "tpot_p90_ms": (tpot[0], tpot[2]),
+        "stall_p90_ms": (stall[0], stall[2]) if stall else (None, None), "goodput_per_worker": (good[0], good[2]),
+    }  # fmt: skip
+    return Scored(Candidate("chunked", workers, chunk=64), metrics, {}, meets, good[1], interval=iv)  # type: ignore[arg-type]
+
+
+def test_the_top_candidates_rank_by_the_goodput_left_once_the_chance_of_a_miss_is_weighed():
+    """A candidate 1 ms inside its TPOT SLO whose goodput falls by 87% past it (the shared-prefix
+    chat of 2026-12-04) ranks after one that holds; one that crosses its SLO only near the fit's
+    error and loses a quarter of its goodput there (the article mix of 2026-12-05) stays first; one
+    that misses at the fit's prices stays last."""
+    from costmodel.plan.risk import crossing, rank_by_risk, risk_of
+    from costmodel.plan.score import Slos
 
     slos = Slos(ttft_ms=1500, tpot_ms=200)
-    edge, safe, safer, missing = cand(1, 1.7, 240.0), cand(2, 1.1, 110.0), cand(3, 1.0, 90.0), cand(4, 1.8, 300, False)
-    assert misses_at_high_price(edge, slos) == [("tpot", 240.0, 200)] and misses_at_high_price(safe, slos) == []
-    assert rank_by_margin([edge, safe, safer, missing], slos, top=4) == [safe, safer, edge, missing]
-    assert rank_by_margin([edge, safe, safer], slos, top=1) == [edge, safe, safer]  # past `top`: as ranked
+    cliff = _risky(1, (2.09, 1.67, 0.22), (139.0, 199.0, 267.0))
+    holds = _risky(2, (1.15, 1.12, 1.08), (67.0, 89.0, 114.0))
+    missing = _risky(3, (2.0, 1.9, 1.8), (190.0, 210.0, 230.0), meets=False)
+    r = risk_of(cliff, slos)
+    assert r is not None and 0.45 < r.miss_chance < 0.52 and 0.9 < r.expected_goodput < 1.0
+    held = risk_of(holds, slos)
+    assert held is not None and held.miss_chance < 1e-4 and held.expected_goodput == pytest.approx(1.12)
+    assert rank_by_risk([missing, cliff, holds], slos, top=3) == [holds, cliff, missing]
+    assert rank_by_risk([cliff, holds], slos, top=1) == [cliff, holds]  # past `top`: as ranked
+
+    slos = Slos(tpot_ms=250, stall_ms=500)
+    near = _risky(1, (0.316, 0.287, 0.215), (209.0, 230.0, 251.0), stall=(305.0, 336.0, 367.0))
+    disagg = _risky(2, (0.268, 0.243, 0.223), (63.0, 69.0, 76.0), stall=(73.0, 81.0, 88.0))
+    assert rank_by_risk([near, disagg], slos, top=2) == [near, disagg]
+    assert near.risk is not None and 0.15 < near.risk.miss_chance < 0.2
+
+    # the stall is not in goodput: past its crossing the deployment is worth nothing
+    stalls = _risky(1, (0.4, 0.3, 0.3), (100.0, 110.0, 120.0), stall=(400.0, 480.0, 520.0))
+    s = risk_of(stalls, slos)
+    assert s is not None and s.miss_chance == pytest.approx(0.5 * (1 - math.erf(0.5 / math.sqrt(2))), rel=1e-6)
+    assert s.expected_goodput == pytest.approx(0.3 * (1 - s.miss_chance))
+    assert crossing(100.0, [90.0, 95.0], 250.0) == math.inf and crossing(260.0, [255.0, 270.0], 250.0) == -2.0
+    assert crossing(260.0, [262.0, 270.0], 250.0) == -math.inf

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from costmodel.plan.score import Scored, Slos, misses_at_high_price, toss_up
+from costmodel.plan.score import Scored, toss_up
 from costmodel.sim import compare_predict as cp
 from costmodel.workloads import RequestSpec
 
@@ -15,9 +15,7 @@ from costmodel.workloads import RequestSpec
 TOSS_UP = 0.02
 
 
-def explain(
-    ranked: list[Scored], setup: cp.PredictionSetup, specs: list[RequestSpec], err: float | None, slos: Slos
-) -> str:
+def explain(ranked: list[Scored], setup: cp.PredictionSetup, specs: list[RequestSpec], err: float | None) -> str:
     """Why the winner wins, in the article's terms: what a long prompt's prefill costs the
     streams when it runs whole beside them (the prefill tax, in decode steps), and the stall each
     candidate leaves."""
@@ -46,17 +44,20 @@ def explain(
     if w.interval:
         lo, hi = sorted(x or 0.0 for x in w.interval["goodput_per_worker"])
         parts.append(f"goodput per worker {lo:.2f}-{hi:.2f}/s with every step priced {err:.0%} lower or higher")
-        for name, worst, limit in misses_at_high_price(w, slos):
-            parts.append(f"at the higher prices its {name} p90 ({worst:.0f} ms) would miss the {limit:.0f} ms SLO")
-    richer = [s for s in ranked if s.meets and s.goodput_per_worker > w.goodput_per_worker]
-    edgy = [s for s in richer if misses_at_high_price(s, slos)]
-    if edgy and not misses_at_high_price(w, slos):
-        e = edgy[0]
-        name, worst, limit = misses_at_high_price(e, slos)[0]
+        if w.risk and w.risk.miss_chance >= 0.01:
+            parts.append(
+                f"a {w.risk.miss_chance:.0%} chance a p90 misses its SLO at those prices "
+                f"(expected goodput {w.risk.expected_goodput:.2f}/s)"
+            )
+    richer = [s for s in ranked if s.meets and s.risk and s.goodput_per_worker > w.goodput_per_worker]
+    if richer and w.risk:
+        e = richer[0]
+        assert e.risk is not None  # for mypy: filtered above
         parts.append(
-            f"{e.candidate.label} predicts more goodput ({e.goodput_per_worker:.2f}/s) but meets the SLOs only at the "
-            f"fit's own prices (its {name} p90 {worst:.0f} ms against {limit:.0f} at {err:.0%} higher): ranked after "
-            "those that hold"
+            f"{e.candidate.label} predicts more goodput ({e.goodput_per_worker:.2f}/s) but with a "
+            f"{e.risk.miss_chance:.0%} chance of missing an SLO at the fit's error expects "
+            f"{e.risk.expected_goodput:.2f}/s "
+            f"against {w.risk.expected_goodput:.2f}: ranked after"
         )
     if len(ranked) > 1:
         r = ranked[1]
@@ -71,19 +72,33 @@ def explain(
 
 
 def format_table(ranked: list[Scored]) -> str:
-    head = ["#", "candidate", "workers", "TTFT p90", "TPOT p90", "stall p90", "attain ttft/tpot/stall", "SLOs"]
+    head = [
+        "#",
+        "candidate",
+        "workers",
+        "TTFT p90",
+        "TPOT p90",
+        "stall p90",
+        "attain ttft/tpot/stall",
+        "SLOs",
+        "miss risk",
+    ]
     rows = [[*head, "goodput/worker"]]
     for i, s in enumerate(ranked, 1):
         m, a = s.metrics, s.attainment
         rows.append([
             str(i), s.candidate.label, str(s.candidate.workers), _ms(m.ttft_ms.p90), _ms(m.tpot_ms.p90),
             _ms(m.stall_ms.p90), "/".join(_pct(a[k]) for k in ("ttft", "tpot", "stall")),
-            "met" if s.meets else "missed", f"{s.goodput_per_worker:.2f}/s",
+            "met" if s.meets else "missed", _pct(s.risk.miss_chance) if s.risk else "-",
+            f"{s.goodput_per_worker:.2f}/s",
         ])  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) if i != 1 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "predicted (simulated), not measured\n" + "\n".join(lines)
+    return (
+        "predicted (simulated), not measured; miss risk: the chance a p90 misses its SLO with steps priced at the "
+        "fit's error (top candidates, ranked by the goodput it leaves)\n" + "\n".join(lines)
+    )
 
 
 def _ms(v: float | None) -> str:

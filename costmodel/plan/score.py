@@ -13,12 +13,11 @@ much lower and higher (`interval`). Where the winner's goodput range overlaps th
 a toss-up on these figures. Step jitter under load is not in it yet; a datasheet model has no
 fit error to give and gets no interval.
 
-Margin: among the top candidates, those that still meet every SLO with every step priced at the
-high end of the interval rank before those that meet them only at the fit's own prices
-(`rank_by_margin`). A deployment whose p90 sits within its fit's error of an SLO is a cliff: on
-the 2-core dev VM one such candidate (TPOT p90 199 ms predicted against a 200 ms SLO) measured
-goodput 0.86 against 1.67 predicted, and two runs of another differed by 80%
-(docs/plan.md, "Repeated rounds").
+Risk: the top candidates are then ranked by the goodput to expect once the chance that a step
+priced at the fit's error pushes a p90 past its SLO is weighed (costmodel/plan/risk.py). A
+deployment whose p90 sits within its fit's error of an SLO is a cliff: on the 2-core dev VM one
+such candidate (TPOT p90 199 ms predicted against a 200 ms SLO) measured goodput 0.86 against
+1.67 predicted (docs/plan.md, "Repeated rounds").
 """
 
 from __future__ import annotations
@@ -46,6 +45,18 @@ class Slos:
         return {"ttft_p90_ms": self.ttft_ms, "tpot_p90_ms": self.tpot_ms, "stall_p90_ms": self.stall_ms}
 
 
+@dataclass(frozen=True)
+class Risk:
+    """A candidate's chance of missing an SLO at the fit's error, and the goodput to expect
+    (costmodel/plan/risk.py)."""
+
+    miss_chance: float  # chance any SLO given is missed with the price factor ~ N(1, err)
+    expected_goodput: float  # goodput per worker weighed by those chances
+
+    def to_dict(self) -> dict[str, float]:
+        return {"miss_chance": self.miss_chance, "expected_goodput_per_worker": self.expected_goodput}
+
+
 @dataclass
 class Scored:
     candidate: Candidate
@@ -56,6 +67,7 @@ class Scored:
     # figure -> (at step prices lowered, raised by the fit's error); None: not computed
     interval: dict[str, tuple[float | None, float | None]] | None = None
     peak_batch: int = 0  # the most requests decoding at once on one decode-side worker (evenly spread)
+    risk: Risk | None = None  # chance of a miss and expected goodput at the fit's error (top candidates)
 
     def to_dict(self) -> dict[str, Any]:
         m = self.metrics
@@ -77,6 +89,7 @@ class Scored:
                 "meets_slos": self.meets,
                 "goodput_per_worker": self.goodput_per_worker,
                 "interval": {k: list(v) for k, v in self.interval.items()} if self.interval else None,
+                "risk": self.risk.to_dict() if self.risk else None,
             },
         }
 
@@ -149,24 +162,6 @@ def _share(values: list[float], limit: float | None) -> float | None:
 def rank(scored: Sequence[Scored]) -> list[Scored]:
     stall = lambda s: s.metrics.stall_ms.p90 if s.metrics.stall_ms.p90 is not None else 0.0  # noqa: E731
     return sorted(scored, key=lambda s: (not s.meets, -s.goodput_per_worker, stall(s)))
-
-
-def misses_at_high_price(s: Scored, slos: Slos) -> list[tuple[str, float, float]]:
-    """The SLOs `s` misses with every step priced at the high end of its interval: (name, p90 ms
-    there, limit ms); none without an interval."""
-    out = []
-    for name, limit in (("ttft", slos.ttft_ms), ("tpot", slos.tpot_ms), ("stall", slos.stall_ms)):
-        worst = max((x for x in (s.interval or {}).get(f"{name}_p90_ms", ()) if x is not None), default=None)
-        if limit is not None and worst is not None and worst > limit:
-            out.append((name, worst, limit))
-    return out
-
-
-def rank_by_margin(ranked: list[Scored], slos: Slos, top: int) -> list[Scored]:
-    """`ranked` with its first `top` re-sorted (stably): those meeting every SLO even at the high
-    end of their interval before those meeting them only at the fit's prices."""
-    head = sorted(ranked[:top], key=lambda s: (not s.meets, bool(misses_at_high_price(s, slos))))
-    return head + ranked[top:]
 
 
 def _scaled(fit: StepCostFit | None, k: float) -> StepCostFit | None:

@@ -1,0 +1,78 @@
+"""How likely each top candidate is to miss an SLO when its steps cost more than the fit says,
+and the goodput to expect once that chance is weighed.
+
+The fit's own error (`rms_rel_error`) is read as one standard deviation of a price factor k
+applied to every step: the plan simulates the top candidates at k = 1 - err and 1 + err
+(`score.interval`). Each p90 figure is taken as linear in k between the fit's price and the
+interval's worse end, so the SLO is crossed at z = (limit - p90) / (worse - p90) standard
+deviations, and the chance of crossing it is 1 - Phi(z).
+
+Goodput counts requests within the TTFT and TPOT SLOs, so past a TTFT or TPOT crossing it is
+worth what the interval's worse end measured (many requests just over the line: a cliff where
+the distribution is tight); the stall is not in goodput, so past a stall crossing the
+deployment is worth nothing to a user who asked for that SLO.
+
+Why not a rule of "meets even at the high price" (the one before, 2026-12-05): it put a
+candidate whose TPOT p90 would be 251 ms against a 250 ms SLO, losing a quarter of its goodput
+there, behind three that held, and the plan gave up 26.6% of the measured goodput
+(docs/plan.md, "Risk, not margin"). A candidate 1 ms inside the SLO whose goodput falls by 87%
+past it (the shared-prefix chat) still ranks after those that hold.
+"""
+
+from __future__ import annotations
+
+import math
+
+from costmodel.plan.score import Risk, Scored, Slos
+
+GOODPUT_SLOS = ("ttft", "tpot")  # the SLOs goodput counts request by request
+
+
+def crossing(mid: float | None, ends: list[float], limit: float | None) -> float:
+    """Standard deviations of price until a p90 at `mid` (the fit's price) reaches `limit`, given
+    its values `ends` at one deviation either way: inf where it never does; negative where it is
+    already past (how far prices must fall to meet it; -inf where they cannot)."""
+    if limit is None or mid is None:
+        return math.inf
+    worse, better = max(ends, default=mid), min(ends, default=mid)
+    if mid > limit:
+        return -(mid - limit) / (mid - better) if better < mid else -math.inf
+    if worse <= mid:
+        return math.inf
+    return (limit - mid) / (worse - mid)
+
+
+def phi(z: float) -> float:
+    """The standard normal's cumulative distribution."""
+    if math.isinf(z):
+        return 1.0 if z > 0 else 0.0
+    return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
+
+
+def risk_of(s: Scored, slos: Slos) -> Risk | None:
+    """`s`'s chance of missing and expected goodput (None: no interval to judge it by)."""
+    if not s.interval:
+        return None
+    m = s.metrics
+    mids = {"ttft": m.ttft_ms.p90, "tpot": m.tpot_ms.p90, "stall": m.stall_ms.p90}
+    limits = {"ttft": slos.ttft_ms, "tpot": slos.tpot_ms, "stall": slos.stall_ms}
+    z = {}
+    for name in mids:
+        ends = [x for x in s.interval.get(f"{name}_p90_ms", ()) if x is not None]
+        z[name] = crossing(mids[name], ends, limits[name])
+    held_goodput = phi(min(z[n] for n in GOODPUT_SLOS))  # chance k is below the first TTFT/TPOT crossing
+    held_stall = phi(z["stall"])
+    g_ends = [x for x in s.interval["goodput_per_worker"] if x is not None]
+    g_miss = min(g_ends, default=0.0)
+    expected = s.goodput_per_worker * min(held_goodput, held_stall) + g_miss * max(0.0, held_stall - held_goodput)
+    return Risk(1.0 - min(held_goodput, held_stall), expected)
+
+
+def rank_by_risk(ranked: list[Scored], slos: Slos, top: int) -> list[Scored]:
+    """`ranked` with its first `top` re-sorted: those meeting every SLO at the fit's prices first,
+    then by expected goodput per worker (each gets its `risk`); the rest as ranked."""
+    for s in ranked[:top]:
+        s.risk = risk_of(s, slos)
+    worth = lambda s: s.risk.expected_goodput if s.risk else s.goodput_per_worker  # noqa: E731
+    head = sorted(ranked[:top], key=lambda s: (not s.meets, -worth(s)))
+    return head + ranked[top:]
