@@ -44,7 +44,7 @@ from benchmarks.compare.calibrate.step_log import StepLogRecorder
 from benchmarks.compare.modes import ensure_ray, load_average
 from benchmarks.pace import describe as describe_pace
 from benchmarks.pace import machine_pace
-from benchmarks.verify_rows import VerifyRow, combine, format_verification, step_prices, summarize
+from benchmarks.verify_rows import VerifyRow, combine, format_verification, per_request, step_prices, summarize
 from cli import CliError
 from cli.output import emit_json
 from costmodel import plan_cli
@@ -310,6 +310,7 @@ def _measure(
         return row
     m = result.metrics
     row.measured = judge(result.records, m, slos, c.workers)
+    row.requests = per_request(s.records, result.records)
     row.metrics = {
         "ttft_p90_ms": m.ttft_ms.p90,
         "tpot_p90_ms": m.tpot_ms.p90,

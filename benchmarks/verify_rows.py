@@ -13,6 +13,7 @@ from typing import Any
 from benchmarks.compare.calibrate.calibration import LoggedStep
 from costmodel.plan.candidates import Candidate
 from costmodel.plan.score import Judged
+from costmodel.serve_metrics import RequestRecord
 from costmodel.sim.compare_predict import PredictionSetup
 
 
@@ -34,6 +35,8 @@ class VerifyRow:
     pace_adjusted: Judged | None = None
     pace_ratio: float | None = None
     rounds: list[VerifyRow] = field(default_factory=list)  # each measurement, where there were several
+    # request by request, simulated beside measured (`per_request`): where a p90's error comes from
+    requests: list[dict[str, Any]] | None = None
 
     @property
     def goodput_range(self) -> tuple[float, float] | None:
@@ -60,8 +63,29 @@ class VerifyRow:
             "step_prices": self.step_prices,
             "pace_ratio": self.pace_ratio,
             "predicted_at_this_pace": self.pace_adjusted.to_dict() if self.pace_adjusted else None,
+            "requests": self.requests,
             **extra,
         }
+
+
+def per_request(simulated: list[RequestRecord], measured: list[RequestRecord]) -> list[dict[str, Any]]:
+    """Each request's arrival, prompt, TTFT and TPOT as the simulator had them beside the
+    client's (ms; None where a side has none), matched by request id; plus the worker's own
+    queue and prefill time where the server's timeline gave them."""
+    sim = {r.request_id: r for r in simulated if r.ok}
+    ms = lambda s: None if s is None else round(s * 1e3, 1)  # noqa: E731
+    out = []
+    for m in measured:
+        if not m.ok:
+            continue
+        p = sim.get(m.request_id)
+        out.append({
+            "id": m.request_id, "arrival_s": round(m.scheduled_s, 3), "prompt": m.prompt_len,
+            "ttft_ms": [ms(p.ttft_s) if p else None, ms(m.ttft_s)],
+            "tpot_ms": [ms(p.tpot_s) if p else None, ms(m.tpot_s)],
+            "worker_queue_ms": m.worker_queue_ms, "worker_prefill_ms": m.worker_prefill_ms,
+        })  # fmt: skip
+    return out
 
 
 def combine(rounds: list[VerifyRow]) -> VerifyRow:

@@ -324,6 +324,25 @@ def test_a_verification_reprices_at_the_pace_it_measured(tmp_path):
     assert "0.820/s" in format_verification([row], summary)
 
 
+def test_a_verification_keeps_each_request_simulated_beside_measured():
+    """Where a p90's error comes from: each measured request beside the simulator's, by id."""
+    from benchmarks.verify_rows import per_request
+    from costmodel.plan.score import Slos, score
+    from costmodel.serve_metrics import RequestRecord
+    from costmodel.sim.compare_predict import setup_from_steps
+    from costmodel.workloads import RequestSpec
+
+    specs = [RequestSpec(f"r{i}", (1,) * 200, 200, 8, i * 0.5, "chat") for i in range(3)]
+    s = score(Candidate("colocated", 1), setup_from_steps("tiny", FIT, None, None, "t", 1), specs, Slos(), 8)
+    assert sorted(r.request_id for r in s.records) == ["r0", "r1", "r2"]
+    got = RequestRecord("r1", "chat", 200, 8, 0.5, send_s=0.5, chunk_times_s=[0.6, 0.7, 0.8], end_s=0.8)
+    lost = RequestRecord("r2", "chat", 200, 8, 1.0, send_s=1.0, error="boom")
+    rows = per_request(s.records, [got, lost])
+    assert [r["id"] for r in rows] == ["r1"] and rows[0]["ttft_ms"][1] == pytest.approx(100.0)
+    sim = next(r for r in s.records if r.request_id == "r1")
+    assert rows[0]["ttft_ms"][0] == pytest.approx(sim.ttft_s * 1e3, abs=0.1) and rows[0]["tpot_ms"][1] == 100.0
+
+
 def test_repeated_rounds_give_each_candidate_its_mean_and_the_spread_between_rounds():
     """--repeats R: a row is the mean of its rounds, SLOs met only where every round met them; the
     summary gives the spread between rounds and the regret within each round alone."""

@@ -23,7 +23,7 @@ such candidate (TPOT p90 199 ms predicted against a 200 ms SLO) measured goodput
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from costmodel.fit.step_fit import StepCostFit
@@ -68,6 +68,7 @@ class Scored:
     interval: dict[str, tuple[float | None, float | None]] | None = None
     peak_batch: int = 0  # the most requests decoding at once on one decode-side worker (evenly spread)
     risk: Risk | None = None  # chance of a miss and expected goodput at the fit's error (top candidates)
+    records: list[RequestRecord] = field(default_factory=list, repr=False)  # the simulated requests
 
     def to_dict(self) -> dict[str, Any]:
         m = self.metrics
@@ -108,7 +109,10 @@ def score(
     )  # fmt: skip
     pred = cp.predict(cand.label, cfg, setup, specs, slos.ttft_ms, slos.tpot_ms, setup.hop_s)
     j = judge(pred.records, pred.metrics, slos, cand.workers)
-    return Scored(cand, pred.metrics, j.attainment, j.meets, j.goodput_per_worker, peak_batch=_peak(pred.records, cand))
+    return Scored(
+        cand, pred.metrics, j.attainment, j.meets, j.goodput_per_worker, peak_batch=_peak(pred.records, cand),
+        records=list(pred.records),
+    )  # fmt: skip
 
 
 def _peak(records: Sequence[RequestRecord], cand: Candidate) -> int:
