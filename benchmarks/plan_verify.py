@@ -232,7 +232,7 @@ def verify_one(
             decode=c.decode,
             kv_transfer=c.kv_transfer if c.mode == "disagg" else "bulk",
             max_num_seqs=args.max_num_seqs,
-            policy="prefix" if c.prefix_policy else ServeConfig.policy,
+            policy=c.policy or ServeConfig.policy,
         )
         cfg.validate()
     except ConfigError as e:
@@ -304,6 +304,9 @@ def _measure(
                 for pool, p in (row.step_prices or {}).items():
                     cost = f"{p['ratio_p50']:.2f}x the plan's price (p50; p90 {p['ratio_p90']:.2f}x)"
                     log(f"  {pool}: {p['steps']} steps at {cost}, batches up to {p['largest_batch']}")
+                    if q := p.get("prompt_steps"):
+                        at = f"{q['time_ratio']:.2f}x in time ({q['ratio_p50']:.2f}x p50)"
+                        log(f"    {q['steps']} with prompt tokens: {at}")
     except Exception as e:  # noqa: BLE001 - one candidate failing leaves the others' figures
         row.error = f"{type(e).__name__}: {e}"
         log(f"  failed: {row.error}")

@@ -128,26 +128,36 @@ def _mean_judged(js: list[Judged]) -> Judged | None:
 
 def step_prices(steps: list[LoggedStep], setup: PredictionSetup) -> dict[str, Any] | None:
     """Per pool: how many steps ran, and what they cost against the plan's price for their shape
-    (p50 and p90 of measured / priced), with the most sequences a step decoded. Tells a step
-    model that was off from a scheduling model that was (None: a datasheet model prices no shape)."""
-    by_pool: dict[str, list[tuple[float, int]]] = {}
+    (p50 and p90 of measured / priced, and summed time over summed price), with the most
+    sequences a step decoded; the same for the steps that carried prompt tokens alone (a pool's
+    p50 is mostly decode steps, a TTFT mostly prompt steps). Tells a step model that was off from
+    a scheduling model that was (None: a datasheet model prices no shape)."""
+    by_pool: dict[str, list[tuple[float, float, int, bool]]] = {}
     for s in steps:
         f = setup.steps.fit_of(s.role, s.shape.prefill_tokens)
         if f is None:
             return None
         priced = f.seconds(s.shape)
         if priced > 0 and s.seconds > 0:
-            by_pool.setdefault(s.role, []).append((s.seconds / priced, s.shape.decode_seqs))
+            row = (s.seconds, priced, s.shape.decode_seqs, s.shape.prefill_tokens > 0)
+            by_pool.setdefault(s.role, []).append(row)
     out = {}
     for pool, xs in by_pool.items():
-        ratios = sorted(r for r, _ in xs)
-        out[pool] = {
-            "steps": len(xs),
-            "ratio_p50": ratios[len(ratios) // 2],
-            "ratio_p90": ratios[min(len(ratios) - 1, int(0.9 * len(ratios)))],
-            "largest_batch": max(b for _, b in xs),
-        }
+        prompt = [x for x in xs if x[3]]
+        out[pool] = {**_prices(xs), "largest_batch": max(b for *_, b, _ in xs)}
+        if prompt and len(prompt) < len(xs):
+            out[pool]["prompt_steps"] = _prices(prompt)
     return out
+
+
+def _prices(xs: list[tuple[float, float, int, bool]]) -> dict[str, Any]:
+    ratios = sorted(m / p for m, p, *_ in xs)
+    return {
+        "steps": len(xs),
+        "ratio_p50": ratios[len(ratios) // 2],
+        "ratio_p90": ratios[min(len(ratios) - 1, int(0.9 * len(ratios)))],
+        "time_ratio": sum(m for m, *_ in xs) / sum(p for _, p, *_ in xs),
+    }
 
 
 def summarize(rows: list[VerifyRow], winner: str) -> dict[str, Any]:

@@ -11,6 +11,7 @@ command's entry point, which adds the flag) deploys the top candidates and measu
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -185,6 +186,13 @@ def make_plan(args: argparse.Namespace, by_kind: Mapping[str, cp.PredictionSetup
             "workers contend for cores and memory (calibrate a server with as many: bench compare --decode N)"
         )
         note = f"{note}; {fewer}" if note else fewer
+    w = ranked[0].candidate
+    if by_kind and w.mode == "chunked" and w.label not in by_kind and (near := _nearest_chunk(w, by_kind)):
+        other = (
+            f"the winner's chunk size ({w.chunk}) was not run: priced by {near.source} "
+            f"(calibrate it: bench compare --chunk-sizes {w.chunk})"
+        )
+        note = f"{note}; {other}" if note else other
     elapsed = time.perf_counter() - t0
     winner = ranked[0]
     command = ["pdserve", "serve", "--model", args.model, *winner.candidate.serve_args()]
@@ -228,11 +236,33 @@ def _shared_host(c: Candidate) -> bool:
 def setup_for(
     c: Candidate, by_kind: Mapping[str, cp.PredictionSetup] | None, default: cp.PredictionSetup
 ) -> cp.PredictionSetup:
-    """The device model that prices `c`: the fit to a server of its kind and worker count, else
-    of its kind, else `default` (a `bench compare` result's colocated fit, or a calibration file)."""
+    """The device model that prices `c`: the fit to a server of its kind and worker count (a
+    chunked one: run at `c`'s chunk size, else the nearest size run, by ratio, the smaller on a
+    tie), else of its kind, else `default` (a `bench compare` result's colocated fit, or a
+    calibration file). A chunk size's own fit matters: a fit to 128-token chunks sees every prompt
+    step at n = 128, so it cannot tell a chunk's per-token cost from its fixed cost, nor its
+    attention pairs from its prefix read; it priced 256-token chunks of 1,024-token prompts 1.5x
+    over (docs/plan.md, "Chunk sizes priced by their own fit")."""
     if not by_kind:
         return default
-    return by_kind.get(_key(c)) or by_kind.get(c.mode) or default
+    return by_kind.get(c.label) or _nearest_chunk(c, by_kind) or by_kind.get(_key(c)) or by_kind.get(c.mode) or default
+
+
+def _nearest_chunk(c: Candidate, by_kind: Mapping[str, cp.PredictionSetup]) -> cp.PredictionSetup | None:
+    """The fit of the chunk size run nearest `c`'s (same workers), None for other candidates or none run."""
+    if c.mode != "chunked" or c.chunk is None:
+        return None
+    tail = f" x{c.decode}" if c.decode > 1 else ""
+    sizes = []
+    for key in by_kind:
+        head, _, rest = key.partition(" ")
+        size, _, n = rest.partition(" ")
+        if head == "chunked" and size.isdigit() and (f" {n}" if n else "") == tail:
+            sizes.append(int(size))
+    if not sizes:
+        return None
+    best = min(sizes, key=lambda s: (abs(math.log(s / c.chunk)), s))  # type: ignore[operator]
+    return by_kind[f"chunked {best}{tail}"]
 
 
 def print_plan(plan: Plan) -> None:

@@ -61,10 +61,13 @@ def test_candidates_cover_the_budget():
         "2",
         "--chunk-size",
         "128",
+        *("--policy", "least_loaded"),  # several workers in a pool: as the simulator dispatches
     ]
     assert Candidate("disagg", 3, prefill=1).serve_args() == [
-        *("--mode", "disagg", "--prefill", "1", "--decode", "3", "--kv-transfer", "bulk")
+        *("--mode", "disagg", "--prefill", "1", "--decode", "3", "--kv-transfer", "bulk", "--policy", "least_loaded")
     ]
+    assert Candidate("disagg", 1, prefill=1).serve_args()[-1] == "bulk"
+    assert "--policy" not in Candidate("colocated", 1).serve_args()
     assert len(enumerate_candidates(16, [64, 128, 256, 512, 1024], 2048)) == 16 * 6 + 2 * (15 * 16 // 2)
     with pytest.raises(ValueError):
         enumerate_candidates(0, [], 10)
@@ -215,7 +218,7 @@ def test_a_compare_result_prices_each_candidate_by_the_fit_to_the_server_of_its_
     path.write_text(json.dumps(doc))
     args = ("--model", "tiny", "--workers", "1", "--slo-stall-ms", "500")
     by_kind = _plan_json(capsys, "--calibration", str(path), *args)
-    assert set(by_kind["device_model"]["by_kind"]) == {"colocated", "chunked"}
+    assert set(by_kind["device_model"]["by_kind"]) == {"colocated", "chunked", "chunked 128"}
     # the article's 2048-token documents, a fit that saw 300-token prompts: said, not hidden
     assert "reach 2048 tokens" in by_kind["workload"]["note"] and "extrapolated" in by_kind["workload"]["note"]
     one = tmp_path / "one.calibration.json"
@@ -224,6 +227,26 @@ def test_a_compare_result_prices_each_candidate_by_the_fit_to_the_server_of_its_
     stall = lambda d, label: next(c for c in d["candidates"] if c["label"] == label)["predicted"]["stall_p90_ms"]  # noqa: E731
     assert stall(by_kind, "colocated") == pytest.approx(stall(flat, "colocated"))  # the same fit
     assert stall(by_kind, "chunked 128") > 1.5 * stall(flat, "chunked 128")  # the chunked server's dearer fit
+
+
+def test_a_chunked_candidate_is_priced_by_the_fit_to_its_own_chunk_size_else_the_nearest_run():
+    """Several chunk sizes run (bench compare --chunk-sizes 128,512): each candidate is priced by
+    its own size's fit, else the nearest by ratio (the smaller on a tie), per worker count."""
+    from benchmarks.compare.calibrate.transfer import Transferred, by_kind
+    from costmodel.plan_cli import setup_for
+
+    def t(name: str, kind: str, workers: int = 1, chunk: int | None = None) -> Transferred:
+        return Transferred(name, 0.0, {}, kind, workers, chunk)  # type: ignore[arg-type]
+
+    found = [t("C", "colocated"), t("K512", "chunked", 1, 512), t("K128", "chunked", 1, 128)]
+    found += [t("K128x2", "chunked", 2, 128)]
+    kinds = by_kind({x.setup: x for x in found})  # type: ignore[misc]
+    assert kinds["chunked"] == "K128" and kinds["chunked x2"] == "K128x2" and kinds["chunked 512"] == "K512"
+    price = lambda c: setup_for(c, kinds, "default")  # type: ignore[arg-type]  # noqa: E731
+    assert price(Candidate("chunked", 1, chunk=512)) == "K512" and price(Candidate("chunked", 1, chunk=1024)) == "K512"
+    assert price(Candidate("chunked", 1, chunk=256)) == "K128"  # a tie: the smaller size's
+    assert price(Candidate("chunked", 1, chunk=64)) == "K128" and price(Candidate("chunked", 2, chunk=512)) == "K128x2"
+    assert price(Candidate("colocated", 2)) == "C" and price(Candidate("chunked", 3, chunk=64)) == "K128"
 
 
 def test_several_compare_results_price_each_worker_count_by_its_own_server(tmp_path, capsys):
@@ -289,6 +312,11 @@ def test_step_prices_read_each_pools_steps_against_the_plans_price():
     assert got["decode"]["steps"] == 4 and got["decode"]["largest_batch"] == 8
     assert got["decode"]["ratio_p50"] == pytest.approx(1.4) and got["decode"]["ratio_p90"] == pytest.approx(1.6)
     assert got["prefill"]["ratio_p50"] == pytest.approx(2.0)  # priced by the prefill pool's own fit
+    assert "prompt_steps" not in got["prefill"] and "prompt_steps" not in got["decode"]  # one kind of step each
+    mixed = StepShape.of([100], [(0, 300)])
+    steps.append(LoggedStep("d-0", "decode", mixed, FIT.seconds(mixed) * 3.0))  # a chunk beside a decode row
+    got = step_prices(steps, setup)["decode"]
+    assert got["prompt_steps"]["steps"] == 1 and got["prompt_steps"]["time_ratio"] == pytest.approx(3.0)
 
 
 def test_a_verification_reprices_at_the_pace_it_measured(tmp_path):

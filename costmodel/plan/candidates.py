@@ -36,9 +36,19 @@ class Candidate:
         n = f" x{self.decode}" if self.decode > 1 else ""
         return f"chunked {self.chunk}{n}" if self.mode == "chunked" else f"colocated{n}"
 
+    @property
+    def policy(self) -> str | None:
+        """`--policy` of its pools: None where each has one worker (the router's default then)."""
+        if self.prefix_policy:
+            return "prefix"
+        return "least_loaded" if max(self.prefill, self.decode) > 1 else None
+
     def serve_args(self) -> list[str]:
-        """The `pdserve serve` flags that deploy it."""
-        policy = ["--policy", "prefix"] if self.prefix_policy else []
+        """The `pdserve serve` flags that deploy it. A pool of several workers dispatches to the least
+        loaded (or by prefix): what the simulator models (costmodel/sim/engine.py `_pick`); the
+        router's default, round robin, queues a Poisson arrival behind a busy worker while another
+        idles."""
+        policy = ["--policy", self.policy] if self.policy else []
         if self.mode == "disagg":
             split = ["--prefill", str(self.prefill), "--decode", str(self.decode)]
             return ["--mode", "disagg", *split, "--kv-transfer", self.kv_transfer, *policy]

@@ -29,6 +29,7 @@ class Transferred:
     basis: dict[str, Any]
     kind: str = "colocated"  # the deployment it was fitted on: "colocated", "chunked" or "disagg"
     workers: int = 1  # colocated and chunked: its server's workers (on one CPU host they contend)
+    chunk: int | None = None  # chunked: the chunk size its server ran
 
 
 def is_compare_result(path: Path) -> bool:
@@ -44,12 +45,16 @@ def is_compare_result(path: Path) -> bool:
 def by_kind(found: dict[str, Transferred]) -> dict[str, PredictionSetup]:
     """One device model per deployment kind (the first mode of each kind found): "colocated",
     "chunked", "disagg", and "colocated xN"/"chunked xN" where a server ran N workers (the kind
-    alone is its fewest workers' fit; `costmodel.plan_cli.setup_for` picks)."""
+    alone is its fewest workers' fit, the smallest chunk's); and one per chunk size run, "chunked
+    C" / "chunked C xN" (`costmodel.plan_cli.setup_for` picks)."""
     out: dict[str, PredictionSetup] = {}
-    for t in sorted(found.values(), key=lambda t: t.workers):
+    for t in sorted(found.values(), key=lambda t: (t.workers, t.chunk or 0)):
+        n = f" x{t.workers}" if t.workers > 1 else ""
         if t.workers > 1:
-            out.setdefault(f"{t.kind} x{t.workers}", t.setup)
+            out.setdefault(f"{t.kind}{n}", t.setup)
         out.setdefault(t.kind, t.setup)
+        if t.chunk:  # each chunk size its own too, named as the plan's candidates are ("chunked 256 x2")
+            out.setdefault(f"chunked {t.chunk}{n}", t.setup)
     return out
 
 
@@ -110,5 +115,6 @@ def load(path: Path, model: str) -> tuple[dict[str, Transferred], dict[str, str]
             },
             kind,
             workers,
+            spec.get("chunk_size") if kind == "chunked" else None,
         )
     return found, missing
