@@ -32,6 +32,7 @@ from costmodel.workloads import RequestSpec, WorkloadConfig, workload_specs
 
 # a workload prompt this many times the longest the calibration measured gets a note: extrapolated
 EXTRAPOLATE = 1.5
+MAX_RISK = 0.2  # see costmodel/plan/risk.py: a coin-flip cliff measured half its predicted goodput
 INTERVAL_TOP = 5  # candidates simulated again at the fit's error either way
 
 # The presets: the WorkloadConfig fields each sets (--rate/--isl/--osl/--num-requests override them)
@@ -108,6 +109,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--slo-ttft-ms", type=float, default=None)
     s.add_argument("--slo-tpot-ms", type=float, default=None)
     s.add_argument("--slo-stall-ms", type=float, default=None, help="longest gap a document puts in the streams")
+    s.add_argument(
+        "--max-risk",
+        type=float,
+        default=MAX_RISK,
+        help="the largest chance of missing an SLO, with steps priced at the calibration's own error, that a "
+        f"candidate may carry and still rank with those that hold (default {MAX_RISK}; 1 ranks by expected "
+        "goodput alone)",
+    )
     b = p.add_argument_group("the budget")
     b.add_argument(
         "--workers", type=int, default=2, help="the most workers (GPUs) to deploy; fewer compete too (default 2)"
@@ -162,7 +171,7 @@ def make_plan(args: argparse.Namespace, by_kind: Mapping[str, cp.PredictionSetup
     if err:  # the top candidates again at the fit's error either way: is the choice a toss-up?
         for s in ranked[:INTERVAL_TOP]:
             s.interval = interval(s, setup_of(s.candidate), specs, slos, args.max_num_seqs, err)
-        ranked = rank_by_risk(ranked, slos, INTERVAL_TOP)
+        ranked = rank_by_risk(ranked, slos, INTERVAL_TOP, args.max_risk)
     longest = max(s.prompt_len for s in specs)
     measured = [s.longest_prompt for s in [setup, *(by_kind or {}).values()] if s.longest_prompt]
     if measured and longest > EXTRAPOLATE * min(measured):
@@ -171,6 +180,13 @@ def make_plan(args: argparse.Namespace, by_kind: Mapping[str, cp.PredictionSetup
             "attention and context costs are extrapolated (calibrate on prompts as long as the workload's)"
         )
         note = f"{note}; {beyond}" if note else beyond
+    elif measured and EXTRAPOLATE * longest < min(measured):
+        shorter = (
+            f"the calibration's prompts reach {min(measured)} tokens, the workload's {longest}: a prompt's attention "
+            "was priced at longer contexts, where on a CPU each pair costs more (a lone retrieval prompt's TTFT read "
+            "18-26% long this way; calibrate on prompts as long as the workload's)"
+        )
+        note = f"{note}; {shorter}" if note else shorter
     batches = [s.largest_batch for s in [setup, *(by_kind or {}).values()] if s.largest_batch]
     if batches and ranked[0].peak_batch > EXTRAPOLATE * min(batches):
         wide = (
@@ -242,7 +258,7 @@ def setup_for(
     calibration file). A chunk size's own fit matters: a fit to 128-token chunks sees every prompt
     step at n = 128, so it cannot tell a chunk's per-token cost from its fixed cost, nor its
     attention pairs from its prefix read; it priced 256-token chunks of 1,024-token prompts 1.5x
-    over (docs/plan.md, "Chunk sizes priced by their own fit")."""
+    over (docs/plan.md, "Risk, not margin; chunk sizes priced by their own fit")."""
     if not by_kind:
         return default
     return by_kind.get(c.label) or _nearest_chunk(c, by_kind) or by_kind.get(_key(c)) or by_kind.get(c.mode) or default
@@ -295,6 +311,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise CliError(f"--{flag.replace('_', '-')} must be > 0")
+    if not 0 <= args.max_risk <= 1:
+        raise CliError("--max-risk must be 0-1 (a chance)")
 
 
 def _setup(args: argparse.Namespace) -> cp.PredictionSetup:
