@@ -24,6 +24,11 @@ def explain(ranked: list[Scored], setup: cp.PredictionSetup, specs: list[Request
     parts = [
         f"{w.candidate.label} has the most goodput per worker ({w.goodput_per_worker:.2f} requests/s)"
         + (f" of the {meeting} candidates that meet every SLO" if meeting else "; no candidate meets every SLO")
+        + (
+            ", once the chance of a miss is weighed"
+            if any(s.meets and s.goodput_per_worker > w.goodput_per_worker for s in ranked)
+            else ""
+        )
     ]
     longest = max(s.prompt_len for s in specs)
     prefill_s = setup.steps.step([], [(0, longest)])
@@ -53,12 +58,15 @@ def explain(ranked: list[Scored], setup: cp.PredictionSetup, specs: list[Request
     if richer and w.risk:
         e = richer[0]
         assert e.risk is not None  # for mypy: filtered above
-        parts.append(
-            f"{e.candidate.label} predicts more goodput ({e.goodput_per_worker:.2f}/s) but with a "
-            f"{e.risk.miss_chance:.0%} chance of missing an SLO at the fit's error expects "
-            f"{e.risk.expected_goodput:.2f}/s "
-            f"against {w.risk.expected_goodput:.2f}: ranked after"
-        )
+        head = f"{e.candidate.label} predicts more goodput ({e.goodput_per_worker:.2f}/s) but has a "
+        if e.risk.expected_goodput > w.risk.expected_goodput:  # passed over by --max-risk
+            why = f"{e.risk.miss_chance:.0%} chance of missing an SLO at the fit's error, above --max-risk"
+        else:
+            why = (
+                f"{e.risk.miss_chance:.0%} chance of missing an SLO at the fit's error and expects "
+                f"{e.risk.expected_goodput:.2f}/s against {w.risk.expected_goodput:.2f}"
+            )
+        parts.append(f"{head}{why}: ranked after")
     if len(ranked) > 1:
         r = ranked[1]
         gap = (w.goodput_per_worker - r.goodput_per_worker) / w.goodput_per_worker if w.goodput_per_worker else 0.0
