@@ -355,6 +355,33 @@ def test_a_verification_reprices_at_the_pace_it_measured(tmp_path):
     assert "0.820/s" in format_verification([row], summary)
 
 
+def test_the_why_names_a_richer_candidate_passed_over_and_why():
+    """Ranked after for its chance of a miss: above --max-risk, or for less expected goodput."""
+    from costmodel.plan.report import explain
+    from costmodel.plan.score import Risk, Slos, score
+    from costmodel.sim.compare_predict import setup_from_steps
+    from costmodel.workloads import RequestSpec
+
+    setup = setup_from_steps("tiny", FIT, None, None, "t", 1)
+    specs = [RequestSpec(f"r{i}", (1,) * 200, 200, 8, i * 0.5, "chat") for i in range(3)]
+    held, flip = (
+        score(c, setup, specs, Slos(), 8) for c in (Candidate("colocated", 2), Candidate("chunked", 1, chunk=64))
+    )
+    iv = {"goodput_per_worker": (1.1, 0.9), "ttft_p90_ms": (None, None), "tpot_p90_ms": (None, None)}
+    for s, good, risk in ((held, 1.0, Risk(0.01, 1.0)), (flip, 2.0, Risk(0.44, 1.27))):
+        s.goodput_per_worker, s.meets, s.interval, s.risk = good, True, dict(iv), risk
+    why = explain([held, flip], setup, specs, 0.1)
+    assert "of the 2 candidates that meet every SLO, once the chance of a miss is weighed" in why
+    assert (
+        "chunked 64 predicts more goodput (2.00/s) but has a 44% chance of missing an SLO at the fit's error, "
+        "above --max-risk: ranked after" in why
+    )
+    flip.risk = Risk(0.6, 0.8)
+    assert "60% chance of missing an SLO at the fit's error and expects 0.80/s against 1.00: ranked after" in explain(
+        [held, flip], setup, specs, 0.1
+    )
+
+
 def test_a_verification_keeps_each_request_simulated_beside_measured():
     """Where a p90's error comes from: each measured request beside the simulator's, by id."""
     from benchmarks.verify_rows import per_request
