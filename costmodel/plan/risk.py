@@ -17,9 +17,10 @@ Expected goodput alone gambles: a candidate 14 ms inside its TPOT SLO at the fit
 it measured 1.01 (predicted 1.98; the shared-prefix chat at rate 3, 2026-12-05 16:51). So the
 candidates whose chance of a miss is at most `max_risk` (`pdserve plan --max-risk`, default 0.2)
 rank before the rest, each group by expected goodput; 1 ranks by expected goodput alone. The
-default was set from the four verified plans in docs/plan.md ("Risk, not margin; ..."): the
-article mix's winners at 17% and 34% measured best or within 3% of it; the chats' at 44-49%
-measured 0.60-1.31 against 1.67-1.98 predicted.
+default was set from the verified plans in docs/plan.md ("Risk, not margin; ..."): the chats'
+winners at 44-49% measured 0.60-1.31 against 1.67-1.98 predicted, half their requests past the
+TPOT SLO; it costs the article mix, whose cliff is soft (its 34% candidate keeps 82-91% of requests
+within the SLO past it), 0-13.5% of the best measured goodput.
 
 Why not a rule of "meets even at the high price" (the one before, 2026-12-05): it put a
 candidate whose TPOT p90 would be 251 ms against a 250 ms SLO, losing a quarter of its goodput
