@@ -49,6 +49,7 @@ from cli import CliError
 from cli.output import emit_json
 from costmodel import plan_cli
 from costmodel.plan.candidates import Candidate
+from costmodel.plan.pricing import setup_for
 from costmodel.plan.score import Judged, Scored, Slos, judge, priced_at, score
 from costmodel.provenance import OUT_DIR_HELP, write_result
 from costmodel.sim.compare_predict import PredictionSetup
@@ -115,9 +116,12 @@ def main(args: argparse.Namespace) -> int:
             "--verify --base-url waits for you to restart the server between candidates: run it in a terminal"
         )
     by_kind = _compare_fits(args)
+    elsewhere = _calibrated_elsewhere(args) if by_kind else None
     if not args.verify:
-        return plan_cli.main(args, by_kind)
-    plan = plan_cli.make_plan(args, by_kind)
+        return plan_cli.main(args, by_kind, [elsewhere] if elsewhere else [])
+    plan = plan_cli.make_plan(args, by_kind, [elsewhere] if elsewhere else [])
+    if elsewhere:
+        log(f"note: {elsewhere}")
     if not args.json:
         plan_cli.print_plan(plan)
     chosen = to_verify(plan.ranked, args.verify, args.workers)
@@ -133,11 +137,14 @@ def main(args: argparse.Namespace) -> int:
             settle(args.settle_s)
             round_note = f" (round {rnd + 1} of {args.repeats})" if args.repeats > 1 else ""
             log(f"[{done}/{total}] {s.candidate.label}{round_note}: {' '.join(s.candidate.serve_args())}")
-            setup = plan_cli.setup_for(s.candidate, by_kind, plan.setup)
-            measured[i].append(verify_one(s, plan.ranked.index(s) + 1, plan.specs, plan.slos, args, setup))
+            setup = setup_for(s.candidate, by_kind, plan.setup)
+            # a GEMM's pace on one CPU does not scale another CPU's steps: no pace-adjusted figure then
+            at_pace = setup if not elsewhere else None
+            measured[i].append(verify_one(s, plan.ranked.index(s) + 1, plan.specs, plan.slos, args, setup, at_pace))
     rows = [combine(measured[i]) for i in range(len(chosen))]
     summary = summarize(rows, plan.ranked[0].candidate.label)
-    doc = {**plan.doc, "verification": {"rows": [r.to_dict() for r in rows], **summary}}
+    verification = {"rows": [r.to_dict() for r in rows], **summary, "calibrated_elsewhere": elsewhere}
+    doc = {**plan.doc, "verification": verification}
     name = args.out or f"plan-verify-{args.workload if not args.trace else 'trace'}"
     config = {k: v for k, v in vars(args).items() if k not in ("json", "func", "handler")}
     path = write_result(name, doc, config=config, out_dir=args.out_dir)
@@ -177,6 +184,27 @@ def _compare_fits(args: argparse.Namespace) -> dict[str, Any] | None:
     return transfer.by_kind(found)
 
 
+def _calibrated_elsewhere(args: argparse.Namespace) -> str | None:
+    """One line when a `bench compare` result given to --calibration was measured on another CPU
+    than this machine's: its prices are that machine's, and so is every prediction made from them
+    (machines of one cloud kind differ: on 2026-12-05 the dev VM came back an AMD EPYC whose steps
+    ran 0.53-0.57x the prices fitted on the Intel Xeon it was before)."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from benchmarks.compare.calibrate import transfer  # noqa: PLC0415
+    from costmodel.machine import cpu_model  # noqa: PLC0415
+
+    here = cpu_model()
+    paths = [Path(p.strip()) for p in (args.calibration or "").split(",") if p.strip()]
+    other = sorted({cpu for p in paths if (cpu := transfer.measured_on(p)) and cpu != here})
+    if not other:
+        return None
+    return (
+        f"the calibration was measured on {', '.join(repr(c) for c in other)}, this machine is {here!r}: "
+        "every figure predicts that machine (calibrate here: bench compare)"
+    )
+
+
 def to_verify(ranked: list[Scored], k: int, budget: int) -> list[Scored]:
     """The top `k`; then the candidate with the most goodput at the fit's own prices among those
     meeting every SLO there, if the risk ranking put it lower (a rule too cautious would otherwise
@@ -202,9 +230,11 @@ def verify_one(
     slos: Slos,
     args: argparse.Namespace,
     setup: PredictionSetup | None = None,
+    at_pace: PredictionSetup | None = None,
 ) -> VerifyRow:
     """Deploy `s`'s candidate on a fresh server, warm it, time the workload, judge it; with the
-    `setup` that priced it, also say what its workers' steps cost against those prices."""
+    `setup` that priced it, also say what its workers' steps cost against those prices, and with
+    `at_pace` (that setup, calibrated on this CPU) predict it again at the pace measured now."""
     from router.config import ConfigError, ServeConfig  # noqa: PLC0415 (starts nothing until used)
     from router.serve_cli import ServerThread  # noqa: PLC0415
 
@@ -212,9 +242,9 @@ def verify_one(
     predicted = Judged(s.attainment, s.meets, s.goodput_per_worker)
     row = VerifyRow(c, rank, predicted, None, {}, load_average=load_average(), pace=machine_pace())
     log(f"  load {row.load_average[0] if row.load_average else '?'}, {describe_pace(row.pace)}")
-    if setup is not None and setup.pace_gflops and row.pace:
-        row.pace_ratio = setup.pace_gflops / row.pace["gemm_gflops_1thread"]
-        again = score(s.candidate, priced_at(setup, row.pace_ratio), specs, slos, args.max_num_seqs)
+    if at_pace is not None and at_pace.pace_gflops and row.pace:
+        row.pace_ratio = at_pace.pace_gflops / row.pace["gemm_gflops_1thread"]
+        again = score(s.candidate, priced_at(at_pace, row.pace_ratio), specs, slos, args.max_num_seqs)
         row.pace_adjusted = Judged(again.attainment, again.meets, again.goodput_per_worker)
         log(
             f"  at this pace (steps {row.pace_ratio:.2f}x the calibration's): predicted goodput/worker "
@@ -307,6 +337,10 @@ def _measure(
                     if q := p.get("prompt_steps"):
                         at = f"{q['time_ratio']:.2f}x in time ({q['ratio_p50']:.2f}x p50)"
                         log(f"    {q['steps']} with prompt tokens: {at}")
+                    if g := p.get("loop_gap"):
+                        share = f"{g['gap_share']:.0%} of the steps' own time"
+                        batches = g["gap_ms_p50_by_batch"]
+                        log(f"    between steps: {g['gap_ms_p50']:.1f} ms p50 ({share}), p50 by batch {batches}")
     except Exception as e:  # noqa: BLE001 - one candidate failing leaves the others' figures
         row.error = f"{type(e).__name__}: {e}"
         log(f"  failed: {row.error}")

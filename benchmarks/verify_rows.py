@@ -147,7 +147,44 @@ def step_prices(steps: list[LoggedStep], setup: PredictionSetup) -> dict[str, An
         out[pool] = {**_prices(xs), "largest_batch": max(b for *_, b, _ in xs)}
         if prompt and len(prompt) < len(xs):
             out[pool]["prompt_steps"] = _prices(prompt)
+        gaps = loop_gaps([s for s in steps if s.role == pool])
+        if gaps:
+            out[pool]["loop_gap"] = gaps
     return out
+
+
+GAP_BATCHES = ((1, 4), (5, 12), (13, 10**6))
+
+
+def loop_gaps(steps: list[LoggedStep]) -> dict[str, Any] | None:
+    """The time a worker spends between two steps while it has work (the loop: events out, calls
+    in, the GIL shared with its Ray threads), which no step's `seconds` holds and the simulator
+    does not price. A gap counts when both steps decoded: sequences were waiting throughout."""
+    by_worker: dict[str, list[LoggedStep]] = {}
+    for s in steps:
+        if s.end_unix_s > 0:
+            by_worker.setdefault(s.worker, []).append(s)
+    pairs: list[tuple[float, float, int]] = []  # (gap s, step s, batch)
+    for xs in by_worker.values():
+        xs.sort(key=lambda s: s.end_unix_s)
+        for a, b in zip(xs, xs[1:], strict=False):
+            if a.shape.decode_seqs and b.shape.decode_seqs:
+                pairs.append((max(0.0, b.end_unix_s - b.seconds - a.end_unix_s), b.seconds, b.shape.decode_seqs))
+    if not pairs:
+        return None
+    gaps = sorted(g for g, *_ in pairs)
+    by_batch = {}
+    for lo, hi in GAP_BATCHES:
+        inside = sorted(g for g, _, n in pairs if lo <= n <= hi)
+        if inside:
+            by_batch[f"{lo}-{hi}" if hi < 10**6 else f"{lo}+"] = round(inside[len(inside) // 2] * 1e3, 2)
+    return {
+        "busy_gaps": len(gaps),
+        "gap_ms_p50": gaps[len(gaps) // 2] * 1e3,
+        "gap_ms_p90": gaps[min(len(gaps) - 1, int(0.9 * len(gaps)))] * 1e3,
+        "gap_share": sum(gaps) / sum(s for _, s, _ in pairs),  # of the busy steps' own time
+        "gap_ms_p50_by_batch": by_batch,
+    }
 
 
 def _prices(xs: list[tuple[float, float, int, bool]]) -> dict[str, Any]:

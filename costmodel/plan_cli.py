@@ -11,9 +11,8 @@ command's entry point, which adds the flag) deploys the top candidates and measu
 from __future__ import annotations
 
 import argparse
-import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,8 @@ from typing import Any
 from cli import CliError
 from cli.output import emit_json
 from costmodel.article import cost_model as cm
-from costmodel.plan.candidates import DEFAULT_CHUNKS, Candidate, enumerate_candidates
+from costmodel.plan.candidates import DEFAULT_CHUNKS, enumerate_candidates
+from costmodel.plan.pricing import coverage_notes, setup_for
 from costmodel.plan.report import explain, format_table
 from costmodel.plan.risk import rank_by_risk
 from costmodel.plan.score import Scored, Slos, fit_error, interval, rank, score
@@ -30,9 +30,7 @@ from costmodel.sim import compare_predict as cp
 from costmodel.sim.model import StepModel
 from costmodel.workloads import RequestSpec, WorkloadConfig, workload_specs
 
-# a workload prompt this many times the longest the calibration measured gets a note: extrapolated
-EXTRAPOLATE = 1.5
-MAX_RISK = 0.2  # see costmodel/plan/risk.py: a coin-flip cliff measured half its predicted goodput
+MAX_LOSS = 0.2  # see costmodel/plan/risk.py: soft cliffs (8.5% expected loss) pass, hard ones (36%) do not
 INTERVAL_TOP = 5  # candidates simulated again at the fit's error either way
 
 # The presets: the WorkloadConfig fields each sets (--rate/--isl/--osl/--num-requests override them)
@@ -110,12 +108,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--slo-tpot-ms", type=float, default=None)
     s.add_argument("--slo-stall-ms", type=float, default=None, help="longest gap a document puts in the streams")
     s.add_argument(
+        "--max-loss",
+        type=float,
+        default=MAX_LOSS,
+        help="the largest share of its goodput a candidate may expect to lose to SLO misses, with steps priced "
+        f"at the calibration's own error, and still rank with those that hold (default {MAX_LOSS}; 1 ranks by "
+        "expected goodput alone)",
+    )
+    s.add_argument(
         "--max-risk",
         type=float,
-        default=MAX_RISK,
-        help="the largest chance of missing an SLO, with steps priced at the calibration's own error, that a "
-        f"candidate may carry and still rank with those that hold (default {MAX_RISK}; 1 ranks by expected "
-        "goodput alone)",
+        default=1.0,
+        help="also rank after those that hold any candidate whose chance of missing an SLO at that error is above "
+        "this (default 1: off; set it where an SLO is a contract, e.g. 0.1)",
     )
     b = p.add_argument_group("the budget")
     b.add_argument(
@@ -145,7 +150,9 @@ class Plan:
     elapsed_s: float
 
 
-def make_plan(args: argparse.Namespace, by_kind: Mapping[str, cp.PredictionSetup] | None = None) -> Plan:
+def make_plan(
+    args: argparse.Namespace, by_kind: Mapping[str, cp.PredictionSetup] | None = None, notes: Sequence[str] = ()
+) -> Plan:
     """Every candidate simulated, ranked and explained (raises CliError on bad flags). `by_kind`:
     a device model per deployment kind ("colocated", "chunked", "disagg": a `bench compare`
     result's fits to each of its servers, benchmarks/plan_verify.py reads them); a candidate of a
@@ -158,6 +165,8 @@ def make_plan(args: argparse.Namespace, by_kind: Mapping[str, cp.PredictionSetup
         setup = _setup(args)
     setup_of = lambda c: setup_for(c, by_kind, setup)  # noqa: E731
     specs, note = _requests(args)
+    for extra in notes:  # the caller's (benchmarks/plan_verify.py: a calibration from another CPU)
+        note = f"{note}; {extra}" if note else extra
     try:
         chunks = [int(x) for x in args.chunk_sizes.split(",") if x.strip()]
         shared = any(s.prefix_id is not None for s in specs)
@@ -171,48 +180,13 @@ def make_plan(args: argparse.Namespace, by_kind: Mapping[str, cp.PredictionSetup
     if err:  # the top candidates again at the fit's error either way: is the choice a toss-up?
         for s in ranked[:INTERVAL_TOP]:
             s.interval = interval(s, setup_of(s.candidate), specs, slos, args.max_num_seqs, err)
-        ranked = rank_by_risk(ranked, slos, INTERVAL_TOP, args.max_risk)
-    longest = max(s.prompt_len for s in specs)
-    measured = [s.longest_prompt for s in [setup, *(by_kind or {}).values()] if s.longest_prompt]
-    if measured and longest > EXTRAPOLATE * min(measured):
-        beyond = (
-            f"the workload's prompts reach {longest} tokens, its calibration's measured prompts {min(measured)}: "
-            "attention and context costs are extrapolated (calibrate on prompts as long as the workload's)"
-        )
-        note = f"{note}; {beyond}" if note else beyond
-    elif measured and EXTRAPOLATE * longest < min(measured):
-        shorter = (
-            f"the calibration's prompts reach {min(measured)} tokens, the workload's {longest}: a prompt's attention "
-            "was priced at longer contexts, where on a CPU each pair costs more (a lone retrieval prompt's TTFT read "
-            "18-26% long this way; calibrate on prompts as long as the workload's)"
-        )
-        note = f"{note}; {shorter}" if note else shorter
-    batches = [s.largest_batch for s in [setup, *(by_kind or {}).values()] if s.largest_batch]
-    if batches and ranked[0].peak_batch > EXTRAPOLATE * min(batches):
-        wide = (
-            f"the winner decodes up to {ranked[0].peak_batch} requests at once on a worker, its calibration's steps "
-            f"at most {min(batches)}: step prices at those batches are extrapolated (calibrate with as many streams)"
-        )
-        note = f"{note}; {wide}" if note else wide
-    unmatched = sorted({c.label for c in cands if by_kind and _shared_host(c) and _key(c) not in by_kind})
-    if unmatched:
-        fewer = (
-            f"{len(unmatched)} candidates with several workers on one host ({', '.join(unmatched[:3])}"
-            f"{', ...' if len(unmatched) > 3 else ''}) are priced from servers with fewer: on one CPU host "
-            "workers contend for cores and memory (calibrate a server with as many: bench compare --decode N)"
-        )
-        note = f"{note}; {fewer}" if note else fewer
-    w = ranked[0].candidate
-    if by_kind and w.mode == "chunked" and w.label not in by_kind and (near := _nearest_chunk(w, by_kind)):
-        other = (
-            f"the winner's chunk size ({w.chunk}) was not run: priced by {near.source} "
-            f"(calibrate it: bench compare --chunk-sizes {w.chunk})"
-        )
-        note = f"{note}; {other}" if note else other
+        ranked = rank_by_risk(ranked, slos, INTERVAL_TOP, args.max_loss, args.max_risk)
+    for extra in coverage_notes(ranked, cands, specs, setup, by_kind):
+        note = f"{note}; {extra}" if note else extra
     elapsed = time.perf_counter() - t0
     winner = ranked[0]
     command = ["pdserve", "serve", "--model", args.model, *winner.candidate.serve_args()]
-    why = explain(ranked, setup, specs, err)
+    why = explain(ranked, setup, specs, err, args.max_loss, args.max_risk)
     doc = {
         "predicted": True,
         "device_model": {
@@ -240,47 +214,6 @@ def make_plan(args: argparse.Namespace, by_kind: Mapping[str, cp.PredictionSetup
     return Plan(doc, ranked, specs, slos, setup, command, why, note, elapsed)
 
 
-def _key(c: Candidate) -> str:
-    """The calibration kind that prices `c` exactly: its mode, with its workers where several."""
-    return f"{c.mode} x{c.decode}" if c.mode != "disagg" and c.decode > 1 else c.mode
-
-
-def _shared_host(c: Candidate) -> bool:
-    return c.mode != "disagg" and c.decode > 1
-
-
-def setup_for(
-    c: Candidate, by_kind: Mapping[str, cp.PredictionSetup] | None, default: cp.PredictionSetup
-) -> cp.PredictionSetup:
-    """The device model that prices `c`: the fit to a server of its kind and worker count (a
-    chunked one: run at `c`'s chunk size, else the nearest size run, by ratio, the smaller on a
-    tie), else of its kind, else `default` (a `bench compare` result's colocated fit, or a
-    calibration file). A chunk size's own fit matters: a fit to 128-token chunks sees every prompt
-    step at n = 128, so it cannot tell a chunk's per-token cost from its fixed cost, nor its
-    attention pairs from its prefix read; it priced 256-token chunks of 1,024-token prompts 1.5x
-    over (docs/plan.md, "Risk, not margin; chunk sizes priced by their own fit")."""
-    if not by_kind:
-        return default
-    return by_kind.get(c.label) or _nearest_chunk(c, by_kind) or by_kind.get(_key(c)) or by_kind.get(c.mode) or default
-
-
-def _nearest_chunk(c: Candidate, by_kind: Mapping[str, cp.PredictionSetup]) -> cp.PredictionSetup | None:
-    """The fit of the chunk size run nearest `c`'s (same workers), None for other candidates or none run."""
-    if c.mode != "chunked" or c.chunk is None:
-        return None
-    tail = f" x{c.decode}" if c.decode > 1 else ""
-    sizes = []
-    for key in by_kind:
-        head, _, rest = key.partition(" ")
-        size, _, n = rest.partition(" ")
-        if head == "chunked" and size.isdigit() and (f" {n}" if n else "") == tail:
-            sizes.append(int(size))
-    if not sizes:
-        return None
-    best = min(sizes, key=lambda s: (abs(math.log(s / c.chunk)), s))  # type: ignore[operator]
-    return by_kind[f"chunked {best}{tail}"]
-
-
 def print_plan(plan: Plan) -> None:
     print(format_table(plan.ranked))
     print(f"\nplan: {plan.ranked[0].candidate.label}\n  {' '.join(plan.command)}\n  {plan.why}")
@@ -297,8 +230,10 @@ def _source(plan: Plan) -> str:
     return "; ".join(f"{k} candidates: {v}" for k, v in by_kind.items()) if by_kind else plan.setup.source
 
 
-def main(args: argparse.Namespace, by_kind: Mapping[str, cp.PredictionSetup] | None = None) -> int:
-    plan = make_plan(args, by_kind)
+def main(
+    args: argparse.Namespace, by_kind: Mapping[str, cp.PredictionSetup] | None = None, notes: Sequence[str] = ()
+) -> int:
+    plan = make_plan(args, by_kind, notes)
     if args.json:
         emit_json(plan.doc)
     else:
@@ -313,6 +248,8 @@ def _check_flags(args: argparse.Namespace) -> None:
             raise CliError(f"--{flag.replace('_', '-')} must be > 0")
     if not 0 <= args.max_risk <= 1:
         raise CliError("--max-risk must be 0-1 (a chance)")
+    if not 0 <= args.max_loss <= 1:
+        raise CliError("--max-loss must be 0-1 (a share of goodput)")
 
 
 def _setup(args: argparse.Namespace) -> cp.PredictionSetup:

@@ -233,7 +233,7 @@ def test_a_chunked_candidate_is_priced_by_the_fit_to_its_own_chunk_size_else_the
     """Several chunk sizes run (bench compare --chunk-sizes 128,512): each candidate is priced by
     its own size's fit, else the nearest by ratio (the smaller on a tie), per worker count."""
     from benchmarks.compare.calibrate.transfer import Transferred, by_kind
-    from costmodel.plan_cli import setup_for
+    from costmodel.plan.pricing import setup_for
 
     def t(name: str, kind: str, workers: int = 1, chunk: int | None = None) -> Transferred:
         return Transferred(name, 0.0, {}, kind, workers, chunk)  # type: ignore[arg-type]
@@ -385,8 +385,9 @@ def test_repeated_rounds_give_each_candidate_its_mean_and_the_spread_between_rou
         (["--verify", "1", "--repeats", "9"], "--repeats must be 1-4"),
         (["--repeats", "2"], "give --verify too"),
         (["--max-risk", "1.5"], "--max-risk must be 0-1"),
+        (["--max-loss", "-0.1"], "--max-loss must be 0-1"),
     ],
 )
-def test_repeats_are_few_and_only_with_verify(calibration, capsys, extra, message):
+def test_repeats_and_risk_limits_are_checked(calibration, capsys, extra, message):
     assert cli_main(["plan", "--calibration", calibration, "--model", "tiny", *extra]) == 2
     assert message in capsys.readouterr().err

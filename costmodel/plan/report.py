@@ -15,10 +15,17 @@ from costmodel.workloads import RequestSpec
 TOSS_UP = 0.02
 
 
-def explain(ranked: list[Scored], setup: cp.PredictionSetup, specs: list[RequestSpec], err: float | None) -> str:
+def explain(
+    ranked: list[Scored],
+    setup: cp.PredictionSetup,
+    specs: list[RequestSpec],
+    err: float | None,
+    max_loss: float = 1.0,
+    max_risk: float = 1.0,
+) -> str:
     """Why the winner wins, in the article's terms: what a long prompt's prefill costs the
     streams when it runs whole beside them (the prefill tax, in decode steps), and the stall each
-    candidate leaves."""
+    candidate leaves; and which richer candidate the risk ranking passed over, for which limit."""
     w = ranked[0]
     meeting = sum(s.meets for s in ranked)
     parts = [
@@ -59,8 +66,12 @@ def explain(ranked: list[Scored], setup: cp.PredictionSetup, specs: list[Request
         e = richer[0]
         assert e.risk is not None  # for mypy: filtered above
         head = f"{e.candidate.label} predicts more goodput ({e.goodput_per_worker:.2f}/s) but has a "
-        if e.risk.expected_goodput > w.risk.expected_goodput:  # passed over by --max-risk
-            why = f"{e.risk.miss_chance:.0%} chance of missing an SLO at the fit's error, above --max-risk"
+        loss = e.risk.loss(e.goodput_per_worker)
+        chance = f"{e.risk.miss_chance:.0%} chance of missing an SLO at the fit's error"
+        if e.risk.expected_goodput > w.risk.expected_goodput and loss > max_loss:
+            why = f"{chance}, expected to cost it {loss:.0%} of its goodput: above --max-loss {max_loss:g}"
+        elif e.risk.expected_goodput > w.risk.expected_goodput:
+            why = f"{chance}, above --max-risk {max_risk:g}"
         else:
             why = (
                 f"{e.risk.miss_chance:.0%} chance of missing an SLO at the fit's error and expects "

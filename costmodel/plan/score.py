@@ -53,6 +53,10 @@ class Risk:
     miss_chance: float  # chance any SLO given is missed with the price factor ~ N(1, err)
     expected_goodput: float  # goodput per worker weighed by those chances
 
+    def loss(self, goodput: float) -> float:
+        """The share of `goodput` (the candidate's at the fit's prices) the misses are expected to cost."""
+        return max(0.0, 1.0 - self.expected_goodput / goodput) if goodput > 0 else 0.0
+
     def to_dict(self) -> dict[str, float]:
         return {"miss_chance": self.miss_chance, "expected_goodput_per_worker": self.expected_goodput}
 

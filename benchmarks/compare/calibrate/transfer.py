@@ -42,11 +42,20 @@ def is_compare_result(path: Path) -> bool:
     return config.get("bench_command") == "compare"
 
 
+def measured_on(path: Path) -> str | None:
+    """The CPU the result at `path` was measured on, as its provenance names it (None: unsaid)."""
+    try:
+        prov = json.loads(Path(path).read_text()).get("provenance") or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    return (prov.get("machine") or {}).get("cpu") or prov.get("cpu")
+
+
 def by_kind(found: dict[str, Transferred]) -> dict[str, PredictionSetup]:
     """One device model per deployment kind (the first mode of each kind found): "colocated",
     "chunked", "disagg", and "colocated xN"/"chunked xN" where a server ran N workers (the kind
     alone is its fewest workers' fit, the smallest chunk's); and one per chunk size run, "chunked
-    C" / "chunked C xN" (`costmodel.plan_cli.setup_for` picks)."""
+    C" / "chunked C xN" (`costmodel.plan.pricing.setup_for` picks)."""
     out: dict[str, PredictionSetup] = {}
     for t in sorted(found.values(), key=lambda t: (t.workers, t.chunk or 0)):
         n = f" x{t.workers}" if t.workers > 1 else ""

@@ -1,0 +1,63 @@
+"""What `pdserve plan` and `--verify` check about the measurement itself: a calibration measured on
+another CPU than this machine's (benchmarks/plan_verify.py `_calibrated_elsewhere`), and the time a
+worker spends between steps, which no step's own time holds (benchmarks/verify_rows.py `loop_gaps`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cli import main as cli_main
+from costmodel.fit.step_fit import StepCostFit, StepShape
+
+FIT = StepCostFit(0.005, 1e-3, 0.0, 1e-3, samples=100, rms_rel_error=0.1)
+
+
+def _compare_result(tmp_path, cpu: str) -> str:
+    from benchmarks.compare.calibrate.calibration import PoolFit, SelfCalibration
+
+    cal = SelfCalibration({"colocated": PoolFit("colocated", FIT, 100, 0, 1)}, 10.0, 4, None, longest_prompt=256)
+    mode = {"label": "colocated", "spec": {"mode": "colocated", "chunk_size": None, "decode": 1}}
+    mode |= {"self_calibration": cal.to_dict(), "serving_overhead": {"hop_ms": 10.0}}
+    prov = {"config": {"bench_command": "compare", "model": "tiny"}, "machine": {"cpu": cpu}}
+    path = tmp_path / f"compare-{len(cpu)}.json"
+    path.write_text(json.dumps({"provenance": prov, "modes": [mode]}))
+    return str(path)
+
+
+def test_a_calibration_measured_on_another_cpu_is_named_in_the_plan(tmp_path, capsys):
+    """Machines of one cloud kind differ (the dev VM came back an AMD EPYC whose steps ran 0.53-0.57x
+    the prices fitted on an Intel Xeon): the plan says its figures predict the other machine."""
+    from costmodel.machine import cpu_model
+
+    args = ("--model", "tiny", "--workers", "1", "--workload", "chat", "--num-requests", "8", "--isl", "256", "--json")
+    assert cli_main(["plan", "--calibration", _compare_result(tmp_path, "Some Other CPU @ 1 GHz"), *args]) == 0
+    note = json.loads(capsys.readouterr().out)["workload"]["note"]
+    assert "measured on 'Some Other CPU @ 1 GHz'" in note and repr(cpu_model()) in note
+    assert "calibrate here" in note
+    assert cli_main(["plan", "--calibration", _compare_result(tmp_path, cpu_model()), *args]) == 0
+    assert "measured on" not in (json.loads(capsys.readouterr().out)["workload"]["note"] or "")
+
+
+def test_loop_gaps_read_the_time_between_steps_while_sequences_wait():
+    """A gap counts only between two steps that both decoded (work waited throughout): the time
+    before a step that follows an idle spell, or one of prompt tokens alone, is not the loop's."""
+    from benchmarks.compare.calibrate.calibration import LoggedStep
+    from benchmarks.verify_rows import loop_gaps
+
+    def step(worker: str, batch: int, end: float, seconds: float = 0.010) -> LoggedStep:
+        shape = StepShape.of([100] * batch) if batch else StepShape.of((), [(0, 64)])
+        return LoggedStep(worker, "decode", shape, seconds, end_unix_s=end)
+
+    # worker a: 10 ms steps 1 ms apart; a step of prompt tokens alone; then 3 ms apart at batch 16
+    a = [step("a", 2, 1.010), step("a", 2, 1.021), step("a", 3, 1.032), step("a", 0, 2.032)]
+    a += [step("a", 16, 2.045), step("a", 16, 2.058)]
+    b = [step("b", 0, 5.0), step("b", 6, 5.012), step("b", 6, 5.024)]  # a prompt step, then 2 ms apart
+    got = loop_gaps(a + b)
+    assert got is not None
+    assert got["busy_gaps"] == 4  # a: 1-2, 2-3, 5-6; b: 2-3 (none across the prompt-only steps)
+    assert got["gap_ms_p50_by_batch"]["1-4"] == pytest.approx(1.0, abs=0.01)
+    assert got["gap_ms_p50_by_batch"]["5-12"] == pytest.approx(2.0, abs=0.01)
+    assert got["gap_ms_p50_by_batch"]["13+"] == pytest.approx(3.0, abs=0.01)
+    assert loop_gaps([step("c", 0, 1.0), step("c", 0, 2.0)]) is None  # no decoding: no busy gap
