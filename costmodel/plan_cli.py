@@ -177,9 +177,13 @@ def make_plan(
     ranked = rank([score(c, setup_of(c), specs, slos, args.max_num_seqs) for c in cands])
     errs = [e for e in map(fit_error, [setup, *(by_kind or {}).values()]) if e]
     err = max(errs, default=None)
-    if err:  # the top candidates again at the fit's error either way: is the choice a toss-up?
+    if err:  # the top candidates again at their own fit's error either way: is the choice a toss-up?
+        # (each its own: the largest of every fit the plan holds, a noisy fit to two contending
+        # workers, put 23% on a one-worker candidate whose own fit read 4.6%, and ranked it out)
         for s in ranked[:INTERVAL_TOP]:
-            s.interval = interval(s, setup_of(s.candidate), specs, slos, args.max_num_seqs, err)
+            s.price_error = fit_error(setup_of(s.candidate))
+            if s.price_error:
+                s.interval = interval(s, setup_of(s.candidate), specs, slos, args.max_num_seqs, s.price_error)
         ranked = rank_by_risk(ranked, slos, INTERVAL_TOP, args.max_loss, args.max_risk)
     for extra in coverage_notes(ranked, cands, specs, setup, by_kind):
         note = f"{note}; {extra}" if note else extra

@@ -18,14 +18,14 @@ it measured 1.01 (predicted 1.98; the shared-prefix chat at rate 3, 2026-12-05 1
 pricier than the fit at batches it had not been calibrated on. A cap on the chance of a miss
 alone (`--max-risk 0.2`, the rule of 2026-12-05 17:00) is too cautious where the cliff is soft:
 on the article mix it passed over a 34% candidate that keeps three quarters of its goodput past
-the SLO, which measured 0.22-0.30 (mean 0.27 over seven runs) against 0.21-0.24 for the one it
-chose (regret 13.5% in one run). What tells the two apart is the share of its goodput a candidate
-expects to lose to its misses, 1 - expected / predicted: 8.5% for the article's chunked 64, 36%
-for the chat's chunked 256. So candidates expected to lose more than `max_loss` (`pdserve plan
---max-loss`, default 0.2: between the two, and checked on a machine and workloads it was not set
-from, docs/plan.md) rank after those that hold, and so do those whose chance of a miss is above
-`max_risk` (`--max-risk`, default 1: off; a user whose SLO is a contract sets it); each group by
-expected goodput.
+the SLO, which measured 0.17-0.30 (mean 0.26, eight runs) against 0.19-0.25 for the one it chose
+(ahead in seven of the eight; regret 13.5% in the run of that rule). What tells the two apart
+is the share of its goodput a candidate expects to lose to its misses, 1 - expected / predicted:
+8.5% for the article's chunked 64, 36% for the chat's chunked 256. So candidates expected to lose
+more than `max_loss` (`pdserve plan --max-loss`, default 0.2: between the two, and checked on a
+machine and workloads it was not set from, docs/plan.md) rank after those that hold, and so do
+those whose chance of a miss is above `max_risk` (`--max-risk`, default 1: off; a user whose SLO
+is a contract sets it); each group by expected goodput.
 
 Why not a rule of "meets even at the high price" (the one before, 2026-12-05): it put a
 candidate whose TPOT p90 would be 251 ms against a 250 ms SLO, losing a quarter of its goodput

@@ -72,6 +72,7 @@ class Scored:
     interval: dict[str, tuple[float | None, float | None]] | None = None
     peak_batch: int = 0  # the most requests decoding at once on one decode-side worker (evenly spread)
     risk: Risk | None = None  # chance of a miss and expected goodput at the fit's error (top candidates)
+    price_error: float | None = None  # the relative error its interval and risk price its steps at
     records: list[RequestRecord] = field(default_factory=list, repr=False)  # the simulated requests
 
     def to_dict(self) -> dict[str, Any]:
@@ -95,6 +96,7 @@ class Scored:
                 "goodput_per_worker": self.goodput_per_worker,
                 "interval": {k: list(v) for k, v in self.interval.items()} if self.interval else None,
                 "risk": self.risk.to_dict() if self.risk else None,
+                "price_error": self.price_error,
             },
         }
 
