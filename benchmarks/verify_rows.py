@@ -154,12 +154,15 @@ def step_prices(steps: list[LoggedStep], setup: PredictionSetup) -> dict[str, An
 
 
 GAP_BATCHES = ((1, 4), (5, 12), (13, 10**6))
+IDLE_GAP_S = 0.010
 
 
 def loop_gaps(steps: list[LoggedStep]) -> dict[str, Any] | None:
     """The time a worker spends between two steps while it has work (the loop: events out, calls
     in, the GIL shared with its Ray threads), which no step's `seconds` holds and the simulator
-    does not price. A gap counts when both steps decoded: sequences were waiting throughout."""
+    does not price. A gap counts when both steps decoded and it is shorter than the step after it
+    (and 10 ms): a longer one is an idle spell between batches that happen to both decode (a
+    disaggregated decode worker between one document's tokens and the next's)."""
     by_worker: dict[str, list[LoggedStep]] = {}
     for s in steps:
         if s.end_unix_s > 0:
@@ -168,8 +171,9 @@ def loop_gaps(steps: list[LoggedStep]) -> dict[str, Any] | None:
     for xs in by_worker.values():
         xs.sort(key=lambda s: s.end_unix_s)
         for a, b in zip(xs, xs[1:], strict=False):
-            if a.shape.decode_seqs and b.shape.decode_seqs:
-                pairs.append((max(0.0, b.end_unix_s - b.seconds - a.end_unix_s), b.seconds, b.shape.decode_seqs))
+            gap = max(0.0, b.end_unix_s - b.seconds - a.end_unix_s)
+            if a.shape.decode_seqs and b.shape.decode_seqs and gap < max(b.seconds, IDLE_GAP_S):
+                pairs.append((gap, b.seconds, b.shape.decode_seqs))
     if not pairs:
         return None
     gaps = sorted(g for g, *_ in pairs)

@@ -61,3 +61,5 @@ def test_loop_gaps_read_the_time_between_steps_while_sequences_wait():
     assert got["gap_ms_p50_by_batch"]["5-12"] == pytest.approx(2.0, abs=0.01)
     assert got["gap_ms_p50_by_batch"]["13+"] == pytest.approx(3.0, abs=0.01)
     assert loop_gaps([step("c", 0, 1.0), step("c", 0, 2.0)]) is None  # no decoding: no busy gap
+    idle = loop_gaps([step("d", 1, 1.0), step("d", 1, 3.0)])  # 2 s between two batches: an idle spell
+    assert idle is None
