@@ -55,8 +55,8 @@ def explain(
         parts.append(f"its stall p90 is {stall:.0f} ms against {colo.metrics.stall_ms.p90:.0f} ms colocated whole")
     if w.interval:
         lo, hi = sorted(x or 0.0 for x in w.interval["goodput_per_worker"])
-        e = w.price_error or err or 0.0
-        parts.append(f"goodput per worker {lo:.2f}-{hi:.2f}/s with every step priced {e:.0%} lower or higher")
+        off = w.price_error or err or 0.0
+        parts.append(f"goodput per worker {lo:.2f}-{hi:.2f}/s with every step priced {off:.0%} lower or higher")
         if w.risk and w.risk.miss_chance >= 0.01:
             parts.append(
                 f"a {w.risk.miss_chance:.0%} chance a p90 misses its SLO at those prices "
