@@ -11,6 +11,7 @@ command's entry point, which adds the flag) deploys the top candidates and measu
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +32,9 @@ from costmodel.sim.model import StepModel
 from costmodel.workloads import RequestSpec, WorkloadConfig, workload_specs
 
 MAX_LOSS = 0.2  # see costmodel/plan/risk.py: soft cliffs (8.5% expected loss) pass, hard ones (36%) do not
+# The sd of the step prices verified deployments ran at, over their calibration's (30 pools, two VMs,
+# 2026-12-05: 0.96-1.31x, mean 1.115, sd 0.10): the machine moves between calibrating and deploying.
+PRICE_DRIFT = 0.10
 INTERVAL_TOP = 5  # candidates simulated again at the fit's error either way
 
 # The presets: the WorkloadConfig fields each sets (--rate/--isl/--osl/--num-requests override them)
@@ -122,6 +126,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also rank after those that hold any candidate whose chance of missing an SLO at that error is above "
         "this (default 1: off; set it where an SLO is a contract, e.g. 0.1)",
     )
+    s.add_argument(
+        "--price-drift",
+        type=float,
+        default=PRICE_DRIFT,
+        help="how far the machine's step prices may move between calibrating and deploying, beside each fit's own "
+        f"error (added in quadrature; default {PRICE_DRIFT}: verified deployments on the dev VMs ran their steps at "
+        "0.96-1.31x the calibration's price)",
+    )
     b = p.add_argument_group("the budget")
     b.add_argument(
         "--workers", type=int, default=2, help="the most workers (GPUs) to deploy; fewer compete too (default 2)"
@@ -181,7 +193,8 @@ def make_plan(
         # (each its own: the largest of every fit the plan holds, a noisy fit to two contending
         # workers, put 23% on a one-worker candidate whose own fit read 4.6%, and ranked it out)
         for s in ranked[:INTERVAL_TOP]:
-            s.price_error = fit_error(setup_of(s.candidate))
+            own = fit_error(setup_of(s.candidate))
+            s.price_error = math.hypot(own, args.price_drift) if own is not None else None
             if s.price_error:
                 s.interval = interval(s, setup_of(s.candidate), specs, slos, args.max_num_seqs, s.price_error)
         ranked = rank_by_risk(ranked, slos, INTERVAL_TOP, args.max_loss, args.max_risk)
@@ -252,6 +265,8 @@ def _check_flags(args: argparse.Namespace) -> None:
             raise CliError(f"--{flag.replace('_', '-')} must be > 0")
     if not 0 <= args.max_risk <= 1:
         raise CliError("--max-risk must be 0-1 (a chance)")
+    if not 0 <= args.price_drift <= 1:
+        raise CliError("--price-drift must be 0-1 (a relative error)")
     if not 0 <= args.max_loss <= 1:
         raise CliError("--max-loss must be 0-1 (a share of goodput)")
 

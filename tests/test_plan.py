@@ -8,6 +8,7 @@ the candidates the way the article says it should.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -143,7 +144,10 @@ def test_the_top_candidates_carry_an_interval_from_the_fits_own_error(calibratio
         assert lo <= p["stall_p90_ms"] <= hi and lo < hi  # cheaper steps, shorter stalls
         g_lo, g_hi = sorted(p["interval"]["goodput_per_worker"])
         assert g_lo <= p["goodput_per_worker"] <= g_hi
-    assert "priced 10% lower or higher" in doc["why"]
+        assert p["price_error"] == pytest.approx(math.hypot(0.1, 0.1))  # its fit's error and the machine's drift
+    assert "priced 14% lower or higher" in doc["why"]
+    no_drift = _plan_json(capsys, "--calibration", calibration, "--model", "tiny", "--price-drift", "0")
+    assert "priced 10% lower or higher" in no_drift["why"]
 
 
 def test_a_trace_is_planned_as_given_and_its_errors_name_the_line(calibration, tmp_path, capsys):
@@ -386,6 +390,7 @@ def test_repeated_rounds_give_each_candidate_its_mean_and_the_spread_between_rou
         (["--repeats", "2"], "give --verify too"),
         (["--max-risk", "1.5"], "--max-risk must be 0-1"),
         (["--max-loss", "-0.1"], "--max-loss must be 0-1"),
+        (["--price-drift", "2"], "--price-drift must be 0-1"),
     ],
 )
 def test_repeats_and_risk_limits_are_checked(calibration, capsys, extra, message):
