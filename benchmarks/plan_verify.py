@@ -142,7 +142,7 @@ def main(args: argparse.Namespace) -> int:
             at_pace = setup if not elsewhere else None
             measured[i].append(verify_one(s, plan.ranked.index(s) + 1, plan.specs, plan.slos, args, setup, at_pace))
     rows = [combine(measured[i]) for i in range(len(chosen))]
-    summary = summarize(rows, plan.ranked[0].candidate.label)
+    summary = summarize(rows, plan.ranked[0].candidate.label, plan.slos.stall_ms)
     verification = {"rows": [r.to_dict() for r in rows], **summary, "calibrated_elsewhere": elsewhere}
     doc = {**plan.doc, "verification": verification}
     name = args.out or f"plan-verify-{args.workload if not args.trace else 'trace'}"

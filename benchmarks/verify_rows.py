@@ -201,8 +201,9 @@ def _prices(xs: list[tuple[float, float, int, bool]]) -> dict[str, Any]:
     }
 
 
-def summarize(rows: list[VerifyRow], winner: str) -> dict[str, Any]:
-    """Regret and the worst prediction errors over the rows measured."""
+def summarize(rows: list[VerifyRow], winner: str, stall_slo_ms: float | None = None) -> dict[str, Any]:
+    """Regret and the worst prediction errors over the rows measured; with `stall_slo_ms`, the
+    regret again with a deployment whose measured stall p90 misses it worth nothing."""
     done = [r for r in rows if r.measured is not None]
     if not done:
         return {"regret": None, "best_measured": None, "winner": winner}
@@ -212,6 +213,14 @@ def summarize(rows: list[VerifyRow], winner: str) -> dict[str, Any]:
     regret = None
     if chosen is not None and chosen.measured is not None:
         regret = (best_g - chosen.measured.goodput_per_worker) / best_g if best_g > 0 else 0.0
+    # the same with a deployment whose measured stall p90 misses its SLO worth nothing, as the
+    # plan's risk values it: goodput counts requests within TTFT and TPOT, not the stall a document
+    # leaves, so a winner that breaks its stall SLO can read 0% regret by goodput alone
+    regret_stall = None
+    if stall_slo_ms is not None and chosen is not None and chosen.measured is not None:
+        worth = {r.candidate.label: _worth(r, stall_slo_ms) for r in done}
+        top = max(worth.values())
+        regret_stall = (top - worth[winner]) / top if top > 0 else 0.0
     att_err = [
         abs(p - m)
         for r in done
@@ -235,12 +244,20 @@ def summarize(rows: list[VerifyRow], winner: str) -> dict[str, Any]:
         "winner": winner,
         "best_measured": best.candidate.label,
         "regret": regret,
+        "regret_stall_worth_nothing": regret_stall,
         "regret_per_round": _regret_per_round(rows, winner),
         "goodput_spread_max": max(spreads) if spreads else None,
         "attainment_error_max_pts": max(att_err) * 100 if att_err else None,
         "goodput_error_max": max(good_err) if good_err else None,
         "goodput_error_max_at_pace": max(at_pace) if len(at_pace) == len(done) and at_pace else None,
     }
+
+
+def _worth(r: VerifyRow, stall_slo_ms: float) -> float:
+    """Measured goodput per worker, nothing where the measured stall p90 missed its SLO."""
+    stall = r.metrics.get("stall_p90_ms")
+    missed = stall is not None and stall > stall_slo_ms
+    return 0.0 if missed or r.measured is None else r.measured.goodput_per_worker
 
 
 def _regret_per_round(rows: list[VerifyRow], winner: str) -> list[float | None] | None:
@@ -285,6 +302,8 @@ def format_verification(rows: list[VerifyRow], summary: dict[str, Any]) -> str:
     tail = f"winner {summary['winner']}, best measured {summary['best_measured']}: regret " + (
         f"{regret:.1%}" if regret is not None else "- (the winner was not measured)"
     )
+    if (stall := summary.get("regret_stall_worth_nothing")) is not None and stall != regret:
+        tail += f"; with a stall SLO missed worth nothing: regret {stall:.1%}"
     if summary.get("regret_per_round"):
         each = ", ".join("-" if x is None else f"{x:.1%}" for x in summary["regret_per_round"])
         tail += f" (each round alone: {each})"

@@ -63,3 +63,23 @@ def test_loop_gaps_read_the_time_between_steps_while_sequences_wait():
     assert loop_gaps([step("c", 0, 1.0), step("c", 0, 2.0)]) is None  # no decoding: no busy gap
     idle = loop_gaps([step("d", 1, 1.0), step("d", 1, 3.0)])  # 2 s between two batches: an idle spell
     assert idle is None
+
+
+def test_a_winner_that_breaks_its_stall_slo_reads_its_regret_both_ways():
+    """Goodput counts requests within TTFT and TPOT, not the stall: the mixed workload's winner
+    (2026-12-05 19:50, stall attainment 25%) measured the most goodput and 0% regret by it; valued
+    as the plan's risk values a stall miss (nothing), the regret is 100%."""
+    from benchmarks.verify_rows import VerifyRow, format_verification, summarize
+    from costmodel.plan.candidates import Candidate
+    from costmodel.plan.score import Judged
+
+    stalls = VerifyRow(Candidate("chunked", 2, chunk=64), 1, Judged({}, True, 0.29), Judged({}, False, 0.21), {})
+    stalls.metrics = {"stall_p90_ms": 400.0}
+    holds = VerifyRow(Candidate("disagg", 1, 1), 2, Judged({}, True, 0.19), Judged({}, True, 0.18), {})
+    holds.metrics = {"stall_p90_ms": 70.0}
+    summary = summarize([stalls, holds], stalls.candidate.label, stall_slo_ms=275.0)
+    assert summary["regret"] == 0.0 and summary["regret_stall_worth_nothing"] == pytest.approx(1.0)
+    assert "with a stall SLO missed worth nothing: regret 100.0%" in format_verification([stalls, holds], summary)
+    fine = summarize([stalls, holds], holds.candidate.label, stall_slo_ms=275.0)
+    assert fine["regret_stall_worth_nothing"] == 0.0 and fine["regret"] == pytest.approx(1 - 0.18 / 0.21)
+    assert summarize([stalls, holds], stalls.candidate.label)["regret_stall_worth_nothing"] is None  # no stall SLO
