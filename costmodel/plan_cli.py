@@ -35,7 +35,7 @@ MAX_LOSS = 0.2  # see costmodel/plan/risk.py: soft cliffs (8.5% expected loss) p
 # The sd of the step prices verified deployments ran at, over their calibration's (30 pools, two VMs,
 # 2026-12-05: 0.96-1.31x, mean 1.115, sd 0.10): the machine moves between calibrating and deploying.
 PRICE_DRIFT = 0.10
-INTERVAL_TOP = 5  # candidates simulated again at the fit's error either way
+INTERVAL_TOP = 5  # candidates simulated again at their price error either way
 
 # The presets: the WorkloadConfig fields each sets (--rate/--isl/--osl/--num-requests override them)
 _RANDOM = ("num_requests", "request_rate", "random_input_len", "random_output_len", "random_range_ratio")
@@ -116,8 +116,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=MAX_LOSS,
         help="the largest share of its goodput a candidate may expect to lose to SLO misses, with steps priced "
-        f"at the calibration's own error, and still rank with those that hold (default {MAX_LOSS}; 1 ranks by "
-        "expected goodput alone)",
+        f"at its fit's error and the machine's drift, and still rank with those that hold (default {MAX_LOSS}; 1 "
+        "ranks by expected goodput alone)",
     )
     s.add_argument(
         "--max-risk",
