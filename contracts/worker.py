@@ -72,9 +72,10 @@ class WorkerStats:
     steps: int = 0
     # the last steps this worker ran, oldest first: (step number, prefill tokens, attention pairs,
     # decode sequences, seconds, end as unix s, intra-op threads it ran with, the attention pairs of
-    # decode rows); the router refines its step-cost fit from them and, from the ends, sees which
-    # steps ran while the other pool's did (--mode auto)
-    recent_steps: list[tuple[int, int, int, int, float, float, int, int]] = field(default_factory=list)
+    # decode rows, prompt items, the context tokens those items read); the router refines its
+    # step-cost fit from them and, from the ends, sees which steps ran while the other pool's did
+    # (--mode auto)
+    recent_steps: list[tuple[int, int, int, int, float, float, int, int, int, int]] = field(default_factory=list)
     blocks_cached: int = 0  # unreferenced blocks kept by the prefix cache (evicted LRU)
     preemptions: int = 0  # sequences preempted by recompute so far (cumulative)
     prefix_hit_blocks: int = 0  # full blocks found in the prefix cache (cumulative)
@@ -112,6 +113,8 @@ class WorkerStats:
             "end_unix_s",
             "torch_threads",
             "decode_pairs",
+            "prefill_seqs",
+            "prefill_reads",
         )
         return {
             "worker": self.name,

@@ -195,8 +195,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
         self._exited = False  # set by the loop thread once it will never read the inbox again
         self.steps = 0  # forward passes run
-        # (step number, prefill tokens, attention pairs, decode sequences, seconds, end, threads) of recent steps
-        self.step_log: deque[tuple[int, int, int, int, float, float, int, int]] = deque(maxlen=STEP_LOG_KEPT)
+        # recent steps: contracts/worker.py `WorkerStats.recent_steps` names the fields
+        self.step_log: deque[tuple[int, int, int, int, float, float, int, int, int, int]] = deque(maxlen=STEP_LOG_KEPT)
         self.fatal: BaseException | None = None
         self.heap = HeapTrimmer(enabled=os.environ.get("PDSERVE_HEAP_TRIM", "1") != "0")
 
@@ -325,7 +325,8 @@ class EngineLoop:
         if st is not None:
             shape = (st.prefill_tokens, st.attention_pairs, st.decode_tokens)
             threads = st.threads or self.torch_threads
-            self.step_log.append((self.steps + 1, *shape, st.seconds, time.time(), threads, st.decode_pairs))
+            entry = (self.steps + 1, *shape, st.seconds, time.time(), threads, st.decode_pairs)
+            self.step_log.append((*entry, st.prefill_seqs, st.prefill_reads))
 
     def drain_cache_events(self) -> tuple[list[tuple[bool, int]], list[int] | None]:
         """(prefix-cache events since the last call, every cached hash if events were lost)."""

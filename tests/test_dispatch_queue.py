@@ -127,13 +127,13 @@ def test_steps_beside_the_other_pool_set_its_factor_and_alone_refine_the_fit():
     shape = StepShape.of([100] * 4)
     # decode steps: two alone (before the prefill), two beside a 1-second prefill, twice as slow
     pairs = int(shape.attention_pairs)
-    # (step, prompt tokens, pairs, decode rows, seconds, end, threads, decode rows' pairs)
-    dec = [(1, 0, pairs, 4, d_step, 1.0, 1, pairs), (2, 0, pairs, 4, d_step, 1.1, 1, pairs),
-           (3, 0, pairs, 4, 2 * d_step, 2.5, 1, pairs), (4, 0, pairs, 4, 2 * d_step, 2.6, 1, pairs)]  # fmt: skip
-    pre = [(1, 2048, 2048 * 2048, 0, 1.0, 3.0, 1, 0)]
+    # (step, prompt tokens, pairs, decode rows, seconds, end, threads, decode rows' pairs, prompt items, reads)
+    dec = [(1, 0, pairs, 4, d_step, 1.0, 1, pairs, 0, 0), (2, 0, pairs, 4, d_step, 1.1, 1, pairs, 0, 0),
+           (3, 0, pairs, 4, 2 * d_step, 2.5, 1, pairs, 0, 0), (4, 0, pairs, 4, 2 * d_step, 2.6, 1, pairs, 0, 0)]  # fmt: skip
+    pre = [(1, 2048, 2048 * 2048, 0, 1.0, 3.0, 1, 0, 1, 2048)]
     cores.observe([_stats("d", "decode", dec), _stats("p", "prefill", pre, idle=True)], now=3.5)
     assert cores.pools["decode"].alone == 2 and cores.pools["decode"].beside == 2
     assert cores.factor("decode") == pytest.approx(2.0, rel=0.05)
     # a decode step after the prefill's logged end waits until the prefill worker's activity is known
-    cores.observe([_stats("d", "decode", dec + [(5, 0, pairs, 4, d_step, 9.0, 1, pairs)])], now=9.0)
+    cores.observe([_stats("d", "decode", dec + [(5, 0, pairs, 4, d_step, 9.0, 1, pairs, 0, 0)])], now=9.0)
     assert len(cores.pools["decode"].pending) == 1

@@ -3,6 +3,7 @@
 import json
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -10,8 +11,11 @@ from costmodel.article import cost_model as cm
 from costmodel.fit.step_fit import OnlineStepFit, StepCostFit, StepShape, fit
 from costmodel.sim.engine import Request, StepModel
 
-# fixed, per token, per prompt pair, per sequence; a decode pair ~30x a prompt pair (50x measured on CPU)
-TRUE = StepCostFit(0.005, 90e-6, 0.03e-9 * 1e3, 800e-6, decode_attention_s=1e-6)
+# fixed, per token, per prompt pair, per sequence; a decode pair ~30x a prompt pair (50x measured on CPU);
+# a prompt item's own path and its context's read (~14 ms and ~17 us on the 2-core CPU VM)
+TRUE = StepCostFit(
+    0.005, 90e-6, 0.03e-9 * 1e3, 800e-6, decode_attention_s=1e-6, per_prompt_s=0.004, context_read_s=5e-6
+)
 
 
 def _samples(truth: StepCostFit, n: int = 80, noise: float = 0.03, seed: int = 0):
@@ -39,7 +43,10 @@ def test_decode_pairs_are_priced_apart_from_prompt_pairs():
     """A decode row reads its whole cached context (memory-bound): one price for both kinds of pair,
     pinned by the prompts' millions, prices a long-context decode step short; the split does not."""
     samples = _samples(TRUE, 200)
-    shared = [(StepShape(s.prefill_tokens, s.attention_pairs, s.decode_seqs), y) for s, y in samples]
+    shared = [
+        (StepShape(s.prefill_tokens, s.attention_pairs, s.decode_seqs, 0.0, s.prefill_seqs, s.prefill_reads), y)
+        for s, y in samples
+    ]
     long_decode = StepShape.of([1024] * 3)
     assert fit(samples).seconds(long_decode) == pytest.approx(TRUE.seconds(long_decode), rel=0.05)
     assert fit(shared).seconds(long_decode) < 0.9 * TRUE.seconds(long_decode)
@@ -47,6 +54,26 @@ def test_decode_pairs_are_priced_apart_from_prompt_pairs():
     assert StepShape.reported(0, 500.0, 4, None).decode_pairs == 500
     assert StepShape.reported(128, 9000.0, 4, None).decode_pairs == 0
     assert StepShape.reported(128, 9000.0, 4, 500).features()[2:4] == (8500.0, 500.0)
+
+
+def test_a_prompt_item_and_its_context_read_are_priced():
+    """Each prompt chunk pays its own path through the layers and re-reads its whole context:
+    chunking a prompt finer costs more than its tokens and pairs say, most at deep starts."""
+    s = StepShape.of([100, 200], [(0, 64), (960, 64)])
+    assert (s.prefill_seqs, s.prefill_reads) == (2, 64 + 1024)
+    without = replace(TRUE, per_prompt_s=0.0, context_read_s=0.0)
+
+    def finer_costs(f: StepCostFit) -> float:  # 16 chunks of 64 against 4 of 256
+        return sum(f.seconds(StepShape.of((), [(st, 64)])) for st in range(0, 1024, 64)) - sum(
+            f.seconds(StepShape.of((), [(st, 256)])) for st in range(0, 1024, 256)
+        )
+
+    reads = 64 * sum(range(1, 17)) - 256 * sum(range(1, 5))  # context tokens the chunks read
+    assert finer_costs(TRUE) - finer_costs(without) == pytest.approx(12 * TRUE.per_prompt_s + reads * TRUE.context_read_s)
+    # a log without the items (a worker of an earlier version) is read as one item per prompt step
+    old = StepShape.reported(64, 64 * 1024 + 300.0, 2, 300.0)
+    assert (old.prefill_seqs, old.prefill_reads) == (1, 1024)
+    assert StepShape.reported(0, 300.0, 2, 300.0).prefill_seqs == 0
 
 
 def test_fit_recovers_the_terms_within_noise():
@@ -103,6 +130,8 @@ def test_calibration_round_trip_and_validation(tmp_path):
     # a file from before decode pairs were priced apart prices them as it did: at the prompt's rate
     old = {"fixed_ms": 1.0, "per_token_us": 1.0, "attention_ns_per_pair": 2.0, "per_sequence_us": 1.0}
     assert StepCostFit.from_dict(old).decode_attention_s == pytest.approx(2e-9)
+    # ... and a prompt item and its context read at nothing, as it did
+    assert StepCostFit.from_dict(old).per_prompt_s == StepCostFit.from_dict(old).context_read_s == 0.0
     with pytest.raises(ValueError, match=">= 0"):
         cm.Calibration.from_dict(
             {"step_fit": {"fixed_ms": -1, "per_token_us": 1, "attention_ns_per_pair": 0, "per_sequence_us": 1}}

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from costmodel.fit.nnls import nnls_rel
-from costmodel.fit.step_fit import StepCostFit, StepShape
+from costmodel.fit.step_fit import OUTSIDE_TERMS, TERMS, StepCostFit, StepShape
 
 
 @dataclass(frozen=True)
@@ -206,8 +206,11 @@ def fit_joint(
     rows += [(_mixed_features(m, chunk), m.seconds, m.seconds) for m in mixed if m.seconds > 0]
     if len(rows) < 2:
         raise ValueError("need at least two timed steps to fit the step cost")
-    c, err = nnls_rel([r[0].tolist() for r in rows], [r[1] for r in rows], [r[2] for r in rows])
-    return StepCostFit.of_coef(c, samples=len(rows), rms_rel_error=err)
+    # the first OUTSIDE_TERMS only: a prompt item's own path and its context read need chunks of
+    # several sizes at known starts, which TTFTs of whole prompts from outside do not tell apart
+    x = [r[0][:OUTSIDE_TERMS].tolist() for r in rows]
+    c, err = nnls_rel(x, [r[1] for r in rows], [r[2] for r in rows])
+    return StepCostFit.of_coef([*c, *[0.0] * (len(TERMS) - OUTSIDE_TERMS)], samples=len(rows), rms_rel_error=err)
 
 
 # ---- the article's arithmetic on the fitted server --------------------------------------------

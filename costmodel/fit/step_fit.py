@@ -9,6 +9,8 @@ cost (Python, launches, sampling) whatever it holds. So a step is priced from it
             + attention     * sum_i n_i * end_i        # prompt chunks' attention pairs, quadratic in context
             + decode_attention * sum_j (c_j + 1)       # decode rows' attention pairs, linear in context
             + per_sequence  * decode sequences         # per-stream bookkeeping
+            + per_prompt    * prompt items             # each prompt chunk's own path through every layer
+            + context_read  * sum_i end_i              # each prompt chunk reads its whole context's KV
 
 Item i of a step computes n_i new positions [start_i, end_i): a prefill chunk [p, p + n) or a
 decode token [c, c + 1). Its attention work is n_i * end_i: each new token scores every position
@@ -22,7 +24,18 @@ cached context, memory-bound. On the 2-core CPU VM a decode pair cost ~5 us, a p
 (`pdserve bench step --prompt-len 64,1024,2048`, 2026-12-05): one shared term, pinned by the prompts'
 millions of pairs, priced a decode step at a 1,024-token context ~15% short.
 
-`fit()` fits the five terms by non-negative least squares on *relative* error (a 7 ms chunk and a
+The last two price what a chunk costs beyond its tokens and pairs. The engine attends each prompt
+item on its own (engine/model/cpu_attention.py `_prefill`: per layer, its pages gathered and
+dequantized, a mask, one SDPA call), so a step that carries a prompt pays a fixed ~14 ms more than a
+decode step, and a chunk at a deep start re-reads its whole context's KV (~17 us a token). Measured
+on the 2-core EPYC VM, 2026-12-05: a 1,024-token SmolLM2 prompt alone took 1,968 ms in chunks of 64,
+1,676 in chunks of 256, 2,005 whole. Four servers' five-term fits (`bench compare --decode 2`,
+`compare-article-x2-i`) priced the 256-chunk prompt 1.19-1.39x that, the 64-chunk one 1.08-1.22x, up
+to 17% apart between chunk sizes, so a plan near saturation picked the chunk size that then ran 15%
+over its price (`plan-verify-rag-h`); with the two terms each fit priced the two within 5% of each
+other (1.14-1.19x: two workers on two cores run ~15% over a lone step).
+
+`fit()` fits the seven terms by non-negative least squares on *relative* error (a 7 ms chunk and a
 700 ms prompt count alike), from the steps `pdserve bench chunks` times. `OnlineStepFit` refines
 them from the step timings workers report while serving, exponentially weighted (a step `half_life`
 steps old weighs half), pulled towards the calibration so a few odd steps cannot swing it.
@@ -38,11 +51,26 @@ from typing import Any
 
 from costmodel.fit.nnls import nnls_rel, solve_spd
 
-TERMS = ("fixed_ms", "per_token_us", "attention_ns_per_pair", "decode_attention_ns_per_pair", "per_sequence_us")
-# seconds per unit of each feature, to display units (ms, us, ns, ns, us)
-_UNIT = (1e3, 1e6, 1e9, 1e9, 1e6)
-# a calibration written before decode pairs were priced apart priced them at the prompt's rate
-_OPTIONAL = {"decode_attention_ns_per_pair": "attention_ns_per_pair"}
+TERMS = (
+    "fixed_ms",
+    "per_token_us",
+    "attention_ns_per_pair",
+    "decode_attention_ns_per_pair",
+    "per_sequence_us",
+    "per_prompt_ms",
+    "context_read_us_per_token",
+)
+# the terms a probe from outside tells apart (costmodel/fit/probe_fit.py): the last two are 0 there
+OUTSIDE_TERMS = 5
+# seconds per unit of each feature, to display units (ms, us, ns, ns, us, ms, us)
+_UNIT = (1e3, 1e6, 1e9, 1e9, 1e6, 1e3, 1e6)
+# a calibration written before decode pairs were priced apart priced them at the prompt's rate;
+# one written before the prompt items' terms priced them at nothing (None)
+_OPTIONAL = {
+    "decode_attention_ns_per_pair": "attention_ns_per_pair",
+    "per_prompt_ms": None,
+    "context_read_us_per_token": None,
+}
 _N = len(TERMS)
 
 
@@ -54,6 +82,8 @@ class StepShape:
     attention_pairs: float = 0.0  # every item's, decode rows' included
     decode_seqs: int = 0
     decode_pairs: float = 0.0  # the decode rows' share of attention_pairs
+    prefill_seqs: int = 0  # prompt items (chunks) the step computes
+    prefill_reads: float = 0.0  # sum over them of the context each reads (start + n): KV tokens gathered
 
     @classmethod
     def of(cls, decode_contexts: Iterable[int] = (), chunks: Iterable[tuple[int, int]] = ()) -> StepShape:
@@ -61,31 +91,56 @@ class StepShape:
         `(start, n)`."""
         ctxs = list(decode_contexts)
         dpairs = sum(c + 1 for c in ctxs)
-        pairs, toks = dpairs, 0
+        pairs, toks, items, reads = dpairs, 0, 0, 0
         for start, n in chunks:
             pairs += n * (start + n)
             toks += n
-        return cls(toks, float(pairs), len(ctxs), float(dpairs))
+            items += 1
+            reads += start + n
+        return cls(toks, float(pairs), len(ctxs), float(dpairs), items, float(reads))
 
     @classmethod
     def reported(
-        cls, prefill_tokens: int, attention_pairs: float, decode_seqs: int, decode_pairs: float | None
+        cls,
+        prefill_tokens: int,
+        attention_pairs: float,
+        decode_seqs: int,
+        decode_pairs: float | None,
+        prefill_seqs: int | None = None,
+        prefill_reads: float | None = None,
     ) -> StepShape:
         """A step as a worker's log gives it. A log without the decode rows' pairs (a worker of an
-        earlier version) is split where it is certain: a step without prompt tokens is all decode."""
+        earlier version) is split where it is certain: a step without prompt tokens is all decode.
+        One without its prompt items is read as one item (a chunked step's usual load): its context
+        is then its prompt pairs over its prompt tokens."""
         if decode_pairs is None:
             decode_pairs = attention_pairs if prefill_tokens == 0 else 0.0
-        return cls(prefill_tokens, float(attention_pairs), decode_seqs, float(decode_pairs))
+        if prefill_seqs is None:
+            prefill_seqs = 1 if prefill_tokens > 0 else 0
+        if prefill_reads is None:
+            prompt_pairs = float(attention_pairs) - float(decode_pairs)
+            prefill_reads = prompt_pairs / prefill_tokens if prefill_tokens > 0 else 0.0
+        return cls(
+            prefill_tokens, float(attention_pairs), decode_seqs, float(decode_pairs), prefill_seqs, float(prefill_reads)
+        )
 
-    def features(self) -> tuple[float, float, float, float, float]:
+    def features(self) -> tuple[float, float, float, float, float, float, float]:
         prompt_pairs = self.attention_pairs - self.decode_pairs
         tokens = float(self.prefill_tokens + self.decode_seqs)
-        return (1.0, tokens, prompt_pairs, self.decode_pairs, float(self.decode_seqs))
+        return (
+            1.0,
+            tokens,
+            prompt_pairs,
+            self.decode_pairs,
+            float(self.decode_seqs),
+            float(self.prefill_seqs),
+            self.prefill_reads,
+        )
 
 
 @dataclass(frozen=True)
 class StepCostFit:
-    """The five fitted terms, in seconds per unit (see the module docstring)."""
+    """The seven fitted terms, in seconds per unit (see the module docstring)."""
 
     fixed_s: float
     per_token_s: float
@@ -94,6 +149,8 @@ class StepCostFit:
     samples: int = 0  # steps it was fitted from
     rms_rel_error: float | None = None  # of the fit over those steps
     decode_attention_s: float = -1.0  # per decode attention pair; left out: attention_s's price
+    per_prompt_s: float = 0.0  # per prompt item (chunk) in the step
+    context_read_s: float = 0.0  # per context token a prompt item reads (start + n each)
 
     def __post_init__(self) -> None:
         if self.decode_attention_s < 0:
@@ -102,13 +159,21 @@ class StepCostFit:
     @classmethod
     def of_coef(cls, coef: Sequence[float], **kw: Any) -> StepCostFit:
         """From terms in `features()` order."""
-        fixed, tok, att, datt, seq = (float(c) for c in coef)
-        return cls(fixed, tok, att, seq, decode_attention_s=datt, **kw)
+        fixed, tok, att, datt, seq, item, read = (float(c) for c in coef)
+        return cls(fixed, tok, att, seq, decode_attention_s=datt, per_prompt_s=item, context_read_s=read, **kw)
 
     @property
-    def coef(self) -> tuple[float, float, float, float, float]:
+    def coef(self) -> tuple[float, float, float, float, float, float, float]:
         """The terms in `features()` order."""
-        return (self.fixed_s, self.per_token_s, self.attention_s, self.decode_attention_s, self.per_sequence_s)
+        return (
+            self.fixed_s,
+            self.per_token_s,
+            self.attention_s,
+            self.decode_attention_s,
+            self.per_sequence_s,
+            self.per_prompt_s,
+            self.context_read_s,
+        )
 
     def scaled(self, k: float) -> StepCostFit:
         """Every term `k` times its price."""
@@ -142,7 +207,7 @@ class StepCostFit:
         missing = [t for t in TERMS if t not in d and t not in _OPTIONAL]
         if missing:
             raise ValueError(f"step_fit lacks {', '.join(missing)}")
-        coef = [float(d.get(t, d.get(_OPTIONAL.get(t, t), 0.0))) / u for t, u in zip(TERMS, _UNIT)]
+        coef = [float(d[t] if t in d else d.get(_OPTIONAL[t] or "", 0.0)) / u for t, u in zip(TERMS, _UNIT)]
         if any(c < 0 or not math.isfinite(c) for c in coef):
             raise ValueError("step_fit terms must be finite and >= 0")
         return cls.of_coef(coef, samples=int(d.get("samples", 0)), rms_rel_error=d.get("rms_rel_error"))
@@ -152,14 +217,15 @@ class StepCostFit:
             f"{self.fixed_s * 1e3:.3f} ms/step + {self.per_token_s * 1e6:.2f} us/token + "
             f"{self.attention_s * 1e9:.4f} ns/prompt attention pair + "
             f"{self.decode_attention_s * 1e9:.1f} ns/decode attention pair + "
-            f"{self.per_sequence_s * 1e6:.1f} us/decode sequence"
+            f"{self.per_sequence_s * 1e6:.1f} us/decode sequence + "
+            f"{self.per_prompt_s * 1e3:.2f} ms/prompt item + {self.context_read_s * 1e6:.2f} us/context token read"
         )
 
 
 # ---- fitting ----------------------------------------------------------------------------------
 def fit(samples: Sequence[tuple[StepShape, float]]) -> StepCostFit:
-    """Non-negative least squares of the four terms on relative error, over (shape, seconds)
-    (costmodel/fit/nnls.py: exact NNLS for four terms)."""
+    """Non-negative least squares of the seven terms on relative error, over (shape, seconds)
+    (costmodel/fit/nnls.py: exact NNLS, every subset of the terms)."""
     rows = [(s.features(), y) for s, y in samples if y > 0]
     if len(rows) < 2:
         raise ValueError("need at least two timed steps to fit the step cost")
@@ -182,17 +248,17 @@ def fit_beside(samples: Sequence[tuple[StepShape, float]], base: StepCostFit) ->
     """`base` with its prompt-token and prompt-attention terms refitted on `samples`: steps that ran
     the same engine on more intra-op threads (a colocated CPU worker's prompt steps, --prompt-threads).
     A step's fixed cost and its decode rows' bookkeeping and context reads do not change with the GEMM
-    threads, and a warm-up holds only a few such steps (a handful of documents), too few for five terms."""
+    threads, and a warm-up holds only a few such steps (a handful of documents), too few for seven terms."""
     rows = []
     for s, y in samples:
         x = s.features()
-        rest = y - base.fixed_s - base.decode_attention_s * x[3] - base.per_sequence_s * x[4]
+        rest = y - base.fixed_s - sum(c * v for c, v in zip(base.coef[3:], x[3:]))
         if y > 0 and rest > 0:
             rows.append(((x[1], x[2]), rest, y))
     if not rows:
         raise ValueError("no step left to fit beside the base fit")
     (tok, att), _ = nnls_rel([x for x, _, _ in rows], [r for _, r, _ in rows], [y for _, _, y in rows])
-    out = StepCostFit(base.fixed_s, tok, att, base.per_sequence_s, decode_attention_s=base.decode_attention_s)
+    out = replace(base, per_token_s=tok, attention_s=att)
     out = replace(out, samples=len(rows))
     errs = [(out.seconds(s) - y) / y for s, y in samples if y > 0]
     return replace(out, rms_rel_error=math.sqrt(sum(e * e for e in errs) / len(errs)))
@@ -204,8 +270,8 @@ class OnlineStepFit:
     Exponentially weighted least squares on relative error: each new step multiplies the weight
     of everything seen before by 0.5 ** (1 / half_life). A ridge term holds each coefficient near
     the calibration's (`prior_steps` steps' worth of evidence), so a term the recent steps do not
-    exercise (no long prompt lately) keeps its calibrated value instead of drifting. Cheap: a 5x5
-    solve per `refit()`, nothing per step beyond a 5x5 accumulate."""
+    exercise (no long prompt lately) keeps its calibrated value instead of drifting. Cheap: a 7x7
+    solve per `refit()`, nothing per step beyond a 7x7 accumulate."""
 
     def __init__(self, prior: StepCostFit, half_life: float = 200.0, prior_steps: float = 1.0):
         if half_life <= 0 or prior_steps <= 0:

@@ -75,6 +75,8 @@ class StepStats:
     sample_s: float = 0.0  # sampling on the device and the ids' trip to the host
     output_s: float = 0.0  # appending tokens, stop checks, leaving rows, events
     threads: int = 0  # CPU intra-op threads the forward ran with (ModelRunner.prompt_threads)
+    prefill_seqs: int = 0  # prompt items (chunks) the step computed, each on its own attention path
+    prefill_reads: int = 0  # sum over them of start + new tokens: the KV context each one read
 
     @property
     def host_s(self) -> float:
@@ -248,7 +250,17 @@ class LLMEngine:
         decode_pairs = int(inputs.context_lens.sum()) if inputs is not None else 0
         pairs = decode_pairs + sum(len(it.token_ids) * (it.start_pos + len(it.token_ids)) for it in items)
         shape = (work.prefill_tokens, len(work.decode), t4 - t0, pairs, decode_pairs)  # then schedule, forward, ...
-        self.last_step = StepStats(*shape, t1 - t0, t2 - t1, t3 - t2, t4 - t3, threads=self.runner.last_threads)
+        reads = sum(it.start_pos + len(it.token_ids) for it in items)
+        self.last_step = StepStats(
+            *shape,
+            t1 - t0,
+            t2 - t1,
+            t3 - t2,
+            t4 - t3,
+            threads=self.runner.last_threads,
+            prefill_seqs=len(items),
+            prefill_reads=reads,
+        )
         return events
 
     def _sample(self, work: ScheduledBatch, logits: torch.Tensor) -> _Sampled:

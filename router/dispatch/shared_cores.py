@@ -65,9 +65,10 @@ class SharedCores:
         for s in stats:
             role = "prefill" if s.role == "prefill" else "decode"
             pool, last = self.pools[role], self._seen.get(s.name, 0)
-            for n, ptok, pairs, dseqs, secs, end, _threads, dpairs in s.recent_steps:
+            for n, ptok, pairs, dseqs, secs, end, _threads, dpairs, items, reads in s.recent_steps:
                 if n > last:
-                    step = _Step(end - secs, end, StepShape.reported(ptok, pairs, dseqs, dpairs), secs)
+                    shape = StepShape.reported(ptok, pairs, dseqs, dpairs, items, reads)
+                    step = _Step(end - secs, end, shape, secs)
                     pool.pending.append(step)
                     pool.busy.append((step.start, step.end))
                     pool.known_until = max(pool.known_until, end)

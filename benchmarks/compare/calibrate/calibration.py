@@ -52,6 +52,44 @@ class LoggedStep:
     end_unix_s: float = 0.0  # the worker's wall clock: steps of one host line up across pools
     torch_threads: int = 0  # intra-op threads the step ran with (0: the server did not say)
 
+    def to_row(self) -> list[Any]:
+        """One row of `STEP_COLUMNS`: a result keeps the steps it was fitted on, to refit later."""
+        sh = self.shape
+        return [
+            self.worker,
+            self.role,
+            sh.prefill_tokens,
+            sh.attention_pairs,
+            sh.decode_seqs,
+            sh.decode_pairs,
+            round(self.seconds, 7),
+            round(self.end_unix_s, 6),
+            self.torch_threads,
+            sh.prefill_seqs,
+            sh.prefill_reads,
+        ]
+
+    @classmethod
+    def from_row(cls, row: Sequence[Any]) -> LoggedStep:
+        worker, role, toks, pairs, seqs, dpairs, seconds, end, threads, *items = row  # items: not in early rows
+        shape = StepShape.reported(int(toks), float(pairs), int(seqs), float(dpairs), *items)
+        return cls(str(worker), str(role), shape, float(seconds), float(end), int(threads))
+
+
+STEP_COLUMNS = (
+    "worker",
+    "role",
+    "prefill_tokens",
+    "attention_pairs",
+    "decode_seqs",
+    "decode_pairs",
+    "seconds",
+    "end_unix_s",
+    "torch_threads",
+    "prefill_seqs",
+    "prefill_reads",
+)
+
 
 @dataclass(frozen=True)
 class PoolFit:
@@ -231,6 +269,17 @@ class SelfCalibration:
     notes: list[str] = field(default_factory=list)
     longest_prompt: int | None = None  # tokens: the warm-up's longest prompt (beyond it the fit extrapolates)
     largest_batch: int | None = None  # the most sequences a step decoded (beyond it the fit extrapolates)
+    logged: list[LoggedStep] = field(default_factory=list)  # the warm-up's steps the fits were made from
+
+    def refitted(self) -> SelfCalibration:
+        """This calibration with its pools fitted again, by this version's step model, from the
+        warm-up steps it kept (a result written before it kept them: as it is)."""
+        if not self.logged:
+            return self
+        pools = fit_pools(self.logged)
+        decode = pools.get("decode")
+        slowdown = beside_prefill_slowdown(self.logged, decode.fit if decode else None)
+        return replace(self, pools=pools, decode_slowdown_beside_prefill=slowdown)
 
     @property
     def decode_fit(self) -> StepCostFit | None:
@@ -296,6 +345,7 @@ class SelfCalibration:
             list(d.get("notes", [])),
             d.get("longest_prompt"),
             d.get("largest_batch"),
+            [LoggedStep.from_row(r) for r in (d.get("warmup_steps") or {}).get("rows", [])],
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -312,6 +362,7 @@ class SelfCalibration:
             "notes": self.notes,
             "longest_prompt": self.longest_prompt,
             "largest_batch": self.largest_batch,
+            "warmup_steps": {"columns": list(STEP_COLUMNS), "rows": [s.to_row() for s in self.logged]},
         }
 
 
@@ -350,6 +401,7 @@ def build(
     decode = pools.get("decode")
     slowdown = beside_prefill_slowdown(steps, decode.fit if decode else None)
     cal = SelfCalibration(pools, hop, n, link_rate(warmup_records, kv_bytes_per_token), recorder_error, slowdown)
+    cal.logged = list(steps)
     cal.longest_prompt = max((r.n_in for r in warmup_records if getattr(r, "ok", False)), default=None)
     cal.largest_batch = max((s.shape.decode_seqs for s in steps), default=0) or None
     if not cal.pools:

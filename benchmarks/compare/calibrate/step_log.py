@@ -86,6 +86,8 @@ class StepLogRecorder:
                     float(s["attention_pairs"]),
                     int(s["decode_seqs"]),
                     None if dpairs is None else float(dpairs),
+                    s.get("prefill_seqs"),  # None from a worker of an earlier version
+                    s.get("prefill_reads"),
                 )
                 self._seen[(w["worker"], int(s["step"]))] = LoggedStep(
                     w["worker"],

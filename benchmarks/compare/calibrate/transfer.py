@@ -89,7 +89,7 @@ def load(path: Path, model: str) -> tuple[dict[str, Transferred], dict[str, str]
         if not cal_dict:
             missing[label] = f"{path} has no self-calibration for {label}"
             continue
-        cal = SelfCalibration.from_dict(cal_dict)
+        cal = SelfCalibration.from_dict(cal_dict).refitted()  # by this version's step model
         setup, why = prediction_setup(model, mode, cal)
         if setup is None:
             missing[label] = f"{path}: {why}"
