@@ -191,7 +191,7 @@ def fit_joint(
     overhead_s: float = 0.0,
     floor_s: float = 0.0,
 ) -> StepCostFit:
-    """step_fit's five terms over every probed step, anchored where they are used: the decode
+    """step_fit's first five terms (OUTSIDE_TERMS) over every probed step, anchored where they are used: the decode
     steps as measured; each prompt alone as its TTFT's difference from the shortest prompt's clear
     of the latency floor (the steps that carried it, whole or in `chunk`s, less that prompt's
     steps; `_prompt_rows`); and the tax's mixed steps, the very steps a stall is made of. What
