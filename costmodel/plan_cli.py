@@ -25,7 +25,7 @@ from costmodel.plan.candidates import DEFAULT_CHUNKS, enumerate_candidates
 from costmodel.plan.pricing import coverage_notes, setup_for
 from costmodel.plan.report import explain, format_table
 from costmodel.plan.risk import rank_by_risk
-from costmodel.plan.score import Scored, Slos, fit_error, interval, rank, score
+from costmodel.plan.score import Scored, Slos, fit_error, interval, rank, score, simpler_first
 from costmodel.plan.trace import read_trace
 from costmodel.sim import compare_predict as cp
 from costmodel.sim.model import StepModel
@@ -198,6 +198,7 @@ def make_plan(
             if s.price_error:
                 s.interval = interval(s, setup_of(s.candidate), specs, slos, args.max_num_seqs, s.price_error)
         ranked = rank_by_risk(ranked, slos, INTERVAL_TOP, args.max_loss, args.max_risk)
+    ranked = simpler_first(ranked)
     for extra in coverage_notes(ranked, cands, specs, setup, by_kind):
         note = f"{note}; {extra}" if note else extra
     elapsed = time.perf_counter() - t0

@@ -132,3 +132,29 @@ def test_the_top_candidates_rank_by_the_goodput_left_once_the_chance_of_a_miss_i
     assert s.expected_goodput == pytest.approx(0.3 * (1 - s.miss_chance))
     assert crossing(100.0, [90.0, 95.0], 250.0) == math.inf and crossing(260.0, [255.0, 270.0], 250.0) == -2.0
     assert crossing(260.0, [262.0, 270.0], 250.0) == -math.inf
+
+
+def test_layerwise_streaming_ranks_behind_its_bulk_twin_unless_it_earns_its_moving_parts():
+    """Predicted equal, the bulk pull measured ahead in three of four pairs: a tie goes to the simpler."""
+    from costmodel.plan.score import Slos, score, simpler_first
+    from costmodel.sim.compare_predict import setup_from_steps
+    from costmodel.workloads import RequestSpec
+
+    setup = setup_from_steps("tiny", FIT, None, None, "t", 1)
+    specs = [RequestSpec(f"r{i}", (1,) * 200, 200, 8, i * 0.5, "chat") for i in range(3)]
+    streamed, bulk, other = (
+        score(c, setup, specs, Slos(), 8)
+        for c in (
+            Candidate("disagg", 1, 1, kv_transfer="layerwise"),
+            Candidate("disagg", 1, 1),
+            Candidate("colocated", 2),
+        )
+    )
+    streamed.goodput_per_worker = bulk.goodput_per_worker * 1.005  # within STREAM_GAIN: a tie
+    assert [s.candidate.label for s in simpler_first([streamed, other, bulk])] == [
+        "colocated x2",
+        "disagg 1P1D",
+        "disagg 1P1D layerwise",
+    ]
+    streamed.goodput_per_worker = bulk.goodput_per_worker * 1.05  # it earns its place
+    assert simpler_first([streamed, bulk])[0] is streamed

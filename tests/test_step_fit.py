@@ -69,7 +69,8 @@ def test_a_prompt_item_and_its_context_read_are_priced():
         )
 
     reads = 64 * sum(range(1, 17)) - 256 * sum(range(1, 5))  # context tokens the chunks read
-    assert finer_costs(TRUE) - finer_costs(without) == pytest.approx(12 * TRUE.per_prompt_s + reads * TRUE.context_read_s)
+    extra = 12 * TRUE.per_prompt_s + reads * TRUE.context_read_s  # 12 more items, and their reads
+    assert finer_costs(TRUE) - finer_costs(without) == pytest.approx(extra)
     # a log without the items (a worker of an earlier version) is read as one item per prompt step
     old = StepShape.reported(64, 64 * 1024 + 300.0, 2, 300.0)
     assert (old.prefill_seqs, old.prefill_reads) == (1, 1024)

@@ -4,8 +4,8 @@ Timings are fitted as seconds ~ features @ coef with every coefficient >= 0 (a s
 cheaper for holding more), on error relative to each timing (a 7 ms chunk and a 700 ms prompt
 count alike). The fits are small (three to seven terms), so the exact answer is cheap: every
 subset of columns is solved unconstrained and the best all-non-negative one wins (seven terms: 127
-tiny solves, ~0.05 s over a warm-up's 300 steps). Pure Python, no numpy: the router imports it (costmodel/fit/step_fit.py's live
-refits).
+tiny solves, ~0.05 s over a warm-up's 300 steps). Pure Python, no numpy: the router imports it
+(costmodel/fit/step_fit.py's live refits).
 
 The solves go through the weighted normal equations, each column scaled to a unit diagonal
 (the terms span twelve orders of magnitude). A column the others in its subset explain to within
