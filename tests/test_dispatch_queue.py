@@ -129,7 +129,8 @@ def test_steps_beside_the_other_pool_set_its_factor_and_alone_refine_the_fit():
     pairs = int(shape.attention_pairs)
     # (step, prompt tokens, pairs, decode rows, seconds, end, threads, decode rows' pairs, prompt items, reads)
     dec = [(1, 0, pairs, 4, d_step, 1.0, 1, pairs, 0, 0), (2, 0, pairs, 4, d_step, 1.1, 1, pairs, 0, 0),
-           (3, 0, pairs, 4, 2 * d_step, 2.5, 1, pairs, 0, 0), (4, 0, pairs, 4, 2 * d_step, 2.6, 1, pairs, 0, 0)]  # fmt: skip
+           (3, 0, pairs, 4, 2 * d_step, 2.5, 1, pairs, 0, 0),
+           (4, 0, pairs, 4, 2 * d_step, 2.6, 1, pairs, 0, 0)]  # fmt: skip
     pre = [(1, 2048, 2048 * 2048, 0, 1.0, 3.0, 1, 0, 1, 2048)]
     cores.observe([_stats("d", "decode", dec), _stats("p", "prefill", pre, idle=True)], now=3.5)
     assert cores.pools["decode"].alone == 2 and cores.pools["decode"].beside == 2
