@@ -144,6 +144,17 @@ class Worker:
 
 
 class ColocatedWorker(Worker):
+    def __init__(self, sim: SimHost, name: str):
+        super().__init__(sim, name)
+        self.prefilling = 0  # whole prompts in the step now running: out of the queue, not yet decoding
+
+    @property
+    def load(self) -> int:
+        # the router counts a request against its worker from dispatch to its end, so a prompt in
+        # its prefill step counts too (without it a second worker's arrivals queued behind a busy
+        # worker's prefill: rag on two colocated workers, `plan-verify-rag-i`, 2026-12-05)
+        return len(self.queue) + len(self.running) + self.prefilling
+
     def plan(self):
         cfg, steps = self.sim.cfg, self.sim.steps
         if cfg.mode == "colocated":
@@ -154,12 +165,20 @@ class ColocatedWorker(Worker):
                     r.prefilled, r.prefill_start = r.prompt, self.sim.now
                     n = r.prompt - r.cached
                     dur = steps.chunk(r.cached, n) if r.cached else steps.prefill(r.prompt)
-                    return dur, n, 0, lambda: self._prefilled(r)
+                    self.prefilling += 1
+
+                    def fin_whole() -> None:
+                        self.prefilling -= 1
+                        self._prefilled(r)
+
+                    return dur, n, 0, fin_whole
                 # the engine's: one forward of the decode batch + every waiting prompt that fits
                 batch, prompts = list(self.running), self._take_whole(len(self.running))
+                self.prefilling += len(prompts)
 
                 def fin_mixed() -> None:
                     self._emit(batch)
+                    self.prefilling -= len(prompts)
                     for r in prompts:
                         self._prefilled(r)
 
