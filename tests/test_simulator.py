@@ -274,3 +274,21 @@ def test_cli_kv_transfer_flags(tmp_path):
     (r,) = json.loads(buf.getvalue())["results"]
     assert r["kv_transfer"] == "layerwise" and r["kv_stream_layers"] == 4 and r["label"].endswith("layerwise/4")
     assert r["kv_exposed_ms"]["p50"] is not None and set(r["ttst_doc_ms"]) == {"p50", "p90", "p99"}
+
+
+def test_a_prompt_in_its_prefill_step_counts_in_its_workers_load():
+    """The router counts a request against its worker from dispatch to its end: an arrival during a
+    colocated worker's whole-prompt prefill goes to the idle worker, not behind that prefill."""
+    from costmodel.fit.step_fit import StepCostFit
+    from costmodel.sim.compare_predict import simulate_requests
+    from costmodel.workloads import RequestSpec
+
+    fit = StepCostFit(0.01, 1e-3, 0.0, 1e-3)  # a 1,000-token prompt: ~1 s; 100 tokens: ~0.1 s
+    steps = StepModel(cm.ModelSpec.resolve("tiny"), cm.HARDWARE["h100"], fit=fit)
+    specs = [
+        RequestSpec("long", (1,) * 1000, 1000, 2, 0.0, "document"),
+        RequestSpec("short", (1,) * 100, 100, 2, 0.1, "chat"),
+    ]
+    long, short = simulate_requests(SimConfig("colocated", workers=2), steps, specs)
+    assert long.token_times[0] == pytest.approx(1.01, rel=0.01)
+    assert short.token_times[0] - 0.1 == pytest.approx(0.11, rel=0.05)  # its own prefill, on the other worker

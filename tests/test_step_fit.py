@@ -159,3 +159,20 @@ def test_cost_cli_shows_the_fitted_terms(tmp_path, capsys):
     assert main(["cost", "--config", "tiny", "--calibration", str(p), "--weight-dtype", "fp32", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["step_fit"]["terms"]["fixed_ms"] == pytest.approx(5.0)
+
+
+def test_a_context_read_is_fitted_only_where_prompt_contexts_differ():
+    """Chats that all read a 37-token context cannot tell a context token's read from a prompt item's
+    own cost: the read is left out, not priced at 387 us a token (which would make a deep chunk dear)."""
+    rng = random.Random(7)
+    samples = []
+    for _ in range(60):
+        s = StepShape.of(
+            [rng.randint(50, 400) for _ in range(rng.randint(1, 6))], [(0, 37)] if rng.random() < 0.5 else []
+        )
+        samples.append((s, TRUE.seconds(s) * rng.uniform(0.99, 1.01)))
+    f = fit(samples)
+    assert f.context_read_s == 0.0 and f.per_prompt_s > 0
+    assert f.seconds(StepShape.of([200] * 2, [(0, 37)])) == pytest.approx(
+        TRUE.seconds(StepShape.of([200] * 2, [(0, 37)])), rel=0.05
+    )

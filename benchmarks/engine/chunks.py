@@ -58,6 +58,9 @@ class ChunkPoint:
     mixed_max_ms: float
     mixed_prefill_s: float  # the prompt's prefill time with the decode batch riding along
     itl_ratio: float  # mixed_mean / decode-only step
+    # each chunk alone, in prompt order (ms, median over the repeats): a chunk at a deep start
+    # costs more than its pairs say (it re-reads its whole context's KV; costmodel/fit/step_fit.py)
+    alone_ms: tuple[float, ...] = ()
 
 
 def _crossing(xs: list[int], ys: list[float], target: float) -> float | None:
@@ -180,6 +183,7 @@ def run_sweep(args: argparse.Namespace, h: eb.Harness, chunks: list[int]) -> dic
                 mixed_max_ms=ms[-1] * 1e3,
                 mixed_prefill_s=sum(mixed),
                 itl_ratio=sum(mixed) / len(mixed) / d.median_s,
+                alone_ms=tuple(round(t * 1e3, 3) for t in alone_steps),
             )
         )
         flops_chunk.append((lin + att) / len(starts))

@@ -225,10 +225,13 @@ class StepCostFit:
 # ---- fitting ----------------------------------------------------------------------------------
 def fit(samples: Sequence[tuple[StepShape, float]]) -> StepCostFit:
     """Non-negative least squares of the seven terms on relative error, over (shape, seconds)
-    (costmodel/fit/nnls.py: exact NNLS, every subset of the terms)."""
+    (costmodel/fit/nnls.py: exact NNLS, every subset of the terms). The context-read term is left
+    out unless the prompt steps read contexts READ_SPREAD apart (`_reads_told_apart`)."""
     rows = [(s.features(), y) for s, y in samples if y > 0]
     if len(rows) < 2:
         raise ValueError("need at least two timed steps to fit the step cost")
+    if not _reads_told_apart([s for s, y in samples if y > 0]):
+        rows = [((*x[:_READ], 0.0, *x[_READ + 1 :]), y) for x, y in rows]
     try:
         coef, _ = nnls_rel([x for x, _ in rows], [y for _, y in rows])
     except ValueError as e:
@@ -242,6 +245,20 @@ def fit(samples: Sequence[tuple[StepShape, float]]) -> StepCostFit:
     out = StepCostFit.of_coef([c * k for c in coef], samples=len(rows))
     errs = [(out.seconds(s) - y) / y for s, y in samples if y > 0]
     return replace(out, rms_rel_error=math.sqrt(sum(e * e for e in errs) / len(errs)))
+
+
+READ_SPREAD = 2.0
+_READ = TERMS.index("context_read_us_per_token")
+
+
+def _reads_told_apart(shapes: Sequence[StepShape]) -> bool:
+    """Whether the prompt items read contexts of different enough lengths (the longest mean
+    context READ_SPREAD times the shortest) for the fit to tell a context read from an item's own
+    cost. Where every item reads about as much, the two columns are one (a prompt item of 14.3 ms
+    or a context token of 387 us priced the same 37-token chats; the second put a 1,024-token
+    prompt in chunks of 64 at 2.7x its time: `compare-article-i`'s colocated server, 2026-12-05)."""
+    ctx = [s.prefill_reads / s.prefill_seqs for s in shapes if s.prefill_seqs > 0]
+    return bool(ctx) and max(ctx) >= READ_SPREAD * max(min(ctx), 1e-9)
 
 
 def fit_beside(samples: Sequence[tuple[StepShape, float]], base: StepCostFit) -> StepCostFit:
