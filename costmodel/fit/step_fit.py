@@ -227,7 +227,7 @@ def fit(samples: Sequence[tuple[StepShape, float]]) -> StepCostFit:
     """Non-negative least squares of the seven terms on relative error, over (shape, seconds)
     (costmodel/fit/nnls.py: exact NNLS, every subset of the terms). The context-read term is left
     out unless the prompt steps read contexts READ_SPREAD apart (`_reads_told_apart`)."""
-    rows = [(s.features(), y) for s, y in samples if y > 0]
+    rows: list[tuple[tuple[float, ...], float]] = [(s.features(), y) for s, y in samples if y > 0]
     if len(rows) < 2:
         raise ValueError("need at least two timed steps to fit the step cost")
     if not _reads_told_apart([s for s, y in samples if y > 0]):

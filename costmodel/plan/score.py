@@ -182,10 +182,11 @@ def simpler_first(ranked: Sequence[Scored]) -> list[Scored]:
     """`ranked` with each layer-wise candidate moved behind its bulk twin (the same split, the KV
     pulled whole) unless it earns its moving parts: goodput up, or TTFT or stall p90 down, by
     STREAM_GAIN. Where the simulator finds them equal the measurements did not: on the 2-core EPYC VM
-    (2026-12-05, `plan-verify-{article-h,chat-h,mixed-h,article-i}`) the bulk twin measured 6-12% more
-    goodput in three of four such pairs, the layer-wise one 2% more in the fourth. What the per-layer
-    pulls cost the two workers' steps is not priced; until it is, a tie goes to fewer moving parts.
-    (Set after those four runs: the rule is fitted to them.)"""
+    (2026-12-05, `plan-verify-{article-h,chat-h,mixed-h,article-i,mixed-i}`) the bulk twin measured
+    2-12% more goodput in four of five such pairs, the layer-wise one 2% more in the fifth; in the last
+    two the layer-wise decode pool's steps ran 1.15-1.17x their price, the bulk one's 1.01-1.02x. What
+    the per-layer pulls cost the workers' steps is not priced; until it is, a tie goes to fewer moving
+    parts. (Set after those runs: the rule is fitted to them.)"""
     out = list(ranked)
     for s in ranked:
         if s.candidate.kv_transfer != "layerwise":
