@@ -10,7 +10,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.compare.calibrate.calibration import LoggedStep
+from benchmarks.compare.calibrate.logged_step import LoggedStep
 from costmodel.plan.candidates import Candidate
 from costmodel.plan.score import Judged
 from costmodel.serve_metrics import RequestRecord

@@ -9,7 +9,6 @@ import random
 import pytest
 
 from benchmarks.compare.calibrate.calibration import (
-    LoggedStep,
     PoolFit,
     fit_pools,
     link_rate,
@@ -17,6 +16,7 @@ from benchmarks.compare.calibrate.calibration import (
     trimmed_fit,
 )
 from benchmarks.compare.calibrate.calibration import build as build_self_calibration
+from benchmarks.compare.calibrate.logged_step import LoggedStep
 from benchmarks.compare.calibrate.step_log import StepLogRecorder
 from costmodel.article import cost_model as cm
 from costmodel.fit.step_fit import StepCostFit, StepShape
@@ -395,29 +395,3 @@ def test_shape_requests_are_the_longest_documents_start_at_shorter_lengths():
     assert str(got[1].prompt).startswith(str(got[0].prompt))
     ids = shape_specs([RequestSpec("doc-1", tuple(range(64)), 64, 4, 0.0, "doc")], fractions=(0.5,))
     assert ids[0].prompt == tuple(range(32)) and ids[0].request_id == "shape-0"
-
-
-def test_a_calibration_keeps_its_warm_up_steps_and_is_refitted_from_them():
-    """A result keeps the steps its fit was made from, so a later step model refits them (transfer.load)
-    instead of trusting a fit an earlier version made; rows written before the prompt items were
-    logged are read as one item per prompt step."""
-    from benchmarks.compare.calibrate.calibration import SelfCalibration  # noqa: PLC0415
-
-    rng = random.Random(4)
-    truth = StepCostFit(0.030, 0.0004, 2e-9, 0.004, per_prompt_s=0.012)
-    steps = []
-    for i, (s, _) in enumerate(_steps(120, rng)):
-        steps.append(LoggedStep("colocated-0", "colocated", s, truth.seconds(s) * rng.uniform(0.98, 1.02), 100.0 + i))
-    cal = build_self_calibration(steps, [], [], 1)
-    back = SelfCalibration.from_dict(json.loads(json.dumps(cal.to_dict())))
-    assert [s.shape for s in back.logged] == [s.shape for s in steps]
-    assert [s.seconds for s in back.logged] == pytest.approx([s.seconds for s in steps], abs=1e-7)  # kept to 0.1 us
-    stale = SelfCalibration({"colocated": PoolFit("colocated", TRUE, 120, 0)}, None, 0, None, logged=back.logged)
-    refit = stale.refitted().pools["colocated"].fit
-    chunk = StepShape.of([300] * 4, [(0, 128)])
-    assert refit.seconds(chunk) == pytest.approx(truth.seconds(chunk), rel=0.05)
-    assert refit.per_prompt_s == pytest.approx(0.012, rel=0.2)
-    old_row = steps[0].to_row()[:9]  # a row of a result written before the prompt items were kept
-    prompt = next(s for s in steps if s.shape.prefill_tokens)
-    assert LoggedStep.from_row(prompt.to_row()[:9]).shape == prompt.shape  # one item: derived exactly
-    assert LoggedStep.from_row(old_row).shape.prefill_seqs == (1 if steps[0].shape.prefill_tokens else 0)

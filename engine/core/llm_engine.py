@@ -40,11 +40,11 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.core.request_logprobs import record_prompt_logprobs, sampled_logprobs
 from engine.core.scheduler import PrefillChunk, ScheduledBatch, Scheduler
 from engine.kv.block_manager import BlockManager, NoFreeBlocks
 from engine.kv.prefix_cache import ROOT, block_hash, block_hashes
 from engine.runner.input_batch import InputBatch
-from engine.runner.logprobs import token_logprobs
 from engine.runner.model_runner import ModelRunner, StepItem
 from engine.runner.sampler import SamplingRows
 from engine.sequence import Sequence, Status, TokenLogprob
@@ -250,24 +250,16 @@ class LLMEngine:
         decode_pairs = int(inputs.context_lens.sum()) if inputs is not None else 0
         pairs = decode_pairs + sum(len(it.token_ids) * (it.start_pos + len(it.token_ids)) for it in items)
         shape = (work.prefill_tokens, len(work.decode), t4 - t0, pairs, decode_pairs)  # then schedule, forward, ...
-        reads = sum(it.start_pos + len(it.token_ids) for it in items)
-        self.last_step = StepStats(
-            *shape,
-            t1 - t0,
-            t2 - t1,
-            t3 - t2,
-            t4 - t3,
-            threads=self.runner.last_threads,
-            prefill_seqs=len(items),
-            prefill_reads=reads,
-        )
+        reads = sum(it.start_pos + len(it.token_ids) for it in items)  # each prompt item's whole context
+        times = (t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+        self.last_step = StepStats(*shape, *times, self.runner.last_threads, len(items), reads)
         return events
 
     def _sample(self, work: ScheduledBatch, logits: torch.Tensor) -> _Sampled:
         """Advance the prefills past their chunks and sample one token per row that asks for one.
         Rows of `logits`: the batch's rows, then the fresh prefills that finished their prompt."""
         for i, all_logits in self.runner.last_all_logits.items():  # echo: prompt logprobs, chunk by chunk
-            _record_prompt_logprobs(work.prefill[i].seq, all_logits)
+            record_prompt_logprobs(work.prefill[i].seq, all_logits)
         finished_prefill: list[Sequence] = []
         resumed: list[Sequence] = []  # recomputed after preemption: they rejoin the batch, sampling nothing now
         for chunk in work.prefill:
@@ -283,7 +275,7 @@ class LLMEngine:
         # the step's only device -> host copy: one id per row (none if only non-final chunks ran)
         ids = self.runner.sampler(logits, rows).cpu() if rows is not None else torch.empty(0, dtype=torch.long)
         tokens = ids.tolist()
-        logprobs = _logprobs(logits, [*work.decode, *finished_prefill], tokens)  # only rows that asked
+        logprobs = sampled_logprobs(logits, [*work.decode, *finished_prefill], tokens)  # only rows that asked
         return _Sampled(ids, tokens, logprobs, finished_prefill, resumed)
 
     def _postprocess(self, work: ScheduledBatch, sampled: _Sampled) -> list[TokenEvent]:
@@ -377,36 +369,3 @@ def _step_item(chunk: PrefillChunk) -> StepItem:
         # echo: logits of every prompt token, on the first (not a resumed) prefill
         all_logits=seq.params.prompt_logprobs is not None and not seq.output_ids,
     )
-
-
-def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprob | None]:
-    """Each sampled token's logprob (+ top k) for the sequences that asked; None for the rest.
-    Computed where the logits are; only the asking rows' values cross to the host."""
-    asked = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-    out: list[TokenLogprob | None] = [None] * len(seqs)
-    if not asked:
-        return out
-    rows = torch.tensor(asked, device=logits.device)
-    k = max(seqs[i].params.logprobs or 0 for i in asked)
-    chosen_t, ids_t, lps_t = token_logprobs(
-        logits[rows], torch.tensor([tokens[i] for i in asked], device=logits.device), k
-    )
-    chosen, top_ids, top_lp = chosen_t.tolist(), ids_t.tolist(), lps_t.tolist()  # one host copy per tensor
-    for j, i in enumerate(asked):
-        n = seqs[i].params.logprobs or 0
-        out[i] = TokenLogprob(tokens[i], chosen[j], tuple(zip(top_ids[j][:n], top_lp[j][:n])))
-    return out
-
-
-def _record_prompt_logprobs(seq: Sequence, logits: torch.Tensor) -> None:
-    """logits [n, V] of one prefill chunk: row r predicts prompt token start + r + 1."""
-    start = len(seq.prompt_logprobs) - 1 if seq.prompt_logprobs else 0
-    if not seq.prompt_logprobs:
-        seq.prompt_logprobs.append(None)  # the first prompt token has no context to be predicted from
-    targets = seq.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
-    if not targets:
-        return
-    k = seq.params.prompt_logprobs or 0
-    chosen, top_ids, top_lp = token_logprobs(logits[: len(targets)], torch.tensor(targets, device=logits.device), k)
-    for t, c, ids, lps in zip(targets, chosen.tolist(), top_ids.tolist(), top_lp.tolist()):
-        seq.prompt_logprobs.append(TokenLogprob(t, c, tuple(zip(ids, lps))))

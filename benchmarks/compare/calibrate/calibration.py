@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from benchmarks.compare.calibrate.logged_step import STEP_COLUMNS, LoggedStep
 from costmodel.fit.step_fit import StepCostFit, StepShape, fit, fit_beside
 from costmodel.sim import compare_predict as cp
 from costmodel.sim.compare_predict import PredictionSetup
@@ -41,54 +42,6 @@ TRIM_FACTOR = 4.0
 TRIM_MAX_SHARE = 0.1
 MIN_STEPS = 8  # fewer steps than this and a pool's fit is not trusted
 ITERATIONS = 4  # beside_decode_slowdown's rounds of reading the slowdown and refitting at lone prices
-
-
-@dataclass(frozen=True)
-class LoggedStep:
-    worker: str
-    role: str  # "colocated" | "prefill" | "decode"
-    shape: StepShape
-    seconds: float
-    end_unix_s: float = 0.0  # the worker's wall clock: steps of one host line up across pools
-    torch_threads: int = 0  # intra-op threads the step ran with (0: the server did not say)
-
-    def to_row(self) -> list[Any]:
-        """One row of `STEP_COLUMNS`: a result keeps the steps it was fitted on, to refit later."""
-        sh = self.shape
-        return [
-            self.worker,
-            self.role,
-            sh.prefill_tokens,
-            sh.attention_pairs,
-            sh.decode_seqs,
-            sh.decode_pairs,
-            round(self.seconds, 7),
-            round(self.end_unix_s, 6),
-            self.torch_threads,
-            sh.prefill_seqs,
-            sh.prefill_reads,
-        ]
-
-    @classmethod
-    def from_row(cls, row: Sequence[Any]) -> LoggedStep:
-        worker, role, toks, pairs, seqs, dpairs, seconds, end, threads, *items = row  # items: not in early rows
-        shape = StepShape.reported(int(toks), float(pairs), int(seqs), float(dpairs), *items)
-        return cls(str(worker), str(role), shape, float(seconds), float(end), int(threads))
-
-
-STEP_COLUMNS = (
-    "worker",
-    "role",
-    "prefill_tokens",
-    "attention_pairs",
-    "decode_seqs",
-    "decode_pairs",
-    "seconds",
-    "end_unix_s",
-    "torch_threads",
-    "prefill_seqs",
-    "prefill_reads",
-)
 
 
 @dataclass(frozen=True)
