@@ -27,13 +27,13 @@ millions of pairs, priced a decode step at a 1,024-token context ~15% short.
 The last two price what a chunk costs beyond its tokens and pairs. The engine attends each prompt
 item on its own (engine/model/cpu_attention.py `_prefill`: per layer, its pages gathered and
 dequantized, a mask, one SDPA call), so a step that carries a prompt pays a fixed ~14 ms more than a
-decode step, and a chunk at a deep start re-reads its whole context's KV (~17 us a token). Measured
-on the 2-core EPYC VM, 2026-12-05: a 1,024-token SmolLM2 prompt alone took 1,968 ms in chunks of 64,
-1,676 in chunks of 256, 2,005 whole. Four servers' five-term fits (`bench compare --decode 2`,
-`compare-article-x2-i`) priced the 256-chunk prompt 1.19-1.39x that, the 64-chunk one 1.08-1.22x, up
-to 17% apart between chunk sizes, so a plan near saturation picked the chunk size that then ran 15%
-over its price (`plan-verify-rag-h`); with the two terms each fit priced the two within 5% of each
-other (1.14-1.19x: two workers on two cores run ~15% over a lone step).
+decode step, and a chunk at a deep start re-reads its whole context's KV (~9-21 us a token). Measured
+on the 2-core EPYC VM, 2026-12-05 (`pdserve bench chunks --model smollm2-135m-instruct --prompt-len
+1024 --chunks 64,256,1024`, `benchmarks/results/plan-verify/chunks-1024-i.json`): a 1,024-token prompt
+alone took 1,775 ms in chunks of 64 (a chunk at start 960 145 ms, at start 0 82), 1,579 in chunks of
+256, 1,878 whole. The five-term fits of one `--decode 2` calibration's four servers
+(`compare-article-x2-i`) priced it at 1.23-1.39x in chunks of 64 and 1.34-1.48x in chunks of 256;
+refitted with the two terms, 1.29-1.36x and 1.24-1.32x (docs/plan.md, "A prompt chunk's own path").
 
 `fit()` fits the seven terms by non-negative least squares on *relative* error (a 7 ms chunk and a
 700 ms prompt count alike), from the steps `pdserve bench chunks` times. `OnlineStepFit` refines

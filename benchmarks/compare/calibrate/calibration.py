@@ -134,6 +134,14 @@ def fit_pools(steps: Sequence[LoggedStep]) -> dict[str, PoolFit]:
     return out
 
 
+def fit_steps(steps: Sequence[LoggedStep]) -> tuple[dict[str, PoolFit], float]:
+    """What a calibration fits from its steps: a fit per pool, and a decode step's slowdown beside
+    a prefill (`build` on a fresh warm-up, `SelfCalibration.refitted` on kept steps)."""
+    pools = fit_pools(steps)
+    decode = pools.get("decode")
+    return pools, beside_prefill_slowdown(steps, decode.fit if decode else None)
+
+
 def split_by_threads(steps: Sequence[LoggedStep]) -> tuple[list[LoggedStep], list[LoggedStep]]:
     """`steps` as (the pool's steps, its prompt steps that ran on other threads). The pool's
     threads are those of its short steps (fewer than PROMPT_STEP_TOKENS prompt tokens); a long
@@ -229,9 +237,7 @@ class SelfCalibration:
         warm-up steps it kept (a result written before it kept them: as it is)."""
         if not self.logged:
             return self
-        pools = fit_pools(self.logged)
-        decode = pools.get("decode")
-        slowdown = beside_prefill_slowdown(self.logged, decode.fit if decode else None)
+        pools, slowdown = fit_steps(self.logged)
         return replace(self, pools=pools, decode_slowdown_beside_prefill=slowdown)
 
     @property
@@ -350,9 +356,7 @@ def build(
 ) -> SelfCalibration:
     """The self-calibration of one server from what its warm-up and hop requests measured."""
     hop, n = hop_ms(hop_records)
-    pools = fit_pools(steps)
-    decode = pools.get("decode")
-    slowdown = beside_prefill_slowdown(steps, decode.fit if decode else None)
+    pools, slowdown = fit_steps(steps)
     cal = SelfCalibration(pools, hop, n, link_rate(warmup_records, kv_bytes_per_token), recorder_error, slowdown)
     cal.logged = list(steps)
     cal.longest_prompt = max((r.n_in for r in warmup_records if getattr(r, "ok", False)), default=None)
