@@ -83,7 +83,9 @@ def test_pdserve_serve_opens_no_socket_on_the_network(tmp_path):
     srv = ServeProcess(["--mode", "disagg", "--model", "tiny", "--num-blocks", "64"], tmp_path / "serve.log")
     try:
         r = httpx.post(
-            srv.url + "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 4}, timeout=60
+            srv.url + "/v1/completions",
+            json={"model": "tiny", "prompt": "Hello", "max_tokens": 4, "ignore_eos": True},
+            timeout=60,
         )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         api_port = int(srv.url.rsplit(":", 1)[1])
