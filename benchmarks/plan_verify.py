@@ -253,17 +253,20 @@ def verify_one(
     if args.base_url:
         return _measure(row, s, specs, slos, args, setup, lambda: _restarted(s.candidate, args))
     try:
+        pools = c.mode in ("disagg", "auto")
         cfg = ServeConfig(
             model=args.model,
             device=args.device,
-            mode="disagg" if c.mode == "disagg" else "colocated",
+            mode=c.mode if pools else "colocated",
             chunk_size=c.chunk,
             prefill=max(1, c.prefill),
             decode=c.decode,
-            kv_transfer=c.kv_transfer if c.mode == "disagg" else "bulk",
+            kv_transfer=c.kv_transfer if pools else "bulk",
             max_num_seqs=args.max_num_seqs,
             policy=c.policy or ServeConfig.policy,
         )
+        if c.mode == "auto":  # the SLOs its router decides under, from the step fit it starts with
+            cfg = replace(cfg, slo_ttft_ms=c.slo_ttft_ms, slo_itl_ms=c.slo_itl_ms, calibration=c.calibration)
         cfg.validate()
     except ConfigError as e:
         row.error = f"not deployable here: {e}"

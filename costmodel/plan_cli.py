@@ -182,7 +182,12 @@ def make_plan(
     try:
         chunks = [int(x) for x in args.chunk_sizes.split(",") if x.strip()]
         shared = any(s.prefix_id is not None for s in specs)
-        cands = enumerate_candidates(args.workers, chunks, max(s.prompt_len for s in specs), shared)
+        # --mode auto's router needs a step fit to start from: a calibration file's (not a bench
+        # compare result's fits, nor a datasheet's prices)
+        auto = args.calibration if args.calibration and not by_kind and setup.steps.fit is not None else None
+        slos_ms = (args.slo_ttft_ms, args.slo_tpot_ms) if auto else None
+        longest = max(s.prompt_len for s in specs)
+        cands = enumerate_candidates(args.workers, chunks, longest, shared, slos_ms, auto)
     except ValueError as e:
         raise CliError(f"--chunk-sizes/--workers: {e}") from None
     slos = Slos(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_stall_ms)

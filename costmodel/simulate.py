@@ -215,7 +215,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="price every decode sequence at this context (the article's 4k assumption)",
     )
     g = p.add_argument_group("serving")
-    g.add_argument("--modes", default="colocated,chunked,disagg", help=f"comma-separated: {', '.join(MODES)}")
+    g.add_argument(
+        "--modes",
+        default="colocated,chunked,disagg",
+        help=f"comma-separated: {', '.join(MODES)} (auto: the disagg pools, each request prefilled remotely or in "
+        "--chunk chunks on its decode worker, decided under --slo-ttft-ms and --slo-itl-ms as the router does)",
+    )
     g.add_argument("--workers", type=int, default=1, help="colocated workers")
     g.add_argument("--prefill-workers", type=int, default=1)
     g.add_argument("--decode-workers", type=int, default=1)
@@ -387,6 +392,9 @@ def main(args: argparse.Namespace) -> int:
                 link,
                 kv_transfer=args.kv_transfer,
                 kv_stream_layers=args.kv_stream_layers,
+                # auto decides each request under the SLOs (as `pdserve serve --mode auto` does)
+                slo_ttft_s=args.slo_ttft_ms / 1e3 if args.slo_ttft_ms else None,
+                slo_itl_s=args.slo_itl_ms / 1e3 if args.slo_itl_ms else None,
             )
             for m in modes
         ]

@@ -76,7 +76,9 @@ def test_a_stall_slo_rules_out_whole_prompts_and_the_plan_says_why(calibration, 
     doc = _plan_json(capsys, "--calibration", calibration, "--model", "tiny", "--workers", "2", "--slo-stall-ms", "500")
     assert doc["predicted"] is True
     by_label = {c["label"]: c for c in doc["candidates"]}
-    assert len(by_label) == 2 * 6 + 2 and "disagg 1P1D layerwise" in by_label and "chunked 64" in by_label
+    # 1-2 workers: whole and chunks of 64-1024 at each; 1P1D bulk, layer-wise, and auto with each chunk
+    assert len(by_label) == 2 * 6 + 2 + 5 and "disagg 1P1D layerwise" in by_label and "chunked 64" in by_label
+    assert "auto 1P1D chunks 64" in by_label
     whole = by_label["colocated x2"]["predicted"]
     assert whole["stall_p90_ms"] > 1500 and not whole["meets_slos"]  # a 2048-token prompt whole: ~2 s
     winner = doc["candidates"][0]

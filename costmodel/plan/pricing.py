@@ -18,12 +18,12 @@ EXTRAPOLATE = 1.5
 
 def kind_key(c: Candidate) -> str:
     """The calibration kind that prices `c` exactly: its mode, with its workers where several."""
-    return f"{c.mode} x{c.decode}" if c.mode != "disagg" and c.decode > 1 else c.mode
+    return f"{c.mode} x{c.decode}" if shared_host(c) else c.mode
 
 
 def shared_host(c: Candidate) -> bool:
     """Several colocated workers: on one CPU host they contend for its cores and memory."""
-    return c.mode != "disagg" and c.decode > 1
+    return c.mode in ("colocated", "chunked") and c.decode > 1
 
 
 def setup_for(

@@ -83,7 +83,7 @@ class Scored:
             "prefill": self.candidate.prefill,
             "decode": self.candidate.decode,
             "chunk_size": self.candidate.chunk,
-            "kv_transfer": self.candidate.kv_transfer if self.candidate.mode == "disagg" else None,
+            "kv_transfer": self.candidate.kv_transfer if self.candidate.mode in ("disagg", "auto") else None,
             "workers": self.candidate.workers,
             "serve_args": self.candidate.serve_args(),
             "predicted": {
@@ -105,13 +105,13 @@ def score(
     cand: Candidate, setup: cp.PredictionSetup, specs: list[RequestSpec], slos: Slos, max_num_seqs: int
 ) -> Scored:
     """One candidate through the simulator."""
-    sim_mode = "disagg" if cand.mode == "disagg" else "colocated"
+    sim_mode = cand.mode if cand.mode in ("disagg", "auto") else "colocated"
     # what the calibration measured beyond the steps: decode admission, decode steps beside a
     # prefill on shared cores, the serving hop (0 and 1 where it measured none)
     cfg = cp.sim_config(
         sim_mode, cand.chunk, cand.prefill, cand.decode, max_num_seqs, setup.link, setup.admit_s,
         setup.decode_slowdown, kv_transfer=cand.kv_transfer, prefix_policy=cand.prefix_policy,
-        prefill_slowdown=setup.prefill_slowdown,
+        prefill_slowdown=setup.prefill_slowdown, auto_slos_s=(cand.slo_ttft_ms / 1e3, cand.slo_itl_ms / 1e3),
     )  # fmt: skip
     pred = cp.predict(cand.label, cfg, setup, specs, slos.ttft_ms, slos.tpot_ms, setup.hop_s)
     j = judge(pred.records, pred.metrics, slos, cand.workers)

@@ -198,12 +198,15 @@ def sim_config(
     kv_stream_layers: int = 1,
     prefix_policy: bool = False,
     prefill_slowdown: float = 1.0,
+    auto_slos_s: tuple[float, float] | None = None,
 ) -> SimConfig:
-    """The simulator's view of one pdserve mode ("colocated" whole or chunked, or "disagg"; the
-    KV transfer settings only matter to "disagg": nothing crosses a link otherwise)."""
-    if mode == "disagg":
+    """The simulator's view of one pdserve mode ("colocated" whole or chunked, "disagg", or "auto"
+    with `chunk_size` its local chunks and `auto_slos_s` the TTFT and ITL SLOs it decides under;
+    the KV transfer settings only matter where KV crosses a link)."""
+    if mode in ("disagg", "auto"):
+        ttft, itl = auto_slos_s if mode == "auto" and auto_slos_s else (None, None)
         return SimConfig(
-            "disagg",
+            mode,
             prefill_workers=prefill,
             decode_workers=decode,
             max_batch=max_num_seqs,
@@ -214,6 +217,9 @@ def sim_config(
             kv_transfer=kv_transfer,
             kv_stream_layers=kv_stream_layers,
             prefix_policy=prefix_policy,
+            chunk=chunk_size or SimConfig.chunk,
+            slo_ttft_s=ttft,
+            slo_itl_s=itl,
         )
     if chunk_size:
         return SimConfig(

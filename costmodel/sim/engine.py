@@ -14,6 +14,9 @@ it gets its token. Modes:
   joins a decode worker's batch at its next step. Bulk (`SimConfig.kv_transfer`), the whole KV
   crosses after the prefill; layer-wise, its groups of layers cross while the prefill runs and only
   what the link has not caught up with is left after it (costmodel/article/layerwise.py prices both).
+- ``auto``: the disaggregated pools, and each request prefilled either remotely (as ``disagg``) or
+  locally in `chunk`-token chunks on its decode worker (as ``chunked``), by the router's rule
+  (costmodel/sim/auto.py).
 
 This module holds the workload and the event loop (`Sim`); the request, step prices and
 configuration are costmodel/sim/model.py, the workers costmodel/sim/workers.py, and their names
@@ -29,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from costmodel.article.layerwise import layerwise_exposed_s, layerwise_gain_s
+from costmodel.sim import auto
 from costmodel.sim.model import MODES as MODES
 from costmodel.sim.model import Request as Request
 from costmodel.sim.model import SimConfig as SimConfig
@@ -78,13 +82,17 @@ def _times(rate: float, duration: float, rng: random.Random, process: str) -> li
     return out
 
 
+# a worker the KV of a remote prefill lands on
+Receiver = DecodeWorker | auto.AutoDecodeWorker
+
+
 @dataclass
 class _OpenStream:
     """A layer-wise stream whose prefill is running: its decode worker, when the prefill began, and
     the link time ahead of its groups (the link's backlog then, plus the part after that start
     of every pull charged to the link since: a fluid FIFO, those pulls interleave with its groups)."""
 
-    worker: DecodeWorker
+    worker: Receiver
     start: float
     ahead_s: float
 
@@ -100,12 +108,18 @@ class Sim:
         self.finished: list[Request] = []
         self.chat_rng = random.Random(f"{wl.seed}-chat")
         self._open: dict[int, _OpenStream] = {}  # layer-wise streams whose prefill is running, by rid
+        self._bound: dict[int, Receiver] = {}  # auto: remote prompts' decode workers
+        self.placements: dict[int, str] = {}  # auto: "local" or "remote", by rid
         self.prefill: list[Worker]
         self.decode: list[Worker]  # DecodeWorkers, or ColocatedWorkers that also prefill
         if cfg.mode == "disagg":
             self.prefill = [PrefillWorker(self, f"P{i}") for i in range(cfg.prefill_workers)]
             self.decode = [DecodeWorker(self, f"D{i}") for i in range(cfg.decode_workers)]
             self.front = self.prefill
+        elif cfg.mode == "auto":
+            self.prefill = [PrefillWorker(self, f"P{i}") for i in range(cfg.prefill_workers)]
+            self.decode = [auto.AutoDecodeWorker(self, f"D{i}") for i in range(cfg.decode_workers)]
+            self.front = self.decode
         else:
             self.prefill, self.decode = [], [ColocatedWorker(self, f"C{i}") for i in range(cfg.workers)]
             self.front = self.decode
@@ -124,6 +138,17 @@ class Sim:
 
     def dispatch(self, r: Request) -> None:
         w = self._pick(self.front, r)
+        if self.cfg.mode == "auto":  # the router picks a worker of each pool, then local or remote
+            assert isinstance(w, auto.AutoDecodeWorker)
+            pw = self._pick(self.prefill, r)
+            assert isinstance(pw, PrefillWorker)
+            choice = auto.choose(auto.predict_local(self, w, r), auto.predict_remote(self, pw, w, r))
+            self.placements[r.rid] = choice
+            if choice == "remote":
+                if r.output > 1:  # its KV will land on `w`: assigned to it from now, as the router counts it
+                    w.inflight += 1
+                    self._bound[r.rid] = w
+                w = pw
         w.queue.append(r)
         w.kick()
 
@@ -144,8 +169,7 @@ class Sim:
         note what its link already carries: the stream's groups queue behind it."""
         if not self._streams(r, prefill_s):
             return
-        dw = self._least_loaded_decode(r)
-        dw.inflight += 1
+        dw = self._decode_for(r)
         self._open[r.rid] = _OpenStream(dw, self.now, max(0.0, dw.link_free - self.now))
 
     def send_kv(self, r: Request) -> None:
@@ -153,25 +177,30 @@ class Sim:
         or what is left of its stream) and the request joins that worker's batch once it has."""
         stream = self._open.pop(r.rid, None)
         if stream is None:
-            dw = self._least_loaded_decode(r)
-            dw.inflight += 1
+            dw = self._decode_for(r)
             landed = self._pull_kv(r, dw)
         else:
             dw, landed = stream.worker, self._stream_kv(r, stream)
         r.exposed_transfer_s = landed - self.now
         self.at(landed + self.cfg.admit_s, dw.receive, r)
 
-    def _least_loaded_decode(self, r: Request) -> DecodeWorker:
+    def _decode_for(self, r: Request) -> Receiver:
+        """The decode worker `r`'s KV goes to, counted in its load from now: the least loaded
+        (auto: the one the router picked with the placement)."""
+        bound = self._bound.pop(r.rid, None)
+        if bound is not None:
+            return bound
         dw = self._pick(self.decode, r)
         assert isinstance(dw, DecodeWorker)  # KV is only sent in disaggregated mode
+        dw.inflight += 1
         return dw
 
     @staticmethod
-    def _pulled(r: Request, dw: DecodeWorker) -> int:
+    def _pulled(r: Request, dw: Receiver) -> int:
         """Prompt tokens whose KV crosses to `dw`: those its own prefix cache does not hold."""
         return r.prompt - dw.held(r, leave_one=False)
 
-    def _pull_kv(self, r: Request, dw: DecodeWorker) -> float:
+    def _pull_kv(self, r: Request, dw: Receiver) -> float:
         """Bulk: the whole KV crosses once the prefill has ended and the link is free."""
         r.kv_transfer = "bulk"
         r.transfer_s = self.steps.transfer(self._pulled(r, dw), self.cfg.link)
@@ -194,7 +223,7 @@ class Sim:
         self._charge_link(stream.worker, stream.start, landed, r.transfer_s + groups * cfg.kv_group_overhead_s)
         return landed
 
-    def _charge_link(self, dw: DecodeWorker, since: float, landed: float, work_s: float) -> None:
+    def _charge_link(self, dw: Receiver, since: float, landed: float, work_s: float) -> None:
         """A pull of `work_s` seconds on `dw`'s link, spread evenly over [since, landed]: every
         stream still prefilling toward `dw` has the part of it after its own start ahead of it."""
         dw.link_free = max(dw.link_free, landed)

@@ -13,7 +13,7 @@ from costmodel.article.layerwise import DEFAULT_GROUP_OVERHEAD_S, LinkSpec, grou
 from costmodel.fit.step_fit import StepCostFit, StepShape
 from engine.config import PROMPT_STEP_TOKENS
 
-MODES = ("colocated", "chunked", "disagg")
+MODES = ("colocated", "chunked", "disagg", "auto")
 # As pdserve's --kv-transfer: "auto" streams a request when costmodel/article/layerwise.py says it gains.
 KV_TRANSFERS = ("bulk", "layerwise", "auto")
 
@@ -176,6 +176,11 @@ class SimConfig:
     # misses to the least loaded (pdserve's --policy prefix); else to the least loaded.
     block_size: int = 16
     prefix_policy: bool = False
+    # auto (pdserve's --mode auto: prefill and decode pools, each request prefilled in `chunk`-token
+    # chunks on its decode worker or whole on a prefill worker, costmodel/sim/auto.py): the SLOs the
+    # router decides under (--slo-ttft-ms, --slo-itl-ms), in s; None: not a constraint
+    slo_ttft_s: float | None = None
+    slo_itl_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -196,11 +201,13 @@ class SimConfig:
 
     @property
     def gpus(self) -> int:
-        return self.prefill_workers + self.decode_workers if self.mode == "disagg" else self.workers
+        return self.prefill_workers + self.decode_workers if self.mode in ("disagg", "auto") else self.workers
 
     @property
     def label(self) -> str:
         if self.mode == "disagg":
             streamed = "" if self.kv_transfer == "bulk" else f" {self.kv_transfer}/{self.kv_stream_layers}"
             return f"disagg {self.prefill_workers}P{self.decode_workers}D {self.link.name}{streamed}"
+        if self.mode == "auto":
+            return f"auto {self.prefill_workers}P{self.decode_workers}D chunks of {self.chunk}"
         return f"chunked {self.chunk}" if self.mode == "chunked" else "colocated"
