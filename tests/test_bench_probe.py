@@ -82,7 +82,11 @@ def test_quick_probe_of_pdserve_agrees_with_the_servers_own_timeline(server, cap
     # second request computed only the prompt's last partial block
     assert d["prefix"]["cached"] is True, d["prefix"]
     assert d["prefix"]["reported_cached_tokens"] >= 1024 - 16, d["prefix"]
-    assert "The article's arithmetic" in (tmp_path / files["markdown"].rsplit("/", 1)[-1]).read_text()
+    # with the prefix cache seen, a chunk at an offset: fresh tokens after a prefix it had just cached
+    assert [(k["start"], k["tokens"]) for k in d["cached_chunks"]] == [(256, 64), (512, 64)]
+    assert all(k["ttft_s"] > 0 for k in d["cached_chunks"])
+    md = (tmp_path / files["markdown"].rsplit("/", 1)[-1]).read_text()
+    assert "The article's arithmetic" in md and "A chunk at an offset" in md
 
 
 def _one_line(err: str) -> str:

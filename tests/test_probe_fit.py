@@ -156,6 +156,33 @@ def test_joint_step_fit_prices_a_chunk_where_the_old_one_priced_it_free():
     assert new.chunk_extra_seconds(0, CHUNK) == pytest.approx(truth, rel=1e-6)
 
 
+# The same server with a prompt chunk's own path (2 ms an item) and its read of its context (3 us a
+# token) priced: whole prompts' TTFTs fold both into the attention term, so a chunk size other than
+# the server's is mispriced; chunks timed after a cached prefix tell them apart.
+TRUE7 = StepCostFit(0.006, 50e-6, 20e-9, 0.4e-3, per_prompt_s=2e-3, context_read_s=3e-6)
+
+
+def _alone7(tokens: int, chunk: int | None) -> float:
+    return sum(TRUE7.seconds(StepShape.of((), [p])) for p in pf.chunks(tokens, chunk))
+
+
+def test_chunks_after_a_cached_prefix_price_a_smaller_chunk_size_the_server_never_ran():
+    decode = [pf.DecodePoint(b, c, TRUE7.decode_seconds([c] * b)) for b in (1, 2, 4, 8) for c in (24, 1024)]
+    ttfts = [pf.TTFTPoint(t, REQUEST_S + _alone7(t, 256)) for t in TOKENS]  # the server chunks at 256
+    cached = [
+        pf.CachedChunk(s, n, REQUEST_S + TRUE7.seconds(StepShape.of((), [(s, n)])))
+        for s in (256, 512, 1024)
+        for n in (64, 256)
+    ]
+    outside, told = pf.fit_joint(decode, ttfts, [], 256), pf.fit_joint(decode, ttfts, [], 256, cached=cached)
+    truth = _alone7(1024, 64)  # a 1,024-token prompt in chunks of 64
+    assert outside.per_prompt_s == 0.0 and outside.context_read_s == 0.0  # the five outside terms
+    assert sum(outside.seconds(StepShape.of((), [p])) for p in pf.chunks(1024, 64)) < 0.9 * truth
+    assert told.coef == pytest.approx(TRUE7.coef, rel=1e-6)
+    # one start only: a read cannot be told from an item's own cost, so the five terms again
+    assert pf.fit_joint(decode, ttfts, [], 256, cached=cached[:2]).context_read_s == 0.0
+
+
 def test_joint_fit_takes_the_taxs_mixed_steps_as_they_were_measured():
     mixed = [pf.MixedStep(8, 24, 1024, 0.0)]  # nothing measured: ignored
     decode = _decode_points()

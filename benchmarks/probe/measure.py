@@ -8,7 +8,10 @@
   differences from the shortest prompt's, so the request's own overhead cancels);
 - the tax: b streams decoding, then one T-token prompt; the longest gap the streams saw while it
   was prefilled (the stall, costmodel/serve_metrics.py's definition) and the tokens they lost;
-- prefix caching: the same prompt twice.
+- prefix caching: the same prompt twice;
+- a chunk at an offset (on a server whose prefix cache the check above saw, prompts as token ids):
+  a prompt of `start` tokens, then the same tokens and `n` fresh ones after them: the server
+  computes only those, in one step at that offset, as it would a chunk of a longer prompt.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from statistics import median
 
 from benchmarks.client.serve_client import StreamRecord
 from benchmarks.probe.client import ProbeClient, ProbeError, checked
-from costmodel.fit.probe_fit import DecodePoint
+from costmodel.fit.probe_fit import CachedChunk, DecodePoint
 from costmodel.serve_metrics import RequestRecord, document_stall
 
 
@@ -268,6 +271,24 @@ async def prefix_cache(c: ProbeClient, tokens: int, http_overhead_s: float, pair
     if told:
         return PrefixCache(first.n_in, first.ttft_s, second.ttft_s, max(told) > 0, max(told))
     return PrefixCache(first.n_in, first.ttft_s, second.ttft_s, ratio < 0.5)
+
+
+async def cached_chunk(c: ProbeClient, start: int, tokens: int, repeats: int) -> CachedChunk | None:
+    """`tokens` fresh tokens after a `start`-token prefix the server has just cached: its TTFT,
+    median over `repeats` (a fresh prefix each). None when the server said it cached less than
+    the prefix's whole blocks (then the step was not the chunk asked for)."""
+    ttfts = []
+    for _ in range(repeats):
+        prefix, n = c.prompt(start)
+        checked(await c.run(c.spec(n, 1, "probe", prefix)))
+        tail, m = c.prompt(tokens)
+        assert isinstance(prefix, tuple) and isinstance(tail, tuple)  # token ids: text would re-tokenize the seam
+        rec = checked(await c.run(c.spec(n + m, 1, "probe", prefix + tail)))
+        told = rec.cached_tokens if isinstance(rec, StreamRecord) else None
+        if told is not None and told < start - 64:  # 64: four 16-token blocks of slack at the seam
+            return None
+        ttfts.append(rec.ttft_s)
+    return CachedChunk(start, tokens, float(median(ttfts)))
 
 
 async def _until(cond, tasks, timeout_s: float) -> None:

@@ -113,6 +113,20 @@ class ProbePlan:
     def prefix_tokens(self) -> int:
         return min(self.max_context, 1024)
 
+    @property
+    def cached_chunks(self) -> list[tuple[int, int]]:
+        """(start, tokens) of the chunks measured after a cached prefix: starts far enough apart
+        (4x and more) for the fit to tell a chunk's read of its context from its own cost, a small
+        and a large chunk at each."""
+        starts = doubling(256, max(256, self.max_context // 2))
+        starts = sorted({starts[0], starts[-1]}) if self.quick else starts
+        sizes = [64] if self.quick else [64, 256]
+        return [(s, n) for s in starts for n in sizes]
+
+    @property
+    def cached_chunk_repeats(self) -> int:
+        return 1 if self.quick else 2
+
 
 @dataclass(frozen=True)
 class ArticleCheck:

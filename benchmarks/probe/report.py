@@ -122,8 +122,14 @@ def render(d: dict[str, Any], md: bool = False) -> str:
         _prefill_basis(d),
         "",
         f"calibration step fit: {sf['fixed_ms']:.3f} ms/step + {sf['per_token_us']:.2f} us/token + "
-        f"{sf['attention_ns_per_pair']:.4f} ns/attention pair + {sf['per_sequence_us']:.1f} us/decode sequence "
-        f"(rms error {sf['rms_rel_error']:.1%} over {sf['samples']} points)",
+        f"{sf['attention_ns_per_pair']:.4f} ns/attention pair + {sf['per_sequence_us']:.1f} us/decode sequence"
+        + (
+            f" + {sf['per_prompt_ms']:.3f} ms/prompt chunk + {sf['context_read_us_per_token']:.3f} us/context token a "
+            "chunk reads"
+            if sf.get("per_prompt_ms") or sf.get("context_read_us_per_token")
+            else ""
+        )
+        + f" (rms error {sf['rms_rel_error']:.1%} over {sf['samples']} points)",
         "",
         f"{h}Measured",
         "",
@@ -207,6 +213,20 @@ def render(d: dict[str, Any], md: bool = False) -> str:
             f"prefix caching ({how}): {'yes' if pc['cached'] else 'not seen'}: the same {pc['tokens']}-token "
             f"prompt twice, TTFT {_ms(pc['first_ttft_s'])} then {_ms(pc['second_ttft_s'])} ms"
         )
+    if d.get("cached_chunks"):
+        out += [
+            "",
+            f"{h}A chunk at an offset: fresh tokens after a prefix the server had just cached",
+            "",
+            *_table(
+                ["cached prefix", "fresh tokens", "TTFT (ms)"],
+                [[str(k["start"]), str(k["tokens"]), _ms(k["ttft_s"])] for k in d["cached_chunks"]],
+                md,
+            ),
+            "",
+            "(fitted with the rest, the calibration's step fit above: where the prefixes are 2x apart or more, "
+            "a chunk's own cost and its read of the context are priced apart)",
+        ]
     out += [
         "",
         f"{h}The article's arithmetic for this server (decode at context {t['context']})",

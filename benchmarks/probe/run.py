@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from statistics import median
 from typing import Any
 
@@ -56,6 +56,7 @@ class ProbeResult:
     chunking: Chunking
     seed: int = 0  # the probe's prompts' seed; also seeds the stall forecast's draws
     wall_s: float = 0.0
+    cached_chunks: list[pf.CachedChunk] = field(default_factory=list)  # chunks after a cached prefix
 
     @property
     def stall_chunk(self) -> int | None:
@@ -338,12 +339,22 @@ async def probe(c: ProbeClient, plan: ProbePlan, log: Callable[[str], None], see
     )
     c_tokens = round(chunking.chunk_tokens) if chunking.verdict == "chunked" and chunking.chunk_tokens else None
     mixed = mixed_steps(tax, chunking, plan.short_prompt + 8)
-    steps = pf.fit_joint([d.point for d in decode], ttfts, mixed, c_tokens, http, ovh.ttft_s)
     prefix = await pm.prefix_cache(c, plan.prefix_tokens, http, plan.prefix_pairs)
     say(
         f"same {prefix.tokens}-token prompt twice: TTFT {prefix.first_ttft_s * 1e3:.1f} then "
         f"{prefix.second_ttft_s * 1e3:.1f} ms ({'prefix cache' if prefix.cached else 'no prefix cache seen'})"
     )
+    cached: list[pf.CachedChunk] = []
+    if prefix.cached and c.mode == "ids":  # a chunk's cost at an offset, through the prefix cache
+        points = [(start, n) for start, n in plan.cached_chunks if start + n <= plan.max_context]
+        for i, (start, n) in enumerate(points, 1):
+            k = await pm.cached_chunk(c, start, n, plan.cached_chunk_repeats)
+            if k is not None:
+                cached.append(k)
+            got = f"TTFT {k.ttft_s * 1e3:.1f} ms" if k else "the server cached less than the prefix: left out"
+            say(f"chunk {i}/{len(points)}: {n} tokens after a cached {start}: {got}")
+    steps = pf.fit_joint([d.point for d in decode], ttfts, mixed, c_tokens, http, ovh.ttft_s, cached)
     return ProbeResult(
-        c.base_url, c.model or "", c.mode, plan, ovh, http, decode, prefill, tax, prefix, df, fp, steps, chunking, seed
-    )
+        c.base_url, c.model or "", c.mode, plan, ovh, http, decode, prefill, tax, prefix, df, fp, steps, chunking,
+        seed, cached_chunks=cached,
+    )  # fmt: skip

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from costmodel.fit.nnls import nnls_rel
-from costmodel.fit.step_fit import OUTSIDE_TERMS, TERMS, StepCostFit, StepShape
+from costmodel.fit.step_fit import OUTSIDE_TERMS, READ_SPREAD, TERMS, StepCostFit, StepShape
 
 
 @dataclass(frozen=True)
@@ -183,6 +183,17 @@ def _mixed_features(m: MixedStep, chunk: int | None) -> np.ndarray:
     return _features(steps) / len(steps)
 
 
+@dataclass(frozen=True)
+class CachedChunk:
+    """A prompt whose first `start` tokens the server's prefix cache held: only its last `tokens`
+    were computed, in one step at offset `start`, as a chunk of a longer prompt is (its read of
+    the cached context included). `ttft_s`: its TTFT, median over repeats."""
+
+    start: int
+    tokens: int
+    ttft_s: float
+
+
 def fit_joint(
     decode: Sequence[DecodePoint],
     prefill: Sequence[TTFTPoint] = (),
@@ -190,12 +201,20 @@ def fit_joint(
     chunk: int | None = None,
     overhead_s: float = 0.0,
     floor_s: float = 0.0,
+    cached: Sequence[CachedChunk] = (),
 ) -> StepCostFit:
-    """step_fit's first five terms (OUTSIDE_TERMS) over every probed step, anchored where they are used: the decode
-    steps as measured; each prompt alone as its TTFT's difference from the shortest prompt's clear
-    of the latency floor (the steps that carried it, whole or in `chunk`s, less that prompt's
-    steps; `_prompt_rows`); and the tax's mixed steps, the very steps a stall is made of. What
-    the calibration file carries."""
+    """step_fit's terms over every probed step, anchored where they are used: the decode steps as
+    measured; each prompt alone as its TTFT's difference from the shortest prompt's clear of the
+    latency floor (the steps that carried it, whole or in `chunk`s, less that prompt's steps;
+    `_prompt_rows`); the chunks computed after a cached prefix, each as its TTFT's difference from
+    that same prompt's; and the tax's mixed steps, the very steps a stall is made of. What the
+    calibration file carries.
+
+    The first five terms (OUTSIDE_TERMS) from whole prompts alone: a prompt item's own path and
+    its context read need chunks at known starts, which whole prompts' TTFTs do not tell apart
+    (on a server that chunks, a longer prompt is more chunks and more re-reads, both folded into
+    the attention term, so a smaller chunk size was priced 13-21% under: `plan-verify-rag-probe-k`,
+    2026-12-06). With cached chunks at starts READ_SPREAD apart, all seven."""
     rows: list[Row] = [
         (np.array(StepShape.of([round(p.context)] * p.batch).features()), p.step_s, p.step_s)
         for p in decode
@@ -203,14 +222,27 @@ def fit_joint(
     ]
     if prefill:
         rows += _prompt_rows(prefill, overhead_s, floor_s, lambda t: _prompt_features(t, chunk))
+    anchor = _anchor(prefill, floor_s)
+    for k in cached:
+        x = np.array(StepShape.of((), [(k.start, k.tokens)]).features())
+        if anchor is not None and k.ttft_s > anchor.ttft_s:
+            rows.append((x - _prompt_features(anchor.tokens, chunk), k.ttft_s - anchor.ttft_s, k.ttft_s))
+        elif anchor is None and k.ttft_s > overhead_s:
+            rows.append((x, k.ttft_s - overhead_s, k.ttft_s))
     rows += [(_mixed_features(m, chunk), m.seconds, m.seconds) for m in mixed if m.seconds > 0]
     if len(rows) < 2:
         raise ValueError("need at least two timed steps to fit the step cost")
-    # the first OUTSIDE_TERMS only: a prompt item's own path and its context read need chunks of
-    # several sizes at known starts, which TTFTs of whole prompts from outside do not tell apart
-    x = [r[0][:OUTSIDE_TERMS].tolist() for r in rows]
-    c, err = nnls_rel(x, [r[1] for r in rows], [r[2] for r in rows])
-    return StepCostFit.of_coef([*c, *[0.0] * (len(TERMS) - OUTSIDE_TERMS)], samples=len(rows), rms_rel_error=err)
+    starts = [k.start for k in cached if k.start > 0]
+    terms = len(TERMS) if len(cached) >= 3 and starts and max(starts) >= READ_SPREAD * min(starts) else OUTSIDE_TERMS
+    cols = [r[0][:terms].tolist() for r in rows]
+    c, err = nnls_rel(cols, [r[1] for r in rows], [r[2] for r in rows])
+    return StepCostFit.of_coef([*c, *[0.0] * (len(TERMS) - terms)], samples=len(rows), rms_rel_error=err)
+
+
+def _anchor(points: Sequence[TTFTPoint], floor_s: float) -> TTFTPoint | None:
+    """The prompt the prefill rows are differences from (`_prompt_rows`), None with none."""
+    usable = clear_of_floor(points, floor_s) or sorted(points, key=lambda p: p.tokens)[-1:]
+    return usable[0] if len(usable) > 1 else None
 
 
 # ---- the article's arithmetic on the fitted server --------------------------------------------
