@@ -95,6 +95,12 @@ def coverage_notes(
             f"{', ...' if len(unmatched) > 3 else ''}) are priced from servers with fewer: on one CPU host "
             "workers contend for cores and memory (calibrate a server with as many: bench compare --decode N)"
         )
+    if not by_kind and "bench probe" in setup.source:
+        notes.append(
+            "colocated whole is deployed with its prompt steps on the router's spare core too (--prompt-threads "
+            "auto), which a probe of another server does not price: its figures here are pessimistic (on the 2-core "
+            "VM whole prompts ran at 0.66x a chunk-256 server's probed price, plan-verify-rag-probe-k)"
+        )
     w = ranked[0].candidate
     if by_kind and w.mode == "chunked" and w.label not in by_kind and (near := nearest_chunk(w, by_kind)):
         notes.append(
