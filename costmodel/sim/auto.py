@@ -54,14 +54,10 @@ class AutoDecodeWorker(ColocatedWorker):
             r.admitted = self.sim.now
             self.running.append(r)
         p = super().plan()
-        k = self.sim.cfg.decode_slowdown
-        if p is None or k == 1.0:
-            return p
+        if p is None:
+            return None
         dur, ptok, dtok, fin = p
-        # a step beside a prefill worker's costs k times its price for the overlap (shared cores)
-        busy_until = max((w.log[-1].end for w in self.sim.prefill if w.busy and w.log), default=self.sim.now)
-        share = min(1.0, max(0.0, busy_until - self.sim.now) / dur) if dur > 0 else 0.0
-        return dur * (1.0 + (k - 1.0) * share), ptok, dtok, fin
+        return self.beside_prefill(dur), ptok, dtok, fin
 
 
 @dataclass(frozen=True)

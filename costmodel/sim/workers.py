@@ -82,6 +82,16 @@ class Worker:
     def plan(self) -> tuple[float, int, int, Callable[[], None]] | None:
         raise NotImplementedError
 
+    def beside_prefill(self, dur: float) -> float:
+        """A decode-pool step of `dur` at the price, run with both pools on one host's cores: the
+        share of it a prefill worker is busy for costs `decode_slowdown` times as much."""
+        k = self.sim.cfg.decode_slowdown
+        if k == 1.0 or dur <= 0:
+            return dur
+        busy_until = max((w.log[-1].end for w in self.sim.prefill if w.busy and w.log), default=self.sim.now)
+        share = min(1.0, max(0.0, busy_until - self.sim.now) / dur)
+        return dur * (1.0 + (k - 1.0) * share)
+
     def kick(self) -> None:
         if self.busy:
             return
@@ -276,9 +286,4 @@ class DecodeWorker(Worker):
         if not self.running:
             return None
         dur, ptok, dtok, fin = self._decode_step()
-        k = self.sim.cfg.decode_slowdown
-        if k != 1.0:  # the share of the step a prefill worker is busy for, at k times the price
-            busy_until = max((w.log[-1].end for w in self.sim.prefill if w.busy and w.log), default=self.sim.now)
-            share = min(1.0, max(0.0, busy_until - self.sim.now) / dur) if dur > 0 else 0.0
-            dur *= 1.0 + (k - 1.0) * share
-        return dur, ptok, dtok, fin
+        return self.beside_prefill(dur), ptok, dtok, fin
