@@ -49,10 +49,7 @@ class AutoDecodeWorker(ColocatedWorker):
         self.kick()
 
     def plan(self):
-        while self.arrived and len(self.running) < self.sim.cfg.max_batch:
-            r = self.arrived.popleft()
-            r.admitted = self.sim.now
-            self.running.append(r)
+        self.admit(self.arrived)
         p = super().plan()
         if p is None:
             return None

@@ -82,6 +82,13 @@ class Worker:
     def plan(self) -> tuple[float, int, int, Callable[[], None]] | None:
         raise NotImplementedError
 
+    def admit(self, landed: deque[Request]) -> None:
+        """Requests whose KV has landed here join the running batch, up to the batch limit."""
+        while landed and len(self.running) < self.sim.cfg.max_batch:
+            r = landed.popleft()
+            r.admitted = self.sim.now
+            self.running.append(r)
+
     def beside_prefill(self, dur: float) -> float:
         """A decode-pool step of `dur` at the price, run with both pools on one host's cores: the
         share of it a prefill worker is busy for costs `decode_slowdown` times as much."""
@@ -279,10 +286,7 @@ class DecodeWorker(Worker):
         self.kick()
 
     def plan(self):
-        while self.queue and len(self.running) < self.sim.cfg.max_batch:
-            r = self.queue.popleft()
-            r.admitted = self.sim.now
-            self.running.append(r)
+        self.admit(self.queue)
         if not self.running:
             return None
         dur, ptok, dtok, fin = self._decode_step()
