@@ -49,11 +49,11 @@ from cli import CliError
 from cli.output import emit_json
 from costmodel import plan_cli
 from costmodel.plan.candidates import Candidate
-from costmodel.plan.pricing import setup_for
 from costmodel.plan.score import Judged, Scored, Slos, judge, priced_at, score
 from costmodel.provenance import OUT_DIR_HELP, write_result
 from costmodel.sim.compare_predict import PredictionSetup
 from costmodel.workloads import RequestSpec
+from router.workers.threads import choose_prompt_threads, choose_threads
 
 TOKEN_LOW, TOKEN_HIGH = 32, 127  # prompt token ids, as the workloads draw them (printable bytes)
 MAX_VERIFY = 8
@@ -117,9 +117,10 @@ def main(args: argparse.Namespace) -> int:
         )
     by_kind = _compare_fits(args)
     elsewhere = _calibrated_elsewhere(args) if by_kind else None
+    threads = None if by_kind else host_threads(args.workers)
     if not args.verify:
-        return plan_cli.main(args, by_kind, [elsewhere] if elsewhere else [])
-    plan = plan_cli.make_plan(args, by_kind, [elsewhere] if elsewhere else [])
+        return plan_cli.main(args, by_kind, [elsewhere] if elsewhere else [], threads)
+    plan = plan_cli.make_plan(args, by_kind, [elsewhere] if elsewhere else [], threads)
     if elsewhere:
         log(f"note: {elsewhere}")
     if not args.json:
@@ -137,7 +138,7 @@ def main(args: argparse.Namespace) -> int:
             settle(args.settle_s)
             round_note = f" (round {rnd + 1} of {args.repeats})" if args.repeats > 1 else ""
             log(f"[{done}/{total}] {s.candidate.label}{round_note}: {' '.join(s.candidate.serve_args())}")
-            setup = setup_for(s.candidate, by_kind, plan.setup)
+            setup = plan.setup_of(s.candidate)
             # a GEMM's pace on one CPU does not scale another CPU's steps: no pace-adjusted figure then
             at_pace = setup if not elsewhere else None
             measured[i].append(verify_one(s, plan.ranked.index(s) + 1, plan.specs, plan.slos, args, setup, at_pace))
@@ -154,6 +155,17 @@ def main(args: argparse.Namespace) -> int:
     print(format_verification(rows, summary))
     print(f"\nresult: {path}")
     return 0
+
+
+def host_threads(workers: int) -> dict[int, tuple[int, int]]:
+    """Workers -> (decode, prompt) threads of a colocated whole server of that many workers on
+    this host, as `pdserve serve` would choose them (router/workers/threads.py; an OMP_NUM_THREADS
+    in the environment counts, as it does for the servers --verify starts)."""
+    out = {}
+    for w in range(1, workers + 1):
+        decode = choose_threads(None, w)
+        out[w] = (decode.threads, choose_prompt_threads(None, decode, w, whole_colocated=True).threads)
+    return out
 
 
 def _compare_fits(args: argparse.Namespace) -> dict[str, Any] | None:

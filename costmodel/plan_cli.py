@@ -21,8 +21,8 @@ from typing import Any
 from cli import CliError
 from cli.output import emit_json
 from costmodel.article import cost_model as cm
-from costmodel.plan.candidates import DEFAULT_CHUNKS, enumerate_candidates
-from costmodel.plan.pricing import coverage_notes, setup_for
+from costmodel.plan.candidates import DEFAULT_CHUNKS, Candidate, enumerate_candidates
+from costmodel.plan.pricing import ThreadedWhole, coverage_notes, setup_for, threaded_whole
 from costmodel.plan.report import explain, format_table
 from costmodel.plan.risk import rank_by_risk
 from costmodel.plan.score import Scored, Slos, fit_error, interval, rank, score, simpler_first
@@ -160,23 +160,34 @@ class Plan:
     why: str
     note: str | None
     elapsed_s: float
+    by_kind: Mapping[str, cp.PredictionSetup] | None = None
+    whole: ThreadedWhole | None = None
+
+    def setup_of(self, c: Candidate) -> cp.PredictionSetup:
+        """The device model that priced `c` (`--verify` re-prices it at the pace it measures)."""
+        return setup_for(c, self.by_kind, self.setup, self.whole)
 
 
 def make_plan(
-    args: argparse.Namespace, by_kind: Mapping[str, cp.PredictionSetup] | None = None, notes: Sequence[str] = ()
+    args: argparse.Namespace,
+    by_kind: Mapping[str, cp.PredictionSetup] | None = None,
+    notes: Sequence[str] = (),
+    host_threads: Mapping[int, tuple[int, int]] | None = None,
 ) -> Plan:
     """Every candidate simulated, ranked and explained (raises CliError on bad flags). `by_kind`:
     a device model per deployment kind ("colocated", "chunked", "disagg": a `bench compare`
     result's fits to each of its servers, benchmarks/plan_verify.py reads them); a candidate of a
-    kind it lacks is priced by the colocated one (else the first)."""
+    kind it lacks is priced by the colocated one (else the first). `host_threads`: workers ->
+    (decode, prompt) threads of a colocated whole deployment on this host (pricing.threaded_whole)."""
     t0 = time.perf_counter()
     if by_kind:
         _check_flags(args)
         setup = by_kind.get("colocated") or next(iter(by_kind.values()))
     else:
         setup = _setup(args)
-    setup_of = lambda c: setup_for(c, by_kind, setup)  # noqa: E731
     specs, note = _requests(args)
+    whole = None if by_kind else threaded_whole(setup, host_threads, sum(s.prompt_len for s in specs) / len(specs))
+    setup_of = lambda c: setup_for(c, by_kind, setup, whole)  # noqa: E731
     for extra in notes:  # the caller's (benchmarks/plan_verify.py: a calibration from another CPU)
         note = f"{note}; {extra}" if note else extra
     try:
@@ -204,12 +215,12 @@ def make_plan(
                 s.interval = interval(s, setup_of(s.candidate), specs, slos, args.max_num_seqs, s.price_error)
         ranked = rank_by_risk(ranked, slos, INTERVAL_TOP, args.max_loss, args.max_risk)
     ranked = simpler_first(ranked)
-    for extra in coverage_notes(ranked, cands, specs, setup, by_kind):
+    for extra in coverage_notes(ranked, cands, specs, setup, by_kind, whole):
         note = f"{note}; {extra}" if note else extra
     elapsed = time.perf_counter() - t0
     winner = ranked[0]
     command = ["pdserve", "serve", "--model", args.model, *winner.candidate.serve_args()]
-    why = explain(ranked, setup, specs, err, args.max_loss, args.max_risk)
+    why = explain(ranked, setup_of(winner.candidate), specs, err, args.max_loss, args.max_risk)
     doc = {
         "predicted": True,
         "device_model": {
@@ -218,6 +229,14 @@ def make_plan(
             "link": setup.link.label,
             "fit_error": err,
             "by_kind": {k: s.source for k, s in by_kind.items()} if by_kind else None,
+            "whole_prompt_threads": {
+                "workers": sorted(whole.workers),
+                "threads": whole.threads,
+                "speedup": whole.speedup,
+                "at_prompt_tokens": whole.prompt_tokens,
+            }
+            if whole
+            else None,
         },
         "workload": {
             "preset": None if args.trace else args.workload,
@@ -234,7 +253,7 @@ def make_plan(
         "why": why,
         "seconds": elapsed,
     }
-    return Plan(doc, ranked, specs, slos, setup, command, why, note, elapsed)
+    return Plan(doc, ranked, specs, slos, setup, command, why, note, elapsed, by_kind, whole)
 
 
 def print_plan(plan: Plan) -> None:
@@ -254,9 +273,12 @@ def _source(plan: Plan) -> str:
 
 
 def main(
-    args: argparse.Namespace, by_kind: Mapping[str, cp.PredictionSetup] | None = None, notes: Sequence[str] = ()
+    args: argparse.Namespace,
+    by_kind: Mapping[str, cp.PredictionSetup] | None = None,
+    notes: Sequence[str] = (),
+    host_threads: Mapping[int, tuple[int, int]] | None = None,
 ) -> int:
-    plan = make_plan(args, by_kind, notes)
+    plan = make_plan(args, by_kind, notes, host_threads)
     if args.json:
         emit_json(plan.doc)
     else:

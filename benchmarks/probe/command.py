@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks import prompt_threads
 from benchmarks.client.bench_serve import finite_json
 from benchmarks.probe.client import ProbeClient, ProbeError
 from benchmarks.probe.plan import ProbePlan
@@ -87,10 +88,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--out-dir", "--results-dir", dest="results_dir", metavar="DIR", default=None, help=OUT_DIR_HELP)
 
 
-def calibration(r: ProbeResult, model_config: str | None, weight_dtype: str) -> dict[str, Any]:
+def calibration(
+    r: ProbeResult, model_config: str | None, weight_dtype: str, prompt_speedup: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The fit as a `pdserve.calibration/1` file. The step fit prices every step in the simulator
     and `bench compare`; bandwidth and TFLOP/s (what the datasheet model needs) are derived only
-    when pdserve knows the served model's shapes, since from outside only seconds are visible."""
+    when pdserve knows the served model's shapes, since from outside only seconds are visible.
+    `prompt_speedup`: benchmarks/prompt_threads.py's ratio on this host, when measured."""
     cal = cm.Calibration(
         device=f"{r.model} at {r.base_url} (probed)",
         dtype=weight_dtype,
@@ -98,6 +102,7 @@ def calibration(r: ProbeResult, model_config: str | None, weight_dtype: str) -> 
         prefill_overhead_ms=r.prefill_fit.fixed_s * 1e3,
         source=f"pdserve bench probe --base-url {r.base_url} (black box)",
         step_fit=r.step_fit.to_dict(),
+        prompt_thread_speedup=prompt_speedup,
     )
     try:
         spec = cm.ModelSpec.resolve(model_config or r.model)
@@ -154,8 +159,9 @@ def main(args: argparse.Namespace) -> int:
         result = asyncio.run(run())
     except (ProbeError, ValueError) as e:
         raise CliError(str(e)) from None
+    speedup = prompt_threads.for_probe(args.base_url, args.model_config or result.model, log)
     result.wall_s = time.perf_counter() - start
-    payload = finite_json(result.to_dict())
+    payload = finite_json({**result.to_dict(), "prompt_thread_speedup": speedup})
     name = _name(args, result.model)
     out_dir = Path(args.results_dir) if args.results_dir else RESULTS_DIR
     config = {**{k: v for k, v in vars(args).items() if not k.startswith("_")}, "seed": seed}
@@ -163,7 +169,7 @@ def main(args: argparse.Namespace) -> int:
     text = render(payload)
     (out_dir / f"{name}.md").write_text(render(payload, md=True) + "\n")
     cal_path = out_dir / f"{name}.calibration.json"
-    cal = calibration(result, args.model_config, args.weight_dtype)
+    cal = calibration(result, args.model_config, args.weight_dtype, speedup)
     cal_path.write_text(json.dumps({**cal, "provenance": provenance(config)}, indent=2) + "\n")
     files = {"result": str(path), "markdown": str(out_dir / f"{name}.md"), "calibration": str(cal_path)}
     if not args.no_plot:

@@ -22,6 +22,10 @@ field but `schema` optional, a missing field keeps the datasheet value::
         "per_sequence_us": 900.0            #   prices steps instead of the FLOP/bandwidth terms
       },
       "torch_threads": 2,                   # intra-op threads the measured steps ran with (CPU)
+      "prompt_thread_speedup": {            # CPU, `bench probe` of a server on this host: a whole
+        "from_threads": 1, "to_threads": 2, #   prompt's forward on the threads a colocated whole
+        "speedup_by_prompt_tokens": {"256": 1.72, "1024": 1.84}, ...  # server gives it, against
+      },                                    #   the decode steps' (benchmarks/prompt_threads.py)
       "source": "pdserve bench gpu, commit abc123",
       "provenance": {"git_commit": "...", "cpu": "...", "cores": 2, "torch": "2.13.0",
                      "date_utc": "...", "load_average": [0.1, 0.2, 0.3]}
@@ -64,6 +68,9 @@ class Calibration:
     # intra-op torch threads the measured steps ran with (None: not recorded). On a CPU a step's
     # price depends on it (--threads-per-worker); the simulator reports it beside its prediction
     torch_threads: int | None = None
+    # a whole prompt's forward on more threads than the measured steps ran with, by prompt length
+    # (benchmarks/prompt_threads.py): what a colocated whole deployment's prompt steps gain there
+    prompt_thread_speedup: dict[str, Any] | None = None
 
     SCHEMA = "pdserve.calibration/1"
 
@@ -87,6 +94,10 @@ class Calibration:
             raise ValueError(f"calibration mfu must be in (0, 1], got {cal.mfu}")
         if cal.step_fit is not None:
             cal.fitted_steps()  # validates
+        if cal.prompt_thread_speedup is not None:
+            by = cal.prompt_thread_speedup.get("speedup_by_prompt_tokens") or {}
+            if not by or any(not str(n).isdigit() or not float(v) > 0 for n, v in by.items()):
+                raise ValueError("calibration prompt_thread_speedup needs speedup_by_prompt_tokens {tokens: ratio > 0}")
         return cal
 
     def fitted_steps(self) -> StepCostFit | None:

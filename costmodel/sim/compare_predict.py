@@ -51,6 +51,9 @@ class PredictionSetup:
     # the machine's pace when the fitted steps ran: a one-thread GEMM's GFLOP/s (benchmarks/pace.py;
     # None: not recorded). `plan --verify` re-prices at the pace it measures before each server.
     pace_gflops: float | None = None
+    # a whole prompt's forward on more threads than the priced steps' (Calibration.prompt_thread_speedup;
+    # costmodel/plan/pricing.py threaded_whole prices colocated whole candidates with it)
+    prompt_speedup: dict[str, Any] | None = None
 
     def describe(self) -> dict[str, Any]:
         hw = self.steps.hw
@@ -61,6 +64,7 @@ class PredictionSetup:
             "torch_threads": self.torch_threads,
             "prompt_threads": self.prompt_threads,
             "prompt_step_fit": self.steps.prompt_fit.to_dict() if self.steps.prompt_fit else None,
+            "prompt_thread_speedup": self.prompt_speedup,
             "warning": self.warning,
             "decode_admission_ms": self.admit_s * 1e3,
             "decode_slowdown_beside_prefill": self.decode_slowdown,
@@ -117,6 +121,7 @@ def setup_from_calibration(model: str, calibration: Path, kv_dtype: str = "fp8")
         fitted_steps=fit.samples if fit else None,
         warning=cal.origin_warning(_shown(calibration)),
         torch_threads=cal.torch_threads,
+        prompt_speedup=cal.prompt_thread_speedup,
     )
 
 
