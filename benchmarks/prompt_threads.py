@@ -30,7 +30,9 @@ from collections.abc import Callable
 from typing import Any
 
 REPEATS = 3  # per length and thread count, after one warm-up each (oneDNN builds a kernel per count)
-TOKENS = (256, 1024)  # the prompt lengths measured: the ratio grows with the prompt (module docstring)
+# the prompt lengths measured: the ratio grows with the prompt (module docstring); 64 is the
+# shortest step a server runs on its prompt threads (engine/config.py PROMPT_STEP_TOKENS)
+TOKENS = (64, 256, 1024)
 
 
 def measure_in_child(
@@ -113,7 +115,7 @@ def for_probe(base_url: str, model: str, log: Callable[[str], None]) -> dict[str
     workers = choose_threads(None, 1)
     prompt = choose_prompt_threads(None, workers, 1, whole_colocated=True)
     if prompt.threads <= workers.threads:
-        log(f"prompt threads: a colocated server here runs whole prompts on its workers' {workers.threads} threads")
+        log(f"prompt threads: a colocated server here runs whole prompts on its decoding's {workers.threads} thread(s)")
         return None
     log(f"prompt threads: timing {model}'s forward at {workers.threads} and {prompt.threads} threads here (~40 s)")
     return measure_in_child(model, workers.threads, prompt.threads)

@@ -22,7 +22,7 @@ from cli import CliError
 from cli.output import emit_json
 from costmodel.article import cost_model as cm
 from costmodel.plan.candidates import DEFAULT_CHUNKS, Candidate, enumerate_candidates
-from costmodel.plan.pricing import ThreadedWhole, coverage_notes, setup_for, threaded_whole
+from costmodel.plan.pricing import ThreadedWhole, computed_prompt_tokens, coverage_notes, setup_for, threaded_whole
 from costmodel.plan.report import explain, format_table
 from costmodel.plan.risk import rank_by_risk
 from costmodel.plan.score import Scored, Slos, fit_error, interval, rank, score, simpler_first
@@ -186,7 +186,7 @@ def make_plan(
     else:
         setup = _setup(args)
     specs, note = _requests(args)
-    whole = None if by_kind else threaded_whole(setup, host_threads, sum(s.prompt_len for s in specs) / len(specs))
+    whole = None if by_kind else threaded_whole(setup, host_threads, computed_prompt_tokens(specs))
     setup_of = lambda c: setup_for(c, by_kind, setup, whole)  # noqa: E731
     for extra in notes:  # the caller's (benchmarks/plan_verify.py: a calibration from another CPU)
         note = f"{note}; {extra}" if note else extra

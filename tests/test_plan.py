@@ -398,11 +398,3 @@ def test_repeated_rounds_give_each_candidate_its_mean_and_the_spread_between_rou
 def test_repeats_and_risk_limits_are_checked(calibration, capsys, extra, message):
     assert cli_main(["plan", "--calibration", calibration, "--model", "tiny", *extra]) == 2
     assert message in capsys.readouterr().err
-
-
-def test_a_probe_calibration_notes_that_whole_prompts_get_more_threads_when_deployed(tmp_path, capsys):
-    cal = tmp_path / "probe.calibration.json"
-    probed = cm.Calibration(device="cpu", dtype="fp32", step_fit=FIT.to_dict(), source="pdserve bench probe --base-url")
-    cal.write_text(json.dumps(probed.to_dict()))
-    doc = _plan_json(capsys, "--calibration", str(cal), "--model", "tiny", "--workers", "1")
-    assert "--prompt-threads auto" in doc["workload"]["note"] and "pessimistic" in doc["workload"]["note"]

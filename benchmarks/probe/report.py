@@ -227,6 +227,13 @@ def render(d: dict[str, Any], md: bool = False) -> str:
             "(fitted with the rest, the calibration's step fit above: where the prefixes are 2x apart or more, "
             "a chunk's own cost and its read of the context are priced apart)",
         ]
+    if sp := d.get("prompt_thread_speedup"):
+        ratios = ", ".join(f"{r:.2f}x at {n} tokens" for n, r in sp["speedup_by_prompt_tokens"].items())
+        out += [
+            "",
+            f"this host, the model's forward on {sp['to_threads']} threads against {sp['from_threads']}: {ratios} "
+            "(what a colocated whole server here gives its prompt steps; `pdserve plan` prices it)",
+        ]
     out += [
         "",
         f"{h}The article's arithmetic for this server (decode at context {t['context']})",

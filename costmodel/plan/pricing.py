@@ -18,6 +18,7 @@ from costmodel.plan.candidates import Candidate
 from costmodel.plan.score import Scored
 from costmodel.sim import compare_predict as cp
 from costmodel.workloads import RequestSpec
+from engine.config import PROMPT_STEP_TOKENS
 
 # a workload prompt (or a winner's batch) this many times the calibration's gets a note: extrapolated
 EXTRAPOLATE = 1.5
@@ -51,7 +52,7 @@ def threaded_whole(
     many workers on this host (benchmarks/plan_verify.py asks router/workers/threads.py). None
     unless the calibration measured the ratio between those two counts and has a step fit."""
     sp, fit = setup.prompt_speedup, setup.steps.fit
-    if not sp or not host_threads or fit is None or setup.steps.prompt_fit is not None:
+    if not sp or not host_threads or fit is None or setup.steps.prompt_fit is not None or not prompt_tokens:
         return None
     if setup.torch_threads not in (None, sp["from_threads"]):  # its steps ran on another count
         return None
@@ -62,6 +63,24 @@ def threaded_whole(
     k = speedup_at(sp, prompt_tokens)
     steps = replace(setup.steps, prompt_fit=fit.scaled(1 / k))
     return ThreadedWhole(replace(setup, steps=steps, prompt_threads=pair[1]), workers, k, pair[1], prompt_tokens)
+
+
+def computed_prompt_tokens(specs: Sequence[RequestSpec]) -> float:
+    """The mean prompt a whole-prompt step computes over the workload: a shared prefix counts once
+    (its later requests compute the rest), and parts under PROMPT_STEP_TOKENS are left out (such
+    steps keep the decode steps' threads). On the shared-prefix chat (256-token prompts, 75% shared)
+    reading the ratio at the whole prompt's 249 tokens priced colocated whole's prompt steps at 1/1.56
+    of the probe's; they ran 1.72x that (`plan-verify-chat-prefix-probe-n`): the 64 fresh tokens
+    gain far less from a second thread."""
+    seen: set[str] = set()
+    parts = []
+    for s in sorted(specs, key=lambda r: r.arrival_s):
+        cached = s.prefix_len if s.prefix_id is not None and s.prefix_id in seen else 0
+        if s.prefix_id is not None:
+            seen.add(s.prefix_id)
+        if s.prompt_len - cached >= PROMPT_STEP_TOKENS:
+            parts.append(s.prompt_len - cached)
+    return sum(parts) / len(parts) if parts else 0.0
 
 
 def speedup_at(measured: Mapping[str, Any], prompt_tokens: float) -> float:
@@ -158,7 +177,7 @@ def coverage_notes(
             f"colocated whole ({', '.join(f'x{w}' if w > 1 else '1 worker' for w in sorted(whole.workers))}) runs "
             f"its prompt steps on {whole.threads} threads here: priced {whole.speedup:.2f}x faster than the "
             f"calibration's, the ratio its probe measured for this model's forward at {whole.prompt_tokens:.0f} "
-            "tokens (the workload's mean prompt)"
+            "tokens (the workload's mean prompt step, a cached prefix left out)"
         )
     elif not by_kind and "bench probe" in setup.source and not setup.prompt_speedup:
         notes.append(
