@@ -176,3 +176,14 @@ def test_a_context_read_is_fitted_only_where_prompt_contexts_differ():
     assert f.seconds(StepShape.of([200] * 2, [(0, 37)])) == pytest.approx(
         TRUE.seconds(StepShape.of([200] * 2, [(0, 37)])), rel=0.05
     )
+
+
+def test_the_simulators_fast_price_is_the_shapes_price():
+    """StepCostFit.step_seconds (what the simulator calls per step) prices what seconds(StepShape.of(...)) does."""
+    rng = random.Random(3)
+    f = StepCostFit.of_coef([5e-3, 1e-4, 3e-9, 2e-9, 1e-3, 4e-4, 2e-8])
+    for _ in range(50):
+        ctxs = [rng.randint(0, 3000) for _ in range(rng.randint(0, 9))]
+        chunks = [(rng.randint(0, 2000), rng.randint(1, 512)) for _ in range(rng.randint(0, 3))]
+        pairs = sum(c + 1 for c in ctxs)
+        assert f.step_seconds(len(ctxs), pairs, chunks) == pytest.approx(f.seconds(StepShape.of(ctxs, chunks)))

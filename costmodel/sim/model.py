@@ -84,15 +84,18 @@ class StepModel:
     # on those steps alone; None: `fit` prices them too.
     prompt_fit: StepCostFit | None = None
 
-    def _ctx(self, r: Request) -> int:
-        return int(self.fixed_ctx) if self.fixed_ctx is not None else r.ctx
-
     def step(self, batch: list[Request], parts: list[tuple[int, int]]) -> float:
         """One engine step: the decode batch plus prompt chunks (start, n)."""
         if self.fit is not None:
             f = self._fit_for(sum(n for _, n in parts))
-            return f.seconds(StepShape.of([self._ctx(r) for r in batch], parts))
+            return f.step_seconds(len(batch), self._decode_pairs(batch), parts)
         return (self.decode(batch) if batch else 0.0) + sum(self.chunk(s, n) for s, n in parts)
+
+    def _decode_pairs(self, batch: list[Request]) -> float:
+        """The decode rows' attention pairs: each row's context and its new token."""
+        if self.fixed_ctx is not None:
+            return (int(self.fixed_ctx) + 1) * len(batch)
+        return float(sum(r.prompt + len(r.token_times) for r in batch) + len(batch))
 
     def _fit_for(self, prompt_tokens: int) -> StepCostFit:
         """The fit that prices a step carrying `prompt_tokens` prompt tokens (with `fit` set)."""
@@ -121,7 +124,7 @@ class StepModel:
 
     def decode(self, batch: list[Request]) -> float:
         if self.fit is not None:
-            return self.fit.decode_seconds([self._ctx(r) for r in batch])
+            return self.fit.step_seconds(len(batch), self._decode_pairs(batch))
         kv = self.fixed_ctx * len(batch) if self.fixed_ctx is not None else sum(r.ctx for r in batch)
         return cm.decode_step_tokens(
             self.model, self.hw, len(batch), kv, self.mfu, self.weight_dtype, self.kv_dtype
