@@ -44,6 +44,7 @@ from benchmarks.compare.calibrate.step_log import StepLogRecorder
 from benchmarks.compare.modes import ensure_ray, load_average
 from benchmarks.pace import describe as describe_pace
 from benchmarks.pace import machine_pace
+from benchmarks.prompt_threads import host_threads
 from benchmarks.verify_rows import VerifyRow, combine, format_verification, per_request, step_prices, summarize
 from cli import CliError
 from cli.output import emit_json
@@ -53,7 +54,6 @@ from costmodel.plan.score import Judged, Scored, Slos, judge, priced_at, score
 from costmodel.provenance import OUT_DIR_HELP, write_result
 from costmodel.sim.compare_predict import PredictionSetup
 from costmodel.workloads import RequestSpec
-from router.workers.threads import choose_prompt_threads, choose_threads
 
 TOKEN_LOW, TOKEN_HIGH = 32, 127  # prompt token ids, as the workloads draw them (printable bytes)
 MAX_VERIFY = 8
@@ -155,17 +155,6 @@ def main(args: argparse.Namespace) -> int:
     print(format_verification(rows, summary))
     print(f"\nresult: {path}")
     return 0
-
-
-def host_threads(workers: int) -> dict[int, tuple[int, int]]:
-    """Workers -> (decode, prompt) threads of a colocated whole server of that many workers on
-    this host, as `pdserve serve` would choose them (router/workers/threads.py; an OMP_NUM_THREADS
-    in the environment counts, as it does for the servers --verify starts)."""
-    out = {}
-    for w in range(1, workers + 1):
-        decode = choose_threads(None, w)
-        out[w] = (decode.threads, choose_prompt_threads(None, decode, w, whole_colocated=True).threads)
-    return out
 
 
 def _compare_fits(args: argparse.Namespace) -> dict[str, Any] | None:

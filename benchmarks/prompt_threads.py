@@ -94,6 +94,20 @@ def measure(model: str, from_threads: int, to_threads: int, tokens: tuple[int, .
     }
 
 
+def host_threads(workers: int) -> dict[int, tuple[int, int]]:
+    """Workers -> (decode, prompt) threads of a colocated whole server of that many workers on
+    this host, as `pdserve serve` would choose them (router/workers/threads.py; an OMP_NUM_THREADS
+    in the environment counts, as it does for the servers `plan --verify` starts): which plan
+    candidates the measured ratio prices (costmodel/plan/pricing.py threaded_whole)."""
+    from router.workers.threads import choose_prompt_threads, choose_threads  # noqa: PLC0415
+
+    out = {}
+    for w in range(1, workers + 1):
+        decode = choose_threads(None, w)
+        out[w] = (decode.threads, choose_prompt_threads(None, decode, w, whole_colocated=True).threads)
+    return out
+
+
 def for_probe(base_url: str, model: str, log: Callable[[str], None]) -> dict[str, Any] | None:
     """The ratio for a calibration `bench probe` writes: measured when the probed server runs on
     this host (a loopback address: a deployment here is what a plan from it starts), pdserve

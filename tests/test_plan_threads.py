@@ -14,7 +14,7 @@ import json
 import pytest
 
 from benchmarks import prompt_threads
-from benchmarks.plan_verify import host_threads
+from benchmarks.prompt_threads import host_threads
 from cli import main as cli_main
 from costmodel.article import cost_model as cm
 from costmodel.fit.step_fit import StepCostFit
