@@ -108,18 +108,25 @@ def host_threads(workers: int) -> dict[int, tuple[int, int]]:
     return out
 
 
+def on_this_host(base_url: str) -> bool:
+    """Whether a server's URL is a loopback address: what is measured here is its host's."""
+    from urllib.parse import urlparse  # noqa: PLC0415
+
+    from router.workers.threads import LOOPBACK  # noqa: PLC0415
+
+    return urlparse(base_url).hostname in LOOPBACK
+
+
 def for_probe(base_url: str, model: str, log: Callable[[str], None]) -> dict[str, Any] | None:
     """The ratio for a calibration `bench probe` writes: measured when the probed server runs on
     this host (a loopback address: a deployment here is what a plan from it starts), pdserve
     knows the model's shapes without pulling anything, and a one-worker colocated whole server
     here gives its prompt steps more threads than its decode steps; None otherwise (logged)."""
-    from urllib.parse import urlparse  # noqa: PLC0415
-
     from engine.checkpoint.registry import MODELS, is_pulled  # noqa: PLC0415
     from engine.config import PRESETS, is_checkpoint_dir  # noqa: PLC0415
-    from router.workers.threads import LOOPBACK, choose_prompt_threads, choose_threads  # noqa: PLC0415
+    from router.workers.threads import choose_prompt_threads, choose_threads  # noqa: PLC0415
 
-    if urlparse(base_url).hostname not in LOOPBACK:
+    if not on_this_host(base_url):
         log("prompt threads: the server is on another host; a plan from this probe prices whole prompts as probed")
         return None
     known = model in PRESETS or is_checkpoint_dir(model) or model in MODELS and is_pulled(model)

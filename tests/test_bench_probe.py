@@ -75,6 +75,8 @@ def test_quick_probe_of_pdserve_agrees_with_the_servers_own_timeline(server, cap
 
     cal = Calibration.load(files["calibration"])
     assert cal.fitted_steps() is not None and cal.peak_tflops  # tiny is known to pdserve: TFLOP/s derived
+    assert cal.pace_gflops and cal.pace_gflops > 0  # a server on this host: the machine's pace beside it
+    assert cal.prompt_thread_speedup is None  # OMP_NUM_THREADS=1 (conftest): no server here borrows a core
     setup_from_calibration("tiny", files["calibration"])
     assert d["chunking"]["verdict"] in ("whole", "chunked", "disaggregated", "no interference", "unknown")
     # pdserve caches prefixes by default and says so in usage.prompt_tokens_details.cached_tokens:

@@ -23,6 +23,8 @@ from typing import Any
 
 from benchmarks import prompt_threads
 from benchmarks.client.bench_serve import finite_json
+from benchmarks.pace import describe as describe_pace
+from benchmarks.pace import machine_pace
 from benchmarks.probe.client import ProbeClient, ProbeError
 from benchmarks.probe.plan import ProbePlan
 from benchmarks.probe.report import plot, render
@@ -89,12 +91,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def calibration(
-    r: ProbeResult, model_config: str | None, weight_dtype: str, prompt_speedup: dict[str, Any] | None = None
+    r: ProbeResult,
+    model_config: str | None,
+    weight_dtype: str,
+    prompt_speedup: dict[str, Any] | None = None,
+    pace_gflops: float | None = None,
 ) -> dict[str, Any]:
     """The fit as a `pdserve.calibration/1` file. The step fit prices every step in the simulator
     and `bench compare`; bandwidth and TFLOP/s (what the datasheet model needs) are derived only
     when pdserve knows the served model's shapes, since from outside only seconds are visible.
-    `prompt_speedup`: benchmarks/prompt_threads.py's ratio on this host, when measured."""
+    `prompt_speedup`: benchmarks/prompt_threads.py's ratio on this host, `pace_gflops` its pace
+    (benchmarks/pace.py), when measured."""
     cal = cm.Calibration(
         device=f"{r.model} at {r.base_url} (probed)",
         dtype=weight_dtype,
@@ -103,6 +110,7 @@ def calibration(
         source=f"pdserve bench probe --base-url {r.base_url} (black box)",
         step_fit=r.step_fit.to_dict(),
         prompt_thread_speedup=prompt_speedup,
+        pace_gflops=pace_gflops,
     )
     try:
         spec = cm.ModelSpec.resolve(model_config or r.model)
@@ -159,7 +167,13 @@ def main(args: argparse.Namespace) -> int:
         result = asyncio.run(run())
     except (ProbeError, ValueError) as e:
         raise CliError(str(e)) from None
-    speedup = prompt_threads.for_probe(args.base_url, args.model_config or result.model, log)
+    # this host's pace, right after the probe's steps (a server here only), so that `plan --verify`
+    # can tell a slower machine from a wrong price; and what a second prompt thread gives here
+    pace = machine_pace() if prompt_threads.on_this_host(args.base_url) else None
+    if pace:
+        log(f"probe: this host's {describe_pace(pace)}")
+    model = args.model_config or result.model
+    speedup = prompt_threads.for_probe(args.base_url, model, lambda m: log(f"probe: {m}"))
     result.wall_s = time.perf_counter() - start
     payload = finite_json({**result.to_dict(), "prompt_thread_speedup": speedup})
     name = _name(args, result.model)
@@ -169,7 +183,8 @@ def main(args: argparse.Namespace) -> int:
     text = render(payload)
     (out_dir / f"{name}.md").write_text(render(payload, md=True) + "\n")
     cal_path = out_dir / f"{name}.calibration.json"
-    cal = calibration(result, args.model_config, args.weight_dtype, speedup)
+    pace_gflops = pace["gemm_gflops_1thread"] if pace else None
+    cal = calibration(result, args.model_config, args.weight_dtype, speedup, pace_gflops)
     cal_path.write_text(json.dumps({**cal, "provenance": provenance(config)}, indent=2) + "\n")
     files = {"result": str(path), "markdown": str(out_dir / f"{name}.md"), "calibration": str(cal_path)}
     if not args.no_plot:

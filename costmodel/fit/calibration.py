@@ -22,6 +22,7 @@ field but `schema` optional, a missing field keeps the datasheet value::
         "per_sequence_us": 900.0            #   prices steps instead of the FLOP/bandwidth terms
       },
       "torch_threads": 2,                   # intra-op threads the measured steps ran with (CPU)
+      "pace_gflops": 110.0,                 # a one-thread GEMM's GFLOP/s then (benchmarks/pace.py)
       "prompt_thread_speedup": {            # CPU, `bench probe` of a server on this host: a whole
         "from_threads": 1, "to_threads": 2, #   prompt's forward on the threads a colocated whole
         "speedup_by_prompt_tokens": {"256": 1.72, "1024": 1.84}, ...  # server gives it, against
@@ -71,6 +72,9 @@ class Calibration:
     # a whole prompt's forward on more threads than the measured steps ran with, by prompt length
     # (benchmarks/prompt_threads.py): what a colocated whole deployment's prompt steps gain there
     prompt_thread_speedup: dict[str, Any] | None = None
+    # the machine's pace when it was measured: a one-thread GEMM's GFLOP/s (benchmarks/pace.py;
+    # None: not recorded). `plan --verify` re-prices the steps at the pace it measures before each server
+    pace_gflops: float | None = None
 
     SCHEMA = "pdserve.calibration/1"
 
@@ -84,7 +88,7 @@ class Calibration:
         if unknown:
             raise ValueError(f"unknown calibration fields: {', '.join(sorted(unknown))}")
         cal = cls(**{k: v for k, v in d.items() if k in known})
-        for k in ("mem_bandwidth_gbps", "peak_tflops", "achieved_tflops"):
+        for k in ("mem_bandwidth_gbps", "peak_tflops", "achieved_tflops", "pace_gflops"):
             v = getattr(cal, k)
             if v is not None and v <= 0:
                 raise ValueError(f"calibration {k} must be positive, got {v}")

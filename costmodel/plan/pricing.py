@@ -49,7 +49,7 @@ def threaded_whole(
     setup: cp.PredictionSetup, host_threads: Mapping[int, tuple[int, int]] | None, prompt_tokens: float
 ) -> ThreadedWhole | None:
     """`host_threads`: workers -> (decode, prompt) threads of a colocated whole deployment of that
-    many workers on this host (benchmarks/plan_verify.py asks router/workers/threads.py). None
+    many workers on this host (benchmarks/prompt_threads.py host_threads). None
     unless the calibration measured the ratio between those two counts and has a step fit."""
     sp, fit = setup.prompt_speedup, setup.steps.fit
     if not sp or not host_threads or fit is None or setup.steps.prompt_fit is not None or not prompt_tokens:
@@ -177,7 +177,9 @@ def coverage_notes(
             f"colocated whole ({', '.join(f'x{w}' if w > 1 else '1 worker' for w in sorted(whole.workers))}) runs "
             f"its prompt steps on {whole.threads} threads here: priced {whole.speedup:.2f}x faster than the "
             f"calibration's, the ratio its probe measured for this model's forward at {whole.prompt_tokens:.0f} "
-            "tokens (the workload's mean prompt step, a cached prefix left out)"
+            "tokens (the workload's mean prompt step, a cached prefix left out); measured beside an idle server: "
+            "with the router streaming many requests the borrowed core gives less (on the 2-core VM 64-token steps "
+            "beside 24 streams gained nothing, plan-verify-chat-prefix-probe-o)"
         )
     elif not by_kind and "bench probe" in setup.source and not setup.prompt_speedup:
         notes.append(

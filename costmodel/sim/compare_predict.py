@@ -122,6 +122,7 @@ def setup_from_calibration(model: str, calibration: Path, kv_dtype: str = "fp8")
         warning=cal.origin_warning(_shown(calibration)),
         torch_threads=cal.torch_threads,
         prompt_speedup=cal.prompt_thread_speedup,
+        pace_gflops=cal.pace_gflops,
     )
 
 
