@@ -124,7 +124,6 @@ def for_probe(base_url: str, model: str, log: Callable[[str], None]) -> dict[str
     here gives its prompt steps more threads than its decode steps; None otherwise (logged)."""
     from engine.checkpoint.registry import MODELS, is_pulled  # noqa: PLC0415
     from engine.config import PRESETS, is_checkpoint_dir  # noqa: PLC0415
-    from router.workers.threads import choose_prompt_threads, choose_threads  # noqa: PLC0415
 
     if not on_this_host(base_url):
         log("prompt threads: the server is on another host; a plan from this probe prices whole prompts as probed")
@@ -133,13 +132,12 @@ def for_probe(base_url: str, model: str, log: Callable[[str], None]) -> dict[str
     if not known:
         log(f"prompt threads: pdserve does not know {model!r}'s shapes here (--model-config names them); not measured")
         return None
-    workers = choose_threads(None, 1)
-    prompt = choose_prompt_threads(None, workers, 1, whole_colocated=True)
-    if prompt.threads <= workers.threads:
-        log(f"prompt threads: a colocated server here runs whole prompts on its decoding's {workers.threads} thread(s)")
+    decode, prompt = host_threads(1)[1]
+    if prompt <= decode:
+        log(f"prompt threads: a colocated server here runs whole prompts on its decoding's {decode} thread(s)")
         return None
-    log(f"prompt threads: timing {model}'s forward at {workers.threads} and {prompt.threads} threads here (~40 s)")
-    return measure_in_child(model, workers.threads, prompt.threads)
+    log(f"prompt threads: timing {model}'s forward at {decode} and {prompt} threads here (~40 s)")
+    return measure_in_child(model, decode, prompt)
 
 
 def _main() -> None:
