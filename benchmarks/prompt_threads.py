@@ -30,9 +30,9 @@ from collections.abc import Callable
 from typing import Any
 
 REPEATS = 3  # per length and thread count, after one warm-up each (oneDNN builds a kernel per count)
-# the prompt lengths measured: the ratio grows with the prompt (module docstring); 64 is the
-# shortest step a server runs on its prompt threads (engine/config.py PROMPT_STEP_TOKENS)
-TOKENS = (64, 256, 1024)
+# the prompt lengths measured: the ratio grows with the prompt (module docstring); the shortest
+# is the shortest step a server runs on its prompt threads (engine/config.py PROMPT_STEP_TOKENS)
+TOKENS = (256, 1024)
 
 
 def measure_in_child(

@@ -133,6 +133,7 @@ def step_prices(steps: list[LoggedStep], setup: PredictionSetup) -> dict[str, An
     p50 is mostly decode steps, a TTFT mostly prompt steps). Tells a step model that was off from
     a scheduling model that was (None: a datasheet model prices no shape)."""
     by_pool: dict[str, list[tuple[float, float, int, bool]]] = {}
+    by_length: dict[str, dict[tuple[int, int], list[tuple[float, float, int, bool]]]] = {}
     for s in steps:
         f = setup.steps.fit_of(s.role, s.shape.prefill_tokens)
         if f is None:
@@ -141,12 +142,20 @@ def step_prices(steps: list[LoggedStep], setup: PredictionSetup) -> dict[str, An
         if priced > 0 and s.seconds > 0:
             row = (s.seconds, priced, s.shape.decode_seqs, s.shape.prefill_tokens > 0)
             by_pool.setdefault(s.role, []).append(row)
+            if s.shape.prefill_tokens > 0:
+                key = (_bucket(s.shape.prefill_tokens), s.torch_threads)
+                by_length.setdefault(s.role, {}).setdefault(key, []).append(row)
     out = {}
     for pool, xs in by_pool.items():
         prompt = [x for x in xs if x[3]]
         out[pool] = {**_prices(xs), "largest_batch": max(b for *_, b, _ in xs)}
         if prompt and len(prompt) < len(xs):
             out[pool]["prompt_steps"] = _prices(prompt)
+            # by prompt tokens and threads: what a step's length and its thread count did to its price
+            out[pool]["prompt_steps_by_tokens"] = [
+                {"tokens": f"{lo}-{2 * lo - 1}" if lo else "1-63", "threads": threads, **_prices(rows)}
+                for (lo, threads), rows in sorted(by_length[pool].items())
+            ]
         gaps = loop_gaps([s for s in steps if s.role == pool])
         if gaps:
             out[pool]["loop_gap"] = gaps
@@ -189,6 +198,11 @@ def loop_gaps(steps: list[LoggedStep]) -> dict[str, Any] | None:
         "gap_share": sum(gaps) / sum(s for _, s, _ in pairs),  # of the busy steps' own time
         "gap_ms_p50_by_batch": by_batch,
     }
+
+
+def _bucket(prompt_tokens: int) -> int:
+    """A step's prompt length as the power of two at or below it (from 64; 0 below 64)."""
+    return 0 if prompt_tokens < 64 else 1 << (prompt_tokens.bit_length() - 1)
 
 
 def _prices(xs: list[tuple[float, float, int, bool]]) -> dict[str, Any]:

@@ -175,6 +175,9 @@ class WorkerConfig:
     # the core left to the router: no token streams while a whole prompt runs
     # (router/workers/threads.py has the rule)
     prompt_threads: int | None = None
+    # the fewest prompt tokens a step carries to run on prompt_threads (None: the engine's default,
+    # engine/config.py PROMPT_STEP_TOKENS)
+    prompt_threads_min_tokens: int | None = None
 
 
 class WorkerError(RuntimeError):

@@ -219,12 +219,16 @@ def resolve_model_config(model: str) -> ModelConfig:
 KV_DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp32": 4}
 
 # CPU: a step with at least this many prompt tokens runs with the worker's prompt threads
-# (WorkerConfig.prompt_threads): its GEMMs are long enough that a second thread pays (SmolLM2,
-# 2,048 prompt tokens on the 2-core dev VM: 1,049 us a token on 2 threads against 1,910 on 1),
-# while a decode step's many short parallel regions stall whenever another process takes one of
-# their cores (router/workers/threads.py). The simulator prices such steps apart
+# (WorkerConfig.prompt_threads; a server's --prompt-threads-min-tokens): its GEMMs are long enough
+# that a second thread pays (SmolLM2, 2,048 prompt tokens on the 2-core dev VM: 1,049 us a token on
+# 2 threads against 1,910 on 1), while a decode step's many short parallel regions stall whenever
+# another process takes one of their cores (router/workers/threads.py). Why 256 and not 64: served
+# beside the router streaming two dozen requests, steps of 64-127 prompt tokens ran ~12% slower on
+# two threads than on one, and a shared-prefix chat (mostly such steps) measured 3.27 requests/s
+# at 256 against 3.09 at 64 and 3.06 on one thread (2026-12-06, serve-flags-ab-chat-prefix in
+# benchmarks/results/plan-verify; docs/plan.md has the run). The simulator prices such steps apart
 # (costmodel/sim/model.py StepModel.prompt_fit).
-PROMPT_STEP_TOKENS = 64
+PROMPT_STEP_TOKENS = 256
 
 
 @dataclass(frozen=True)

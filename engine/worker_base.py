@@ -51,6 +51,7 @@ class EngineSettings(Protocol):
     cpu_gemm: str  # CPU GEMM dtype: auto, fp32 or bf16 (engine/model/linear.py)
     compile: str  # CPU decode step: auto, off, default or max-autotune (engine/runner/compiled_decode.py)
     prompt_threads: int | None  # CPU: intra-op threads of steps carrying a prompt (None: the worker's)
+    prompt_threads_min_tokens: int | None  # ... from this many prompt tokens (None: PROMPT_STEP_TOKENS)
 
 
 def build_engine(cfg: EngineSettings, prefill_only: bool) -> LLMEngine:
@@ -69,6 +70,8 @@ def build_engine(cfg: EngineSettings, prefill_only: bool) -> LLMEngine:
         cpu_gemm=cfg.cpu_gemm,
     )
     runner.prompt_threads = cfg.prompt_threads
+    if cfg.prompt_threads_min_tokens is not None:
+        runner.prompt_min_tokens = cfg.prompt_threads_min_tokens
     # before the worker reports ready: a fresh server's first request costs what its tenth does
     warm_s = runner.warm_up()
     log.info("%s: warm-up %.2f s (CPU GEMMs %s)", cfg.model, warm_s, runner.model.cpu_gemm)

@@ -13,7 +13,7 @@ from typing import Any
 
 from contracts.worker import WorkerConfig
 from engine.checkpoint.registry import DEFAULT_MODEL, MODELS
-from engine.config import KV_DTYPE_BYTES, PRESETS, is_checkpoint_dir
+from engine.config import KV_DTYPE_BYTES, PRESETS, PROMPT_STEP_TOKENS, is_checkpoint_dir
 from router.config_flags import cli_flag
 from router.workers.threads import parse_threads
 
@@ -154,12 +154,22 @@ class ServeConfig:
         default=None,
         metadata=cli_flag(
             "pools",
-            "intra-op torch threads of a worker's steps that carry 64 or more prompt tokens; auto (the "
+            "intra-op torch threads of a worker's steps that carry --prompt-threads-min-tokens or more prompt "
+            "tokens; auto (the "
             "default): colocated without --chunk-size on this host, the workers' threads plus the core left "
             "to the router (no token streams while a whole prompt runs: 2 on a 2-core machine); otherwise "
             "as --threads-per-worker",
             metavar="N|auto",
             as_text=True,
+        ),
+    )
+    prompt_threads_min_tokens: int | None = field(
+        default=None,
+        metadata=cli_flag(
+            "pools",
+            f"the fewest prompt tokens a step carries to run on --prompt-threads (default {PROMPT_STEP_TOKENS}); "
+            "`pdserve plan` prices the default",
+            metavar="N",
         ),
     )
     rss_growth_warn_mb: float = field(
@@ -350,6 +360,8 @@ class ServeConfig:
             raise bad("--threads-per-worker", "must be >= 1 (or auto)")
         if self.prompt_threads is not None and self.prompt_threads < 1:
             raise bad("--prompt-threads", "must be >= 1 (or auto)")
+        if self.prompt_threads_min_tokens is not None and self.prompt_threads_min_tokens < 1:
+            raise bad("--prompt-threads-min-tokens", "must be >= 1")
         if self.gemm_row_buckets < 0:
             raise bad("--gemm-row-buckets", "must be >= 0 (0 = off)")
         if self.compile not in ("off", "auto") and (
@@ -423,6 +435,7 @@ class ServeConfig:
             compile=self.compile,
             torch_threads=self.threads_per_worker,  # None (auto) until router/launch.py resolves it
             prompt_threads=self.prompt_threads,  # likewise
+            prompt_threads_min_tokens=self.prompt_threads_min_tokens,
             lease_s=self.lease_s,
             transport=self.transport,
             transfer_timeout_s=self.transfer_timeout_s,
@@ -472,7 +485,11 @@ _OPTIONAL = {
     "otlp_endpoint",
     "threads_per_worker",
     "prompt_threads",
+    "prompt_threads_min_tokens",
 }
+
+
+_OPTIONAL_INTS = ("chunk_size", "prompt_threads_min_tokens")  # None or a whole number
 
 
 def _check_types(cfg: ServeConfig) -> None:
@@ -496,7 +513,7 @@ def _check_types(cfg: ServeConfig) -> None:
                 setattr(cfg, f.name, float(v))
         elif isinstance(default, bool):
             ok, want = isinstance(v, bool), "true or false"
-        elif f.name in ("chunk_size",) or isinstance(default, int) and not isinstance(default, bool):
+        elif f.name in _OPTIONAL_INTS or isinstance(default, int) and not isinstance(default, bool):
             ok, want = isinstance(v, int) and not isinstance(v, bool), "an integer"
         elif isinstance(default, float):
             ok, want = isinstance(v, (int, float)) and not isinstance(v, bool), "a number"

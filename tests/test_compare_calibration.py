@@ -76,7 +76,7 @@ def test_prompt_steps_on_their_own_threads_are_fitted_apart_and_priced_by_that_f
     rng = random.Random(2)
     two_threads = StepCostFit(0.020, 0.0002, 1e-9, 0.004)
     steps = [LoggedStep("c-0", "colocated", s, y, torch_threads=1) for s, y in _steps(60, rng) if s.prefill_tokens == 0]
-    for n in (100, 300, 500, 700, 900, 1100):
+    for n in (300, 500, 700, 900, 1100, 1300):
         shape = StepShape.of([200] * rng.randint(0, 4), [(0, n)])
         steps.append(LoggedStep("c-0", "colocated", shape, two_threads.seconds(shape), torch_threads=2))
     pool = fit_pools(steps)["colocated"]

@@ -51,9 +51,10 @@ def test_the_ratio_is_read_at_the_prompt_a_step_computes():
     def spec(i, n, prefix=None, shared=0):
         return RequestSpec(str(i), (1,) * n, n, 8, float(i), "random", prefix, shared)
 
-    # a shared 192-token prefix is computed by its first request only; 40 fresh tokens are a decode-thread step
-    specs = [spec(0, 256, "a", 192), spec(1, 256, "a", 192), spec(2, 232, "a", 192), spec(3, 1000)]
-    assert computed_prompt_tokens(specs) == pytest.approx((256 + 64 + 1000) / 3)
+    # a shared 192-token prefix is computed by its first request only; 64 or 40 fresh tokens are a
+    # decode-thread step (under PROMPT_STEP_TOKENS, 256)
+    specs = [spec(0, 300, "a", 192), spec(1, 256, "a", 192), spec(2, 232, "a", 192), spec(3, 1000)]
+    assert computed_prompt_tokens(specs) == pytest.approx((300 + 1000) / 2)
     assert computed_prompt_tokens([spec(0, 32)]) == 0.0  # no step on the prompt threads
 
 

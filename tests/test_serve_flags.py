@@ -42,6 +42,9 @@ SNAPSHOT = {
     ("--gemm-row-buckets",): ("gemm_row_buckets", "_StoreAction", None, "int", None, None, "N", POOLS),
     ("--threads-per-worker",): ("threads_per_worker", "_StoreAction", None, None, None, None, "N|auto", POOLS),
     ("--prompt-threads",): ("prompt_threads", "_StoreAction", None, None, None, None, "N|auto", POOLS),
+    ("--prompt-threads-min-tokens",): (
+        "prompt_threads_min_tokens", "_StoreAction", None, "int", None, None, "N", POOLS,
+    ),  # fmt: skip
     ("--rss-growth-warn-mb",): ("rss_growth_warn_mb", "_StoreAction", None, "float", None, None, "MB", POOLS),
     ("--rss-warmup-steps",): ("rss_warmup_steps", "_StoreAction", None, "int", None, None, "N", POOLS),
     ("--transport",): ("transport", "_StoreAction", None, None, ("nixl", "local"), None, None, POOLS),

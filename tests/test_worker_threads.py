@@ -93,6 +93,8 @@ def test_the_flag_takes_a_count_or_auto_and_reaches_the_workers():
     assert cfg.threads_per_worker == 3 and cfg.worker_config().torch_threads == 3
     assert ServeConfig().worker_config().torch_threads is None  # auto: resolved by the launcher
     assert _serve(["--prompt-threads", "2"]).worker_config().prompt_threads == 2
+    wc = _serve(["--prompt-threads-min-tokens", "256"]).worker_config()
+    assert wc.prompt_threads_min_tokens == 256 and _serve([]).worker_config().prompt_threads_min_tokens is None
     assert _serve(["--prompt-threads", "auto"]).prompt_threads is None
 
 
@@ -106,6 +108,8 @@ def test_a_bad_flag_is_one_line_naming_it(flag, value, message):
     with pytest.raises(CliError, match=f"{flag}.*{message}") as e:
         _serve([flag, value])
     assert "\n" not in str(e.value)
+    with pytest.raises(CliError, match="--prompt-threads-min-tokens 0: must be >= 1"):
+        _serve(["--prompt-threads-min-tokens", "0"])
 
 
 def test_yaml_takes_the_same_values(tmp_path: Path):
@@ -234,22 +238,24 @@ def test_an_in_process_worker_sets_and_reports_its_threads():
 
 
 def test_prompt_steps_run_on_the_prompt_threads_and_the_step_log_says_so():
-    """A prefill worker with 1 thread and 2 for prompt steps: a 64-token prompt's step runs on 2,
-    a short one's on 1, and each step in the log names its own count; the loop thread's count is
-    put back after the step."""
+    """A prefill worker with 1 thread, and 2 for steps of 90 prompt tokens or more: a 100-token
+    prompt's step runs on 2, an 80-token one's and a short one's on 1, and each step in the log
+    names its own count; the loop thread's count is put back after the step."""
     from prefill_worker.worker import PrefillWorker
 
-    cfg = WorkerConfig(model="tiny", transport="local", num_blocks=64, torch_threads=1, prompt_threads=2)
+    cfg = WorkerConfig(
+        model="tiny", transport="local", num_blocks=64, torch_threads=1, prompt_threads=2, prompt_threads_min_tokens=90
+    )
     w = PrefillWorker(cfg, "wt-prompt")
     try:
-        for prompt in (list(range(1, 81)), list(b"short one")):
+        for prompt in (list(range(1, 101)), list(range(200, 280)), list(b"short one")):  # no shared prefix
             r = w.prefill(GenerateRequest(f"r{next(_names)}", prompt, SamplingParams(max_tokens=2)))
             w.release(r.request_id)
         s = w.stats()
         log = s.step_log()
         assert (s.torch_threads, s.prompt_threads) == (1, 2) and log["prompt_threads"] == 2
         by_len = {step["prefill_tokens"]: step["torch_threads"] for step in log["steps"]}
-        assert by_len == {80: 2, 9: 1}
+        assert by_len == {100: 2, 80: 1, 9: 1}
         assert w.call(torch.get_num_threads) == 1
     finally:
         w.shutdown()

@@ -178,8 +178,8 @@ def coverage_notes(
             f"its prompt steps on {whole.threads} threads here: priced {whole.speedup:.2f}x faster than the "
             f"calibration's, the ratio its probe measured for this model's forward at {whole.prompt_tokens:.0f} "
             "tokens (the workload's mean prompt step, a cached prefix left out); measured beside an idle server: "
-            "with the router streaming many requests the borrowed core gives less (on the 2-core VM 64-token steps "
-            "beside 24 streams gained nothing, plan-verify-chat-prefix-probe-o)"
+            "with the router streaming many requests the borrowed core gives less (on the 2-core VM 256-511-token "
+            "steps beside 20 streams gained ~1.3x, serve-flags-ab-chat-prefix)"
         )
     elif not by_kind and "bench probe" in setup.source and not setup.prompt_speedup:
         notes.append(

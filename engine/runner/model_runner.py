@@ -102,6 +102,7 @@ class ModelRunner:
         # CPU: intra-op threads for steps with PROMPT_STEP_TOKENS prompt tokens or more (None: the
         # thread's own count); last_threads: what the last execute() ran with
         self.prompt_threads: int | None = None
+        self.prompt_min_tokens = PROMPT_STEP_TOKENS  # the fewest prompt tokens a step runs on them with
         self.last_threads = torch.get_num_threads()
 
     # ---- inputs ------------------------------------------------------------------------------
@@ -203,7 +204,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The model's forward [T, hidden], on `prompt_threads` intra-op threads when the step
         carries enough prompt tokens (the loop thread's count, set for the step and put back)."""
-        want = self.prompt_threads if prompt_tokens >= PROMPT_STEP_TOKENS and self.device.type == "cpu" else None
+        want = self.prompt_threads if prompt_tokens >= self.prompt_min_tokens and self.device.type == "cpu" else None
         with intra_op_threads(want) as self.last_threads:
             return self.model(input_ids, positions, self.backend, self.cache, meta, on_layer)
 

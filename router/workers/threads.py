@@ -25,7 +25,8 @@ An OMP_NUM_THREADS in the server's environment is an explicit choice and wins ov
 test suite sets 1: tiny models on shared cores run far faster on one thread). An explicit
 `--threads-per-worker N` wins over both.
 
-Prompt steps (`--prompt-threads`, a step carrying at least 64 prompt tokens) may take more: under
+Prompt steps (`--prompt-threads`, a step carrying at least 256 prompt tokens, engine/config.py
+PROMPT_STEP_TOKENS says why 256) may take more: under
 `auto`, a colocated server that prefills whole prompts gives its workers' prompt steps the core
 left to the router too, because while such a step runs no token streams (every running sequence
 waits for it) and the router has nothing to do. Its many-row GEMMs are long enough to pay for a

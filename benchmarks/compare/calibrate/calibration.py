@@ -144,15 +144,13 @@ def fit_steps(steps: Sequence[LoggedStep]) -> tuple[dict[str, PoolFit], float]:
 
 def split_by_threads(steps: Sequence[LoggedStep]) -> tuple[list[LoggedStep], list[LoggedStep]]:
     """`steps` as (the pool's steps, its prompt steps that ran on other threads). The pool's
-    threads are those of its short steps (fewer than PROMPT_STEP_TOKENS prompt tokens); a long
-    step on another count is a prompt step (engine/runner/model_runner.py picks the threads by
-    the same rule), priced by `fit_beside` (even one: left in, it would skew the pool's fit)."""
+    threads are those of its short steps (fewer than PROMPT_STEP_TOKENS prompt tokens); a step
+    with prompt tokens on another count is a prompt step (engine/runner/model_runner.py picks the
+    threads by the prompt's length: from PROMPT_STEP_TOKENS today, --prompt-threads-min-tokens on a
+    server told otherwise, 64 before 2026-12-06), priced by `fit_beside` (even one: left in, it
+    would skew the pool's fit)."""
     short = threads_of([s for s in steps if s.shape.prefill_tokens < PROMPT_STEP_TOKENS])
-    prompt = [
-        s
-        for s in steps
-        if s.shape.prefill_tokens >= PROMPT_STEP_TOKENS and s.torch_threads > 0 and s.torch_threads != short
-    ]
+    prompt = [s for s in steps if s.shape.prefill_tokens > 0 and s.torch_threads > 0 and s.torch_threads != short]
     if short is None or not prompt:
         return list(steps), []
     taken = {id(s) for s in prompt}
