@@ -223,10 +223,10 @@ KV_DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp32": 4}
 # that a second thread pays (SmolLM2, 2,048 prompt tokens on the 2-core dev VM: 1,049 us a token on
 # 2 threads against 1,910 on 1), while a decode step's many short parallel regions stall whenever
 # another process takes one of their cores (router/workers/threads.py). Why 256 and not 64: served
-# beside the router streaming two dozen requests, steps of 64-127 prompt tokens ran ~12% slower on
-# two threads than on one, and a shared-prefix chat (mostly such steps) measured 3.27 requests/s
-# at 256 against 3.09 at 64 and 3.06 on one thread (2026-12-06, serve-flags-ab-chat-prefix in
-# benchmarks/results/plan-verify; docs/plan.md has the run). The simulator prices such steps apart
+# beside the router streaming two dozen requests (a shared-prefix chat on the 2-core dev VM,
+# 2026-12-06, serve-flags-ab-chat-prefix in benchmarks/results/plan-verify; docs/plan.md has the
+# run), steps of 64-127 prompt tokens ran ~14% slower on two threads than on one, 128-255 ~4%
+# faster (inside the VM's spread), 256-511 ~1.3x faster. The simulator prices such steps apart
 # (costmodel/sim/model.py StepModel.prompt_fit).
 PROMPT_STEP_TOKENS = 256
 
