@@ -234,11 +234,9 @@ def verify_one(
     at_pace: PredictionSetup | None = None,
     serve_flags: dict[str, Any] | None = None,
 ) -> VerifyRow:
-    """Deploy `s`'s candidate on a fresh server, warm it, time the workload, judge it; with the
-    `setup` that priced it, also say what its workers' steps cost against those prices, and with
-    `at_pace` (that setup, calibrated on this CPU) predict it again at the pace measured now.
-    `serve_flags`: ServeConfig settings on top of the candidate's (benchmarks/serve_flags_ab.py;
-    the plan does not price them)."""
+    """Deploy `s`'s candidate (plus `serve_flags`, unpriced: benchmarks/serve_flags_ab.py) fresh, warm it,
+    time the workload, judge it; with the `setup` that priced it, say what its steps cost against those
+    prices, and with `at_pace` (that setup, calibrated on this CPU) predict it again at today's pace."""
     from router.config import ConfigError, ServeConfig  # noqa: PLC0415 (starts nothing until used)
     from router.serve_cli import ServerThread  # noqa: PLC0415
 
@@ -271,9 +269,7 @@ def verify_one(
         )
         if c.mode == "auto":  # the SLOs its router decides under, from the step fit it starts with
             cfg = replace(cfg, slo_ttft_ms=c.slo_ttft_ms, slo_itl_ms=c.slo_itl_ms, calibration=c.calibration)
-        cfg.validate()
-        if serve_flags:
-            cfg = ServeConfig.build({**{f.name: getattr(cfg, f.name) for f in fields(cfg)}, **serve_flags})
+        cfg = ServeConfig.build({**{f.name: getattr(cfg, f.name) for f in fields(cfg)}, **(serve_flags or {})})
     except ConfigError as e:
         row.error = f"not deployable here: {e}"
         return row

@@ -324,7 +324,6 @@ def test_step_prices_read_each_pools_steps_against_the_plans_price():
     steps.append(LoggedStep("d-0", "decode", mixed, FIT.seconds(mixed) * 3.0))  # a chunk beside a decode row
     got = step_prices(steps, setup)["decode"]
     assert got["prompt_steps"]["steps"] == 1 and got["prompt_steps"]["time_ratio"] == pytest.approx(3.0)
-    assert [(b["tokens"], b["steps"]) for b in got["prompt_steps_by_tokens"]] == [("256-511", 1)]
 
 
 def test_a_verification_reprices_at_the_pace_it_measured(tmp_path):
