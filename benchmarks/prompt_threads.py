@@ -12,9 +12,10 @@ This measures the ratio on the model's own forward, in a child process so that t
 torch threads (and a router in the same process) are left alone: the model is built with random
 weights of the served model's shapes (timing does not depend on the values, and nothing is
 loaded or pulled), one prompt of each length runs at `from` and `to` threads in turn, and the
-ratio of the fastest of each is kept. Why not a GEMM of the model's shapes: on the dev VM one
-ran 1.95-1.99x faster on two threads, the model's forward 1.72x (256 tokens) to 1.90x (2,048),
-its attention and element-wise work scaling less.
+ratio of the fastest of each is kept, timed on a thread of its own (a worker's engine loop is not
+the main thread, and its OpenMP team gained less: docs/plan.md, 2026-12-06). Why not a GEMM of the
+model's shapes: on the dev VM one ran 1.95-1.99x faster on two threads, the model's forward 1.72x
+(256 tokens) to 1.90x (2,048), its attention and element-wise work scaling less.
 
     python -m benchmarks.prompt_threads --model smollm2-135m-instruct --from 1 --to 2 --tokens 256,1024
 """

@@ -177,9 +177,9 @@ def coverage_notes(
             f"colocated whole ({', '.join(f'x{w}' if w > 1 else '1 worker' for w in sorted(whole.workers))}) runs "
             f"its prompt steps on {whole.threads} threads here: priced {whole.speedup:.2f}x faster than the "
             f"calibration's, the ratio its probe measured for this model's forward at {whole.prompt_tokens:.0f} "
-            "tokens (the workload's mean prompt step, a cached prefix left out); measured in a plain process: "
-            "deployed, the serving stack's own threads take from the borrowed core (on the 2-core VM 1,024-token "
-            "steps gained 1.46x against 1.79x measured so, plan-verify-rag-probe-q), so those figures are optimistic"
+            "tokens (the workload's mean prompt step, a cached prefix left out), timed on a thread as a worker runs "
+            "it but without the serving stack's other threads, which take from the borrowed core: where they are "
+            "busy (many streams) those figures are optimistic"
         )
     elif not by_kind and "bench probe" in setup.source and not setup.prompt_speedup:
         notes.append(
