@@ -285,3 +285,13 @@ __all__ = [
     "is_checkpoint_dir",
     "read_generation_eos",
 ]
+
+# How long an idle engine loop gathers requests after the first one arrives before it runs a step
+# (engine/worker_base.py EngineLoop; a server's --batch-wait-ms). Without it, requests sent
+# together raced the loop's wake-up: on the 2-core dev VM four chats sent within 1.3 ms of each
+# other ran as 1+3, 2+2 or 3+1 prompt steps from one run to the next (21 modes of seven
+# `bench compare` runs, 2026-12-05/06), their TTFT median moving ~30% with it. Triton's dynamic
+# batcher calls this max_queue_delay. It costs a lone request on an idle server this much TTFT,
+# and nothing under load: a loop that has work never waits. The simulator models it
+# (costmodel/sim/model.py SimConfig.batch_wait_s).
+BATCH_WAIT_S = 0.002

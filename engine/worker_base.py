@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.config import CacheConfig, is_checkpoint_dir, read_generation_eos, resolve_model_config
+from engine.config import BATCH_WAIT_S, CacheConfig, is_checkpoint_dir, read_generation_eos, resolve_model_config
 from engine.core.llm_engine import LLMEngine
 from engine.heap_trim import HeapTrimmer, heap_usage
 from engine.model.linear import RowBuckets
@@ -187,10 +187,14 @@ class EngineLoop:
 
     engine: LLMEngine  # built by each worker subclass before start()
     idle_wait_s = 0.002  # how long an idle loop sleeps between inbox/notification polls
+    # an idle loop woken by work gathers more for this long before its step (engine/config.py)
+    batch_wait_s = BATCH_WAIT_S
     error_type: type[Exception] = RuntimeError  # what callers get from a dead or closed loop
 
-    def __init__(self, name: str, torch_threads: int | None = None):
+    def __init__(self, name: str, torch_threads: int | None = None, batch_wait_s: float | None = None):
         self.name = name
+        if batch_wait_s is not None:
+            self.batch_wait_s = batch_wait_s
         # set before the subclass builds its engine (weights load on this thread, steps on the loop's)
         self.torch_threads = use_threads(torch_threads, name)
         self._inbox: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
@@ -276,6 +280,19 @@ class EngineLoop:
             except queue.Empty:
                 return
 
+    def _gather(self, deadline: float) -> None:
+        """Run what reaches the inbox until `deadline`: requests sent together (a burst of chats)
+        share the first step instead of racing its start."""
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                fn, fut = self._inbox.get(timeout=left)
+            except queue.Empty:
+                return
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - the caller re-raises it
+                fut.set_exception(e)
+
     def _run(self) -> None:
         # Block on the inbox (a short idle wait) unless the last tick ran a forward pass and work
         # remains: a loop whose work is all blocked (prompts waiting for KV blocks that only a
@@ -285,7 +302,10 @@ class EngineLoop:
         self.torch_threads = torch.get_num_threads()
         try:
             while not self._stop.is_set():
+                idle = not self.has_work()
                 self._drain_inbox(block=not (progressed and self.has_work()))
+                if idle and self.batch_wait_s > 0 and self.has_work():
+                    self._gather(time.monotonic() + self.batch_wait_s)
                 progressed = bool(self.tick())
                 if progressed:
                     self.steps += 1

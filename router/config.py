@@ -13,7 +13,7 @@ from typing import Any
 
 from contracts.worker import WorkerConfig
 from engine.checkpoint.registry import DEFAULT_MODEL, MODELS
-from engine.config import KV_DTYPE_BYTES, PRESETS, PROMPT_STEP_TOKENS, is_checkpoint_dir
+from engine.config import BATCH_WAIT_S, KV_DTYPE_BYTES, PRESETS, PROMPT_STEP_TOKENS, is_checkpoint_dir
 from router.config_flags import cli_flag
 from router.workers.threads import parse_threads
 
@@ -189,6 +189,14 @@ class ServeConfig:
     lease_s: float = field(
         default=30.0, metadata=cli_flag("pools", "seconds prefill keeps KV that decode has not pulled")
     )
+    batch_wait_ms: float = field(
+        default=BATCH_WAIT_S * 1e3,
+        metadata=cli_flag(
+            "pools",
+            "how long an idle worker gathers requests after the first arrives before its step, so that "
+            "requests sent together are prefilled together (never under load); 0 = start at once",
+        ),
+    )
     # auto by default: on the cluster rehearsal it was never slower than bulk and hid 20-90x more of
     # the transfer on long prompts (docs/results.md, layer-wise section); streaming every prompt
     # pays the stream-opening call where a fast link leaves nothing to hide
@@ -360,6 +368,8 @@ class ServeConfig:
             raise bad("--threads-per-worker", "must be >= 1 (or auto)")
         if self.prompt_threads is not None and self.prompt_threads < 1:
             raise bad("--prompt-threads", "must be >= 1 (or auto)")
+        if not 0 <= self.batch_wait_ms <= 1000:
+            raise bad("--batch-wait-ms", "must be between 0 and 1000 ms")
         if self.prompt_threads_min_tokens is not None and self.prompt_threads_min_tokens < 1:
             raise bad("--prompt-threads-min-tokens", "must be >= 1")
         if self.gemm_row_buckets < 0:
@@ -436,6 +446,7 @@ class ServeConfig:
             torch_threads=self.threads_per_worker,  # None (auto) until router/launch.py resolves it
             prompt_threads=self.prompt_threads,  # likewise
             prompt_threads_min_tokens=self.prompt_threads_min_tokens,
+            batch_wait_s=self.batch_wait_ms / 1e3,
             lease_s=self.lease_s,
             transport=self.transport,
             transfer_timeout_s=self.transfer_timeout_s,

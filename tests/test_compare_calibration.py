@@ -25,6 +25,7 @@ from costmodel.provenance import save_calibration
 from costmodel.serve_metrics import RequestRecord
 from costmodel.sim.compare_predict import predict, setup_from_steps, sim_config
 from costmodel.workloads import RequestSpec
+from engine.config import BATCH_WAIT_S
 
 TRUE = StepCostFit(fixed_s=0.030, per_token_s=0.0004, attention_s=2e-9, per_sequence_s=0.004)
 
@@ -183,7 +184,9 @@ def _mode_run(label: str, mode: str, warm_fit: StepCostFit, steps_fit: StepCostF
     specs = [RequestSpec(f"chat-{i}", "x", 64, 32, 0.0, "chat") for i in range(4)]
     specs.append(RequestSpec("doc-0", "x", 512, 4, 0.05, "document"))
     truth = setup_from_steps("tiny", warm_fit, None, None, "truth", 100)
-    records = simulate_specs(sim_config(mode, None, 1, 1, 64, truth.link), truth.steps, specs)
+    # served as pdserve's engine serves: an idle loop gathers the chats sent together
+    served = sim_config(mode, None, 1, 1, 64, truth.link, batch_wait_s=BATCH_WAIT_S)
+    records = simulate_specs(served, truth.steps, specs)
     warm = BenchResult(BenchConfig(), "tiny", records, compute_metrics(records, None, None), 1.0)
     cal = SelfCalibration({mode: PoolFit(mode, steps_fit, 90, 3)}, 0.0, 4, None)
     run = ModeRun(ModeSpec(label, mode), {}, 1.0, {}, [], warm, self_calibration=cal, warmup=warm)
@@ -252,6 +255,26 @@ def test_decode_steps_beside_a_prefill_are_priced_apart():
     assert beside_prefill_slowdown(steps, pools["decode"].fit) == pytest.approx(2.0, rel=0.02)
     alone = [s for s in steps if s.role == "decode"]
     assert beside_prefill_slowdown(alone, pools["decode"].fit) == 1.0  # separate devices: no prefill steps
+
+
+def test_the_slowdown_beside_a_prefill_is_read_against_lone_steps_of_the_same_batch():
+    from benchmarks.compare.calibrate.calibration import beside_prefill_slowdown
+
+    # one and two streams both run 15 ms alone (as the demo's did); a fit linear in the batch
+    # prices two at 18 ms, so their steps beside a prefill at 16.5 ms would read 0.92x, not 1.1x
+    linear = StepCostFit(0.006, 0.0, 0.0, 0.006)  # 12 ms for one stream, 18 for two
+    steps, t = [], 100.0
+    for seqs in (1, 2):
+        for _ in range(5):
+            t += 0.015
+            steps.append(LoggedStep("decode-0", "decode", StepShape.of([50] * seqs), 0.015, t))
+    for _ in range(5):
+        t += 0.0165
+        steps.append(LoggedStep("decode-0", "decode", StepShape.of([50] * 2), 0.0165, t))
+        steps.append(LoggedStep("prefill-0", "prefill", StepShape.of((), [(0, 300)]), 0.0165, t))
+    assert beside_prefill_slowdown(steps, linear) == pytest.approx(1.1, rel=0.01)
+    no_lone_kin = [x for x in steps if x.role == "prefill" or x.shape.decode_seqs == 2 and x.seconds > 0.015]
+    assert beside_prefill_slowdown(no_lone_kin, linear) == 1.0  # against the fit: 0.92x, floored at 1
 
 
 def test_prefill_steps_beside_decoding_are_priced_at_lone_prices_and_a_slowdown():

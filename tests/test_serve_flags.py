@@ -51,6 +51,7 @@ SNAPSHOT = {
     ("--kv-transfer",): ("kv_transfer", "_StoreAction", None, None, ("bulk", "layerwise", "auto"), None, None, POOLS),
     ("--kv-stream-layers",): ("kv_stream_layers", "_StoreAction", None, "int", None, None, "N", POOLS),
     ("--lease-s",): ("lease_s", "_StoreAction", None, "float", None, None, None, POOLS),
+    ("--batch-wait-ms",): ("batch_wait_ms", "_StoreAction", None, "float", None, None, None, POOLS),
     ("--transfer-timeout-s",): ("transfer_timeout_s", "_StoreAction", None, "float", None, None, None, POOLS),
     ("--prefill-resources",): ("prefill_resources", "_StoreAction", None, None, None, None, "JSON", POOLS),
     ("--decode-resources",): ("decode_resources", "_StoreAction", None, None, None, None, "JSON", POOLS),
@@ -128,6 +129,7 @@ def test_every_setting_has_a_flag_with_help():
         (["--verify-kv"], {"verify_kv": True}),
         (["--no-verify-kv"], {"verify_kv": False}),
         (["--lease-s", "5", "--link-gbps", "1"], {"lease_s": 5.0, "link_gbps": 1.0}),
+        (["--batch-wait-ms", "0"], {"batch_wait_ms": 0.0}),
         (
             ["--prefill-resources", '{"node1": 1}', "--decode", "2", "--decode-resources", '[{"a": 1}, {"b": 2}]'],
             {"prefill_resources": {"node1": 1}, "decode": 2, "decode_resources": [{"a": 1}, {"b": 2}]},

@@ -46,7 +46,7 @@ class AutoDecodeWorker(ColocatedWorker):
         self.inflight -= 1
         self.remember(r, r.prompt)
         self.arrived.append(r)
-        self.kick()
+        self.wake()
 
     def plan(self):
         self.admit(self.arrived)

@@ -205,10 +205,12 @@ def sim_config(
     prefix_policy: bool = False,
     prefill_slowdown: float = 1.0,
     auto_slos_s: tuple[float, float] | None = None,
+    batch_wait_s: float = 0.0,
 ) -> SimConfig:
     """The simulator's view of one pdserve mode ("colocated" whole or chunked, "disagg", or "auto"
     with `chunk_size` its local chunks and `auto_slos_s` the TTFT and ITL SLOs it decides under;
-    the KV transfer settings only matter where KV crosses a link)."""
+    the KV transfer settings only matter where KV crosses a link; `batch_wait_s`: pdserve's
+    engine loop gathers requests that long from idle, engine/config.py BATCH_WAIT_S)."""
     if mode in ("disagg", "auto"):
         ttft, itl = auto_slos_s if mode == "auto" and auto_slos_s else (None, None)
         return SimConfig(
@@ -226,12 +228,26 @@ def sim_config(
             chunk=chunk_size or SimConfig.chunk,
             slo_ttft_s=ttft,
             slo_itl_s=itl,
+            batch_wait_s=batch_wait_s,
         )
     if chunk_size:
         return SimConfig(
-            "chunked", workers=decode, chunk=chunk_size, max_batch=max_num_seqs, link=link, prefix_policy=prefix_policy
+            "chunked",
+            workers=decode,
+            chunk=chunk_size,
+            max_batch=max_num_seqs,
+            link=link,
+            prefix_policy=prefix_policy,
+            batch_wait_s=batch_wait_s,
         )
-    return SimConfig("colocated", workers=decode, max_batch=max_num_seqs, link=link, prefix_policy=prefix_policy)
+    return SimConfig(
+        "colocated",
+        workers=decode,
+        max_batch=max_num_seqs,
+        link=link,
+        prefix_policy=prefix_policy,
+        batch_wait_s=batch_wait_s,
+    )
 
 
 def simulate_requests(cfg: SimConfig, steps: StepModel, specs: list[RequestSpec]) -> list[Request]:

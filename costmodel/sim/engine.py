@@ -150,7 +150,7 @@ class Sim:
                     self._bound[r.rid] = w
                 w = pw
         w.queue.append(r)
-        w.kick()
+        w.wake()
 
     def _pick(self, workers: list[Worker], r: Request) -> Worker:
         """The least loaded worker; under the prefix policy, the one holding most of `r`'s prefix first."""

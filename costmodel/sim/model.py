@@ -166,6 +166,9 @@ class SimConfig:
     # ... and a prefill step this many times its price for the share of it during which a decode
     # worker is decoding (its price: a lone prefill step's)
     prefill_slowdown: float = 1.0
+    # an idle worker starts its step this long after a request arrives, with whatever else arrived
+    # meanwhile (pdserve's engine loop, engine/config.py BATCH_WAIT_S; 0: at once, the first alone)
+    batch_wait_s: float = 0.0
     # disagg: how the KV crosses the link (pdserve's --kv-transfer): "bulk" pulls it whole after
     # the prefill; "layerwise" pulls `kv_stream_layers` layers at a time while the prefill runs,
     # each pull costing `kv_group_overhead_s` beyond its bytes, so only what the link has not

@@ -48,6 +48,7 @@ class Worker:
         self.queue: deque[Request] = deque()
         self.running: list[Request] = []
         self.busy = False
+        self.waking = False  # an idle worker's step is due batch_wait_s after its first arrival
         self.log: list[StepRecord] = []
         self.prefixes: dict[str, int] = {}  # prefix key -> how many of its tokens this worker's KV cache holds
 
@@ -98,6 +99,21 @@ class Worker:
         busy_until = max((w.log[-1].end for w in self.sim.prefill if w.busy and w.log), default=self.sim.now)
         share = min(1.0, max(0.0, busy_until - self.sim.now) / dur)
         return dur * (1.0 + (k - 1.0) * share)
+
+    def wake(self) -> None:
+        """A request has arrived: an idle worker starts its step `batch_wait_s` from now, with
+        whatever else arrived by then (pdserve's engine loop, engine/worker_base.py); a busy one
+        takes it at its next step."""
+        wait = self.sim.cfg.batch_wait_s
+        if self.busy or wait <= 0:
+            self.kick()
+        elif not self.waking:
+            self.waking = True
+            self.sim.at(self.sim.now + wait, self._woken)
+
+    def _woken(self) -> None:
+        self.waking = False
+        self.kick()
 
     def kick(self) -> None:
         if self.busy:
@@ -283,7 +299,7 @@ class DecodeWorker(Worker):
         self.inflight -= 1
         self.remember(r, r.prompt)
         self.queue.append(r)
-        self.kick()
+        self.wake()
 
     def plan(self):
         self.admit(self.queue)

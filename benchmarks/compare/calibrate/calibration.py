@@ -41,6 +41,7 @@ from engine.config import PROMPT_STEP_TOKENS
 TRIM_FACTOR = 4.0
 TRIM_MAX_SHARE = 0.1
 MIN_STEPS = 8  # fewer steps than this and a pool's fit is not trusted
+MIN_LONE_READS = 3  # lone decode steps of one batch size that price its steps beside a prefill
 ITERATIONS = 4  # beside_decode_slowdown's rounds of reading the slowdown and refitting at lone prices
 
 
@@ -178,15 +179,25 @@ def overlap(step: LoggedStep, others: Sequence[LoggedStep]) -> float:
 def beside_prefill_slowdown(steps: Sequence[LoggedStep], decode: StepCostFit | None) -> float:
     """How many times its own price a decode step costs while a prefill step runs beside it: 1 on
     separate GPUs; on one host's CPU cores the two pools compete (measured 1.5-3x on 2 cores).
-    The median over decode steps at least half overlapped, each read as 1 + (ratio - 1) / share."""
+    The median over decode steps at least half overlapped, each read as 1 + (ratio - 1) / share,
+    the ratio against the median lone step of its batch size where there are MIN_LONE_READS of
+    them, else against the fit's price: the fit is linear in the batch, the steps are not (the
+    demo's one- and two-stream steps both ran 15.4 ms, priced 15.5 and 18.1, so its two-stream
+    steps beside a prefill read 0.92x where they ran 1.09x their lone kind, 2026-12-06)."""
     prefill = [s for s in steps if s.role == "prefill"]
     if decode is None or not prefill:
         return 1.0
+    decoding = [(s, overlap(s, prefill)) for s in steps if s.role == "decode"]
+    lone: dict[int, list[float]] = {}
+    for s, share in decoding:
+        if share == 0.0:
+            lone.setdefault(s.shape.decode_seqs, []).append(s.seconds)
     reads = []
-    for s in steps:
-        share = overlap(s, prefill) if s.role == "decode" else 0.0
+    for s, share in decoding:
         if share >= 0.5:
-            reads.append(1.0 + (s.seconds / decode.seconds(s.shape) - 1.0) / share)
+            kin = lone.get(s.shape.decode_seqs, [])
+            base = statistics.median(kin) if len(kin) >= MIN_LONE_READS else decode.seconds(s.shape)
+            reads.append(1.0 + (s.seconds / base - 1.0) / share)
     return max(1.0, statistics.median(reads)) if len(reads) >= 3 else 1.0
 
 
