@@ -142,6 +142,7 @@ class Sim:
             assert isinstance(w, auto.AutoDecodeWorker)
             pw = self._pick(self.prefill, r)
             assert isinstance(pw, PrefillWorker)
+            w.sync()  # the rule reads its batch and step in progress
             choice = auto.choose(auto.predict_local(self, w, r), auto.predict_remote(self, pw, w, r))
             self.placements[r.rid] = choice
             if choice == "remote":
@@ -262,6 +263,9 @@ class Sim:
                 break
             self.now = t
             fn(*args)
+        if horizon is not None:
+            for w in self.workers:
+                w.flush(horizon)
         return self
 
     @property

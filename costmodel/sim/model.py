@@ -91,6 +91,23 @@ class StepModel:
             return f.step_seconds(len(batch), self._decode_pairs(batch), parts)
         return (self.decode(batch) if batch else 0.0) + sum(self.chunk(s, n) for s, n in parts)
 
+    def decode_run(self, batch: list[Request], k: int) -> list[float]:
+        """`decode(batch)` for each of `k` steps in a row, every context one token longer a step:
+        the same figures as pricing the steps one by one (the sums are whole numbers)."""
+        n = len(batch)
+        if self.fit is not None:
+            if self.fixed_ctx is not None:
+                return [self.fit.step_seconds(n, float((int(self.fixed_ctx) + 1) * n))] * k
+            s0 = sum(r.prompt + len(r.token_times) for r in batch)
+            return [self.fit.step_seconds(n, float(s0 + i * n + n)) for i in range(k)]
+        if self.fixed_ctx is not None:
+            return [self.decode(batch)] * k
+        s0 = sum(r.ctx for r in batch)
+        return [
+            cm.decode_step_tokens(self.model, self.hw, n, s0 + i * n, self.mfu, self.weight_dtype, self.kv_dtype).time_s
+            for i in range(k)
+        ]
+
     def _decode_pairs(self, batch: list[Request]) -> float:
         """The decode rows' attention pairs: each row's context and its new token."""
         if self.fixed_ctx is not None:
@@ -169,6 +186,9 @@ class SimConfig:
     # an idle worker starts its step this long after a request arrives, with whatever else arrived
     # meanwhile (pdserve's engine loop, engine/config.py BATCH_WAIT_S; 0: at once, the first alone)
     batch_wait_s: float = 0.0
+    # a worker's decode-only steps between two changes to its batch run as one event (the same
+    # results, fewer events: costmodel/sim/workers.py); False: every step its own event
+    fast_forward: bool = True
     # disagg: how the KV crosses the link (pdserve's --kv-transfer): "bulk" pulls it whole after
     # the prefill; "layerwise" pulls `kv_stream_layers` layers at a time while the prefill runs,
     # each pull costing `kv_group_overhead_s` beyond its bytes, so only what the link has not

@@ -34,12 +34,52 @@ class SimHost(Protocol):
     def send_kv(self, r: Request) -> None: ...
 
 
+STRETCH_STEPS = 1024  # the most decode-only steps one event carries (endless streams decode forever)
+
+
 @dataclass
 class StepRecord:
     start: float
     end: float
     prefill_tokens: int
     decode_tokens: int
+    steps: int = 1  # more: a run of decode-only steps (a stretch's), its decode tokens summed
+
+
+@dataclass
+class _Stretch:
+    """A worker's decode-only steps scheduled as one event: the batch, when the first began, each
+    one's end; how many have handed out their tokens, and past which the log has them. Settling
+    logs the steps before the latest as one record and the latest as its own (readers of the
+    step in progress take `log[-1]`)."""
+
+    batch: list[Request]
+    start: float
+    ends: list[float]
+    ended: int = 0
+    logged: int = 0
+
+    def settle(self, log: list[StepRecord], upto: int) -> None:
+        """Steps before `upto` ended (their tokens out); `upto` itself, if any, begun (logged)."""
+        ends, n = self.ends, len(self.batch)
+        last = min(upto, len(ends) - 1)
+        if last > self.logged:  # the steps before the latest as one record; the latest as its own
+            first = ends[self.logged - 1] if self.logged else self.start
+            log.append(StepRecord(first, ends[last - 1], 0, n * (last - self.logged), last - self.logged))
+        if last >= self.logged:
+            log.append(StepRecord(ends[last - 1] if last else self.start, ends[last], 0, n))
+            self.logged = last + 1
+        if upto > self.ended:
+            out = ends[self.ended : upto]
+            for r in self.batch:
+                r.token_times.extend(out)
+            self.ended = upto
+
+
+def _in_progress(ends: list[float], now: float) -> int:
+    """The step in progress at `now`: the first not yet ended (one ending at `now` exactly has
+    not: its end event comes after the one being handled)."""
+    return next(i for i, t in enumerate(ends) if t >= now)
 
 
 class Worker:
@@ -49,6 +89,8 @@ class Worker:
         self.running: list[Request] = []
         self.busy = False
         self.waking = False  # an idle worker's step is due batch_wait_s after its first arrival
+        self._run: _Stretch | None = None  # a decode-only stretch in flight
+        self._run_version = 0  # bumped when a stretch is cut: its first end event is stale
         self.log: list[StepRecord] = []
         self.prefixes: dict[str, int] = {}  # prefix key -> how many of its tokens this worker's KV cache holds
 
@@ -104,6 +146,7 @@ class Worker:
         """A request has arrived: an idle worker starts its step `batch_wait_s` from now, with
         whatever else arrived by then (pdserve's engine loop, engine/worker_base.py); a busy one
         takes it at its next step."""
+        self.cut()
         wait = self.sim.cfg.batch_wait_s
         if self.busy or wait <= 0:
             self.kick()
@@ -123,8 +166,73 @@ class Worker:
             return
         dur, ptok, dtok, fin = p
         self.busy = True
+        if ptok == 0 and self.can_stretch():
+            self._stretch()
+            return
         self.log.append(StepRecord(self.sim.now, self.sim.now + dur, ptok, dtok))
         self.sim.at(self.sim.now + dur, self._done, fin)
+
+    # ---- decode-only stretches: many steps, one event --------------------------------------------
+    # Between two changes to its batch (a request finishing, one arriving), a worker's decode steps
+    # are known in advance: each sequence's context grows by one a step. A 16-worker plan simulates
+    # ~2 million steps, most of them such (a request or two decoding alone on a worker), so a run of
+    # them is priced in one loop and scheduled as one event: the same step ends, token times and
+    # step log as step by step (tests/test_sim_stretch.py), at a fraction of the events. An arrival
+    # for the worker cuts the run at the end of the step in progress, where the step-by-step loop
+    # would have taken it in.
+
+    def can_stretch(self) -> bool:
+        """Whether this worker's decode-only steps may run as one event (`SimConfig.fast_forward`):
+        not where a step's price depends on what other workers do meanwhile (a decode step beside
+        a prefill on shared cores, `beside_prefill`)."""
+        cfg = self.sim.cfg
+        return cfg.fast_forward and (cfg.decode_slowdown == 1.0 or not self.sim.prefill)
+
+    def _stretch(self) -> None:
+        """From now, the running batch's decode steps up to the first that finishes a request (at most
+        STRETCH_STEPS)."""
+        batch = list(self.running)
+        k = min(STRETCH_STEPS, *(r.output - len(r.token_times) for r in batch))
+        t, ends = self.sim.now, []
+        for dur in self.sim.steps.decode_run(batch, k):
+            t += dur
+            ends.append(t)
+        self._run = _Stretch(batch, self.sim.now, ends)
+        self._run_version += 1
+        self.sim.at(ends[-1], self._stretch_done, self._run_version)
+
+    def sync(self) -> None:
+        """The worker's batch and step log as the step-by-step loop has them now, for a reader
+        that prices from them (auto's rule): the steps ended hand out their tokens, the step in
+        progress is logged."""
+        if self._run is not None:
+            self._run.settle(self.log, _in_progress(self._run.ends, self.sim.now))
+
+    def cut(self) -> None:
+        """Something arrived for this worker: a stretch ends with the step in progress."""
+        run = self._run
+        if run is None:
+            return
+        j = _in_progress(run.ends, self.sim.now)
+        if j < len(run.ends) - 1:
+            del run.ends[j + 1 :]
+            self._run_version += 1
+            self.sim.at(run.ends[j], self._stretch_done, self._run_version)
+
+    def _stretch_done(self, version: int) -> None:
+        run = self._run
+        if version != self._run_version or run is None:
+            return  # cut short: a later event ends it
+        self._run = None
+        run.settle(self.log, len(run.ends) - 1)
+        self._done(lambda: self._emit(run.batch))  # the last step, as a step's end hands out tokens
+
+    def flush(self, horizon: float) -> None:
+        """The simulation stopped at `horizon` with a stretch in flight: its steps as the
+        step-by-step loop left them (each step begun logged, each ended its tokens out)."""
+        run, self._run = self._run, None
+        if run is not None:
+            run.settle(self.log, next((i for i, t in enumerate(run.ends) if t > horizon), len(run.ends)))
 
     def _done(self, fin: Callable[[], None]) -> None:
         fin()  # still busy: a request dispatched from inside fin() must not start a step here
@@ -277,6 +385,8 @@ class PrefillWorker(Worker):
         dur = steps.prefill_pool_step(parts)
         k = self.sim.cfg.prefill_slowdown
         if k != 1.0:  # the share of the step a decode worker is decoding for, at k times the price
+            for w in self.sim.decode:
+                w.sync()
             share = min(1.0, max((w.decoding_for() for w in self.sim.decode), default=0.0) / dur) if dur > 0 else 0.0
             dur *= 1.0 + (k - 1.0) * share
         for r in prompts:
