@@ -176,10 +176,10 @@ class Worker:
     # Between two changes to its batch (a request finishing, one arriving), a worker's decode steps
     # are known in advance: each sequence's context grows by one a step. A 16-worker plan simulates
     # ~2 million steps, most of them such (a request or two decoding alone on a worker), so a run of
-    # them is priced in one loop and scheduled as one event: the same step ends, token times and
-    # step log as step by step (tests/test_sim_stretch.py), at a fraction of the events. An arrival
-    # for the worker cuts the run at the end of the step in progress, where the step-by-step loop
-    # would have taken it in.
+    # them is priced in one loop and scheduled as one event: the same step ends and token times as
+    # step by step (tests/test_sim_stretch.py), at a fraction of the events; the log holds the run's
+    # earlier steps as one record. An arrival for the worker cuts the run at the end of the step in
+    # progress, where the step-by-step loop would have taken it in.
 
     def can_stretch(self) -> bool:
         """Whether this worker's decode-only steps may run as one event (`SimConfig.fast_forward`):
