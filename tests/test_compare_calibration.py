@@ -414,7 +414,11 @@ def test_shape_requests_are_the_longest_documents_start_at_shorter_lengths():
     assert [(s.prompt_len, len(str(s.prompt).split()), s.max_tokens, s.arrival_s) for s in got] == [
         (100, 100, 16, 0.0),
         (200, 200, 16, 0.0),
+        (64, 64, 16, 0.0),  # under the prompt threads' 256 tokens, shorter than the fractions give
     ]
     assert str(got[1].prompt).startswith(str(got[0].prompt))
     ids = shape_specs([RequestSpec("doc-1", tuple(range(64)), 64, 4, 0.0, "doc")], fractions=(0.5,))
-    assert ids[0].prompt == tuple(range(32)) and ids[0].request_id == "shape-0"
+    assert ids[0].prompt == tuple(range(32)) and ids[0].request_id == "shape-0" and len(ids) == 1
+    # a long document's fractions all run on the prompt threads: one-thread prompts beside them
+    long = shape_specs([RequestSpec("doc-2", tuple(range(2048)), 2048, 4, 0.0, "doc")])
+    assert [s.prompt_len for s in long] == [512, 1024, 64, 128, 192]
