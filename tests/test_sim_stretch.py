@@ -19,7 +19,7 @@ from costmodel.fit.step_fit import StepCostFit
 from costmodel.sim import compare_predict as cp
 from costmodel.sim.compare_predict import simulate_requests
 from costmodel.sim.engine import Request, Sim, SimConfig, StepModel, Workload, simulate
-from costmodel.sim.workers import STRETCH_STEPS
+from costmodel.sim.stretch import STRETCH_STEPS
 from costmodel.workloads import RequestSpec
 
 FIT = StepCostFit(0.01, 1e-3, 1e-7, 2e-3, samples=100, rms_rel_error=0.05)

@@ -37,10 +37,10 @@ from costmodel.sim.model import MODES as MODES
 from costmodel.sim.model import Request as Request
 from costmodel.sim.model import SimConfig as SimConfig
 from costmodel.sim.model import StepModel as StepModel
+from costmodel.sim.stretch import StepRecord as StepRecord
 from costmodel.sim.workers import ColocatedWorker as ColocatedWorker
 from costmodel.sim.workers import DecodeWorker as DecodeWorker
 from costmodel.sim.workers import PrefillWorker as PrefillWorker
-from costmodel.sim.workers import StepRecord as StepRecord
 from costmodel.sim.workers import Worker as Worker
 
 

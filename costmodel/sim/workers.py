@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from costmodel.sim.model import Request, SimConfig, StepModel
+from costmodel.sim.stretch import STRETCH_STEPS, StepRecord, Stretch, in_progress
 
 
 class SimHost(Protocol):
@@ -34,54 +34,6 @@ class SimHost(Protocol):
     def send_kv(self, r: Request) -> None: ...
 
 
-STRETCH_STEPS = 1024  # the most decode-only steps one event carries (endless streams decode forever)
-
-
-@dataclass
-class StepRecord:
-    start: float
-    end: float
-    prefill_tokens: int
-    decode_tokens: int
-    steps: int = 1  # more: a run of decode-only steps (a stretch's), its decode tokens summed
-
-
-@dataclass
-class _Stretch:
-    """A worker's decode-only steps scheduled as one event: the batch, when the first began, each
-    one's end; how many have handed out their tokens, and past which the log has them. Settling
-    logs the steps before the latest as one record and the latest as its own (readers of the
-    step in progress take `log[-1]`)."""
-
-    batch: list[Request]
-    start: float
-    ends: list[float]
-    ended: int = 0
-    logged: int = 0
-
-    def settle(self, log: list[StepRecord], upto: int) -> None:
-        """Steps before `upto` ended (their tokens out); `upto` itself, if any, begun (logged)."""
-        ends, n = self.ends, len(self.batch)
-        last = min(upto, len(ends) - 1)
-        if last > self.logged:  # the steps before the latest as one record; the latest as its own
-            first = ends[self.logged - 1] if self.logged else self.start
-            log.append(StepRecord(first, ends[last - 1], 0, n * (last - self.logged), last - self.logged))
-        if last >= self.logged:
-            log.append(StepRecord(ends[last - 1] if last else self.start, ends[last], 0, n))
-            self.logged = last + 1
-        if upto > self.ended:
-            out = ends[self.ended : upto]
-            for r in self.batch:
-                r.token_times.extend(out)
-            self.ended = upto
-
-
-def _in_progress(ends: list[float], now: float) -> int:
-    """The step in progress at `now`: the first not yet ended (one ending at `now` exactly has
-    not: its end event comes after the one being handled)."""
-    return next(i for i, t in enumerate(ends) if t >= now)
-
-
 class Worker:
     def __init__(self, sim: SimHost, name: str):
         self.sim, self.name = sim, name
@@ -89,7 +41,7 @@ class Worker:
         self.running: list[Request] = []
         self.busy = False
         self.waking = False  # an idle worker's step is due batch_wait_s after its first arrival
-        self._run: _Stretch | None = None  # a decode-only stretch in flight
+        self._run: Stretch | None = None  # a decode-only stretch in flight
         self._run_version = 0  # bumped when a stretch is cut: its first end event is stale
         self.log: list[StepRecord] = []
         self.prefixes: dict[str, int] = {}  # prefix key -> how many of its tokens this worker's KV cache holds
@@ -197,7 +149,7 @@ class Worker:
         for dur in self.sim.steps.decode_run(batch, k):
             t += dur
             ends.append(t)
-        self._run = _Stretch(batch, self.sim.now, ends)
+        self._run = Stretch(batch, self.sim.now, ends)
         self._run_version += 1
         self.sim.at(ends[-1], self._stretch_done, self._run_version)
 
@@ -206,14 +158,14 @@ class Worker:
         that prices from them (auto's rule): the steps ended hand out their tokens, the step in
         progress is logged."""
         if self._run is not None:
-            self._run.settle(self.log, _in_progress(self._run.ends, self.sim.now))
+            self._run.settle(self.log, in_progress(self._run.ends, self.sim.now))
 
     def cut(self) -> None:
         """Something arrived for this worker: a stretch ends with the step in progress."""
         run = self._run
         if run is None:
             return
-        j = _in_progress(run.ends, self.sim.now)
+        j = in_progress(run.ends, self.sim.now)
         if j < len(run.ends) - 1:
             del run.ends[j + 1 :]
             self._run_version += 1
