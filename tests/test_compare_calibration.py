@@ -257,26 +257,6 @@ def test_decode_steps_beside_a_prefill_are_priced_apart():
     assert beside_prefill_slowdown(alone, pools["decode"].fit) == 1.0  # separate devices: no prefill steps
 
 
-def test_the_slowdown_beside_a_prefill_is_read_against_lone_steps_of_the_same_batch():
-    from benchmarks.compare.calibrate.calibration import beside_prefill_slowdown
-
-    # one and two streams both run 15 ms alone (as the demo's did); a fit linear in the batch
-    # prices two at 18 ms, so their steps beside a prefill at 16.5 ms would read 0.92x, not 1.1x
-    linear = StepCostFit(0.006, 0.0, 0.0, 0.006)  # 12 ms for one stream, 18 for two
-    steps, t = [], 100.0
-    for seqs in (1, 2):
-        for _ in range(5):
-            t += 0.015
-            steps.append(LoggedStep("decode-0", "decode", StepShape.of([50] * seqs), 0.015, t))
-    for _ in range(5):
-        t += 0.0165
-        steps.append(LoggedStep("decode-0", "decode", StepShape.of([50] * 2), 0.0165, t))
-        steps.append(LoggedStep("prefill-0", "prefill", StepShape.of((), [(0, 300)]), 0.0165, t))
-    assert beside_prefill_slowdown(steps, linear) == pytest.approx(1.1, rel=0.01)
-    no_lone_kin = [x for x in steps if x.role == "prefill" or x.shape.decode_seqs == 2 and x.seconds > 0.015]
-    assert beside_prefill_slowdown(no_lone_kin, linear) == 1.0  # against the fit: 0.92x, floored at 1
-
-
 def test_prefill_steps_beside_decoding_are_priced_at_lone_prices_and_a_slowdown():
     """A disaggregated prefill pool on the decode pool's cores: the fit prices a lone prefill step,
     and the slowdown beside decoding is read from the steps that ran beside it."""
@@ -403,22 +383,3 @@ def test_transfer_from_an_earlier_result_rebuilds_each_modes_device_model(tmp_pa
     path.write_text(json.dumps({"provenance": {"config": {"bench_command": "probe"}}}))
     with pytest.raises(ValueError, match="not a `pdserve bench compare` result"):
         transfer.load(path, "tiny")
-
-
-def test_shape_requests_are_the_longest_documents_start_at_shorter_lengths():
-    from benchmarks.compare.calibrate.side_requests import shape_specs
-
-    chat = RequestSpec("chat-0", "hi there", 2, 8, 0.0, "chat")
-    doc = RequestSpec("doc-0", " ".join(f"w{i}" for i in range(400)), 400, 4, 1.5, "doc")
-    got = shape_specs([chat, doc])
-    assert [(s.prompt_len, len(str(s.prompt).split()), s.max_tokens, s.arrival_s) for s in got] == [
-        (100, 100, 16, 0.0),
-        (200, 200, 16, 0.0),
-        (64, 64, 16, 0.0),  # under the prompt threads' 256 tokens, shorter than the fractions give
-    ]
-    assert str(got[1].prompt).startswith(str(got[0].prompt))
-    ids = shape_specs([RequestSpec("doc-1", tuple(range(64)), 64, 4, 0.0, "doc")], fractions=(0.5,))
-    assert ids[0].prompt == tuple(range(32)) and ids[0].request_id == "shape-0" and len(ids) == 1
-    # a long document's fractions all run on the prompt threads: one-thread prompts beside them
-    long = shape_specs([RequestSpec("doc-2", tuple(range(2048)), 2048, 4, 0.0, "doc")])
-    assert [s.prompt_len for s in long] == [512, 1024, 64, 128, 192]

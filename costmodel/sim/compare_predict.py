@@ -211,43 +211,28 @@ def sim_config(
     with `chunk_size` its local chunks and `auto_slos_s` the TTFT and ITL SLOs it decides under;
     the KV transfer settings only matter where KV crosses a link; `batch_wait_s`: pdserve's
     engine loop gathers requests that long from idle, engine/config.py BATCH_WAIT_S)."""
+    shared: dict[str, Any] = {
+        "max_batch": max_num_seqs, "link": link, "prefix_policy": prefix_policy, "batch_wait_s": batch_wait_s,
+    }  # fmt: skip
     if mode in ("disagg", "auto"):
         ttft, itl = auto_slos_s if mode == "auto" and auto_slos_s else (None, None)
         return SimConfig(
             mode,
             prefill_workers=prefill,
             decode_workers=decode,
-            max_batch=max_num_seqs,
-            link=link,
             admit_s=admit_s,
             decode_slowdown=decode_slowdown,
             prefill_slowdown=prefill_slowdown,
             kv_transfer=kv_transfer,
             kv_stream_layers=kv_stream_layers,
-            prefix_policy=prefix_policy,
             chunk=chunk_size or SimConfig.chunk,
             slo_ttft_s=ttft,
             slo_itl_s=itl,
-            batch_wait_s=batch_wait_s,
+            **shared,
         )
     if chunk_size:
-        return SimConfig(
-            "chunked",
-            workers=decode,
-            chunk=chunk_size,
-            max_batch=max_num_seqs,
-            link=link,
-            prefix_policy=prefix_policy,
-            batch_wait_s=batch_wait_s,
-        )
-    return SimConfig(
-        "colocated",
-        workers=decode,
-        max_batch=max_num_seqs,
-        link=link,
-        prefix_policy=prefix_policy,
-        batch_wait_s=batch_wait_s,
-    )
+        return SimConfig("chunked", workers=decode, chunk=chunk_size, **shared)
+    return SimConfig("colocated", workers=decode, **shared)
 
 
 def simulate_requests(cfg: SimConfig, steps: StepModel, specs: list[RequestSpec]) -> list[Request]:

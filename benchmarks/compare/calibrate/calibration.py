@@ -179,19 +179,17 @@ def overlap(step: LoggedStep, others: Sequence[LoggedStep]) -> float:
 def beside_prefill_slowdown(steps: Sequence[LoggedStep], decode: StepCostFit | None) -> float:
     """How many times its own price a decode step costs while a prefill step runs beside it: 1 on
     separate GPUs; on one host's CPU cores the two pools compete (measured 1.5-3x on 2 cores).
-    The median over decode steps at least half overlapped, each read as 1 + (ratio - 1) / share,
-    the ratio against the median lone step of its batch size where there are MIN_LONE_READS of
-    them, else against the fit's price: the fit is linear in the batch, the steps are not (the
-    demo's one- and two-stream steps both ran 15.4 ms, priced 15.5 and 18.1, so its two-stream
-    steps beside a prefill read 0.92x where they ran 1.09x their lone kind, 2026-12-06)."""
+    The median over decode steps at least half overlapped of 1 + (ratio - 1) / share, the ratio
+    against the median lone step of its batch size (MIN_LONE_READS of them; else the fit): the fit
+    is linear in the batch, the steps are not (the demo's one- and two-stream steps both ran 15.4
+    ms, priced 15.5 and 18.1: two-stream steps beside a prefill read 0.92x, not 1.09x, 2026-12-06)."""
     prefill = [s for s in steps if s.role == "prefill"]
     if decode is None or not prefill:
         return 1.0
     decoding = [(s, overlap(s, prefill)) for s in steps if s.role == "decode"]
     lone: dict[int, list[float]] = {}
-    for s, share in decoding:
-        if share == 0.0:
-            lone.setdefault(s.shape.decode_seqs, []).append(s.seconds)
+    for s in (s for s, share in decoding if share == 0.0):
+        lone.setdefault(s.shape.decode_seqs, []).append(s.seconds)
     reads = []
     for s, share in decoding:
         if share >= 0.5:
