@@ -271,10 +271,7 @@ class EngineLoop:
         except queue.Empty:
             return
         while True:
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - the caller re-raises it
-                fut.set_exception(e)
+            _answer(fn, fut)
             try:
                 fn, fut = self._inbox.get_nowait()
             except queue.Empty:
@@ -288,10 +285,7 @@ class EngineLoop:
                 fn, fut = self._inbox.get(timeout=left)
             except queue.Empty:
                 return
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - the caller re-raises it
-                fut.set_exception(e)
+            _answer(fn, fut)
 
     def _run(self) -> None:
         # Block on the inbox (a short idle wait) unless the last tick ran a forward pass and work
@@ -377,6 +371,14 @@ class EngineLoop:
     def on_exit(self) -> None:
         """Loop thread, once, as the loop ends: fail every request still held (nothing may wait
         forever on a loop that is gone)."""
+
+
+def _answer(fn: Callable[[], Any], fut: Future) -> None:
+    """Run one inbox job on the loop thread and answer its caller (an error is re-raised there)."""
+    try:
+        fut.set_result(fn())
+    except BaseException as e:  # noqa: BLE001 - the caller re-raises it
+        fut.set_exception(e)
 
 
 def now() -> float:
