@@ -334,6 +334,7 @@ def _measure(
             log("  timed pass")
             with StepLogRecorder(srv.url, srv.api_key) as recorder, QuietGC():  # not pdserve's: no steps
                 result = asyncio.run(run_benchmark(bench, fresh_prompts(specs, args.seed + 2)))
+            row.steps = list(recorder.steps)
             if setup is not None:
                 row.step_prices = step_prices(recorder.steps, setup)
                 for pool, p in (row.step_prices or {}).items():

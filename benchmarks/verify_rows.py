@@ -10,7 +10,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.compare.calibrate.logged_step import LoggedStep
+from benchmarks.compare.calibrate.logged_step import STEP_COLUMNS, LoggedStep
 from costmodel.plan.candidates import Candidate
 from costmodel.plan.score import Judged
 from costmodel.serve_metrics import RequestRecord
@@ -37,6 +37,9 @@ class VerifyRow:
     rounds: list[VerifyRow] = field(default_factory=list)  # each measurement, where there were several
     # request by request, simulated beside measured (`per_request`): where a p90's error comes from
     requests: list[dict[str, Any]] | None = None
+    # the workers' steps in the timed pass as they logged them: a step price or a schedule that was
+    # off can be read step by step afterwards, beside the simulator's (a row of `STEP_COLUMNS` each)
+    steps: list[LoggedStep] = field(default_factory=list)
 
     @property
     def goodput_range(self) -> tuple[float, float] | None:
@@ -64,6 +67,7 @@ class VerifyRow:
             "pace_ratio": self.pace_ratio,
             "predicted_at_this_pace": self.pace_adjusted.to_dict() if self.pace_adjusted else None,
             "requests": self.requests,
+            "steps": {"columns": list(STEP_COLUMNS), "rows": [s.to_row() for s in self.steps]} if self.steps else None,
             **extra,
         }
 

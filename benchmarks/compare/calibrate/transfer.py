@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.compare.calibrate.calibration import SelfCalibration, prediction_setup
+from benchmarks.compare.calibrate.pooled import Server, pooled
 from costmodel.sim.compare_predict import PredictionSetup
 
 
@@ -81,15 +82,27 @@ def load(path: Path, model: str) -> tuple[dict[str, Transferred], dict[str, str]
         raise ValueError(f"--transfer-from {path}: measured {config.get('model')!r}, this run serves {model!r}")
     found: dict[str, Transferred] = {}
     missing: dict[str, str] = {}
+    cals: dict[str, SelfCalibration] = {}  # by this version's step model
+    servers: dict[str, Server] = {}  # the colocated-kind ones, chunked or not: `pooled` shares their fit
+    paces: dict[str, float] = {}  # the machine's pace before each server started (benchmarks/pace.py)
     for m in doc["modes"]:
-        label, cal_dict = m.get("label"), m.get("self_calibration")
+        label, spec = m.get("label"), m.get("spec") or {}
+        if label and (pace := (m.get("machine_pace") or {}).get("gemm_gflops_1thread")):
+            paces[label] = pace
+        if label and m.get("self_calibration") and spec.get("mode") is not None:
+            cals[label] = SelfCalibration.from_dict(m["self_calibration"]).refitted()
+            if spec["mode"] == "colocated":
+                servers[label] = Server(label, cals[label], int(spec.get("decode") or 1))
+    shared = pooled(servers)
+    for m in doc["modes"]:
+        label = m.get("label")
         mode = (m.get("spec") or {}).get("mode")
         if not label or mode is None:
             continue
-        if not cal_dict:
+        if label not in cals:
             missing[label] = f"{path} has no self-calibration for {label}"
             continue
-        cal = SelfCalibration.from_dict(cal_dict).refitted()  # by this version's step model
+        cal, with_ = shared.get(label, (cals[label], [label]))
         setup, why = prediction_setup(model, mode, cal)
         if setup is None:
             missing[label] = f"{path}: {why}"
@@ -100,8 +113,10 @@ def load(path: Path, model: str) -> tuple[dict[str, Transferred], dict[str, str]
         basis = m.get("prediction_basis") or {}
         admit_ms = basis.get("decode_admission_ms") or 0.0
         hop_ms = (m.get("serving_overhead") or {}).get("hop_ms") or 0.0
-        source = f"transfer: fitted to {cal.steps} steps of {label}'s warm-up in {path}"
-        pace = (m.get("machine_pace") or {}).get("gemm_gflops_1thread")
+        warmups = f"{label}'s warm-up" if len(with_) == 1 else f"the warm-ups of {' and '.join(with_)} (one engine)"
+        source = f"transfer: fitted to {cal.steps} steps of {warmups} in {path}"
+        known = [paces[x] for x in with_ if x in paces]  # a pooled fit: its servers' mean pace
+        pace = sum(known) / len(known) if known else None
         setup = replace(
             setup, source=source, kind="transfer", admit_s=admit_ms / 1e3, hop_s=hop_ms / 1e3, pace_gflops=pace
         )
