@@ -31,7 +31,7 @@ def test_the_slowdown_beside_a_prefill_is_read_against_lone_steps_of_the_same_ba
     assert beside_prefill_slowdown(no_lone_kin, linear) == 1.0  # against the fit: 0.92x, floored at 1
 
 
-def test_shape_requests_are_the_longest_documents_start_at_shorter_lengths():
+def test_shape_requests_are_excerpts_of_the_longest_document_none_a_prefix_of_another():
     from benchmarks.compare.calibrate.side_requests import shape_specs
 
     chat = RequestSpec("chat-0", "hi there", 2, 8, 0.0, "chat")
@@ -42,9 +42,30 @@ def test_shape_requests_are_the_longest_documents_start_at_shorter_lengths():
         (200, 200, 16, 0.0),
         (64, 64, 16, 0.0),  # under the prompt threads' 256 tokens, shorter than the fractions give
     ]
-    assert str(got[1].prompt).startswith(str(got[0].prompt))
+    # cut from one start, each shorter prompt was a cached prefix of a longer one sent before it
+    firsts = [str(s.prompt).split()[0] for s in got]
+    assert len(set(firsts)) == len(got)
     ids = shape_specs([RequestSpec("doc-1", tuple(range(64)), 64, 4, 0.0, "doc")], fractions=(0.5,))
     assert ids[0].prompt == tuple(range(32)) and ids[0].request_id == "shape-0" and len(ids) == 1
     # a long document's fractions all run on the prompt threads: one-thread prompts beside them
     long = shape_specs([RequestSpec("doc-2", tuple(range(2048)), 2048, 4, 0.0, "doc")])
     assert [s.prompt_len for s in long] == [512, 1024, 64, 128, 192]
+    assert [len(s.prompt) for s in long] == [512, 1024, 64, 128, 192]
+    assert len({s.prompt[0] for s in long}) == len(long)  # type: ignore[index]
+
+
+def test_prefix_requests_extend_one_cached_prompt_alone_then_several_at_once():
+    from benchmarks.compare.calibrate.side_requests import PREFIX_BASE, PREFIX_TOGETHER, prefix_specs
+
+    doc = RequestSpec("doc-0", tuple(range(2048)), 2048, 4, 0.0, "doc")
+    base, alone, together = prefix_specs([doc])
+    assert [s.request_id for s in base] == ["prefix-base"] and len(alone) == 1 and len(together) == PREFIX_TOGETHER
+    head = base[0].prompt
+    assert len(head) == base[0].prompt_len == PREFIX_BASE
+    for s in alone + together:
+        assert s.prompt[: len(head)] == head and s.prompt_len == len(s.prompt) > len(head)  # type: ignore[index]
+        assert s.arrival_s == 0.0 and s.max_tokens == 16
+    assert len({s.prompt for s in alone + together}) == 1 + PREFIX_TOGETHER  # each its own tail
+    text = RequestSpec("doc-1", " ".join(f"w{i}" for i in range(1000)), 1000, 4, 0.0, "doc")
+    base, alone, _ = prefix_specs([text])
+    assert str(alone[0].prompt).startswith(str(base[0].prompt) + " ")

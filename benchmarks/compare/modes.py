@@ -32,7 +32,7 @@ from benchmarks.compare import demo_samples
 from benchmarks.compare.args import ModeSpec
 from benchmarks.compare.calibrate.calibration import build as build_self_calibration
 from benchmarks.compare.calibrate.calibration import hop_ms
-from benchmarks.compare.calibrate.side_requests import hop_specs, shape_specs
+from benchmarks.compare.calibrate.side_requests import hop_specs, prefix_specs, shape_specs
 from benchmarks.compare.calibrate.step_log import StepLogRecorder
 from benchmarks.compare.equality import equality_pass
 from benchmarks.compare.record import ModeRun
@@ -99,6 +99,9 @@ def run_mode(
             log("  prompt lengths (shorter documents alone, new text: a per-token cost apart from attention)")
             for one in shape_specs(warmup_specs(bench, specs, 3)):
                 asyncio.run(run_benchmark(replace(bench, client=client), [one]))
+            log("  prompts past a cached prefix (alone, then several at once: a prompt item's own cost)")
+            for group in prefix_specs(warmup_specs(bench, specs, 4)):
+                asyncio.run(run_benchmark(replace(bench, client=client), group))
         kv_bytes = cm.kv_bytes_per_token(cm.ModelSpec.resolve(cfg.model), cfg.kv_dtype)
         calibration = build_self_calibration(steps.steps, warmup.records, hops.records, kv_bytes, steps.error)
         log(f"  self-calibration: {calibration.summary()}")

@@ -15,8 +15,8 @@ in its warm-up, in the same run:
   machines (`make demo`, 2026-12-05: colocated max stall predicted 1,219 ms, measured 593);
 - `hop_ms` times what a warm request waits beyond its worker's queue and prefill (HTTP/SSE,
   router, Ray hops), from a few requests sent one at a time after the warm-up
-  (`side_requests.hop_specs`): the warm-up's own requests queue behind each other; and lone
-  shorter documents (`side_requests.shape_specs`) give the fit prompts of more than one length.
+  (`side_requests.hop_specs`): the warm-up's own requests queue behind each other; lone shorter
+  documents and prompts past a cached prefix (`side_requests`) give the fit other prompt shapes.
 
 A step that ran cold (the first of its shape: allocator growth, oneDNN weight layouts) would pull
 the fit up, so the fit is trimmed: steps the first fit misprices by far more than the typical
