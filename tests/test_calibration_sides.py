@@ -40,6 +40,8 @@ def test_shape_requests_are_excerpts_of_the_longest_document_none_a_prefix_of_an
     assert [(s.prompt_len, len(str(s.prompt).split()), s.max_tokens, s.arrival_s) for s in got] == [
         (100, 100, 16, 0.0),
         (200, 200, 16, 0.0),
+        (360, 360, 16, 0.0),
+        (400, 400, 16, 0.0),  # the document's length alone, other text: the prompt threads' steps
         (64, 64, 16, 0.0),  # under the prompt threads' 256 tokens, shorter than the fractions give
     ]
     # cut from one start, each shorter prompt was a cached prefix of a longer one sent before it
@@ -49,8 +51,8 @@ def test_shape_requests_are_excerpts_of_the_longest_document_none_a_prefix_of_an
     assert ids[0].prompt == tuple(range(32)) and ids[0].request_id == "shape-0" and len(ids) == 1
     # a long document's fractions all run on the prompt threads: one-thread prompts beside them
     long = shape_specs([RequestSpec("doc-2", tuple(range(2048)), 2048, 4, 0.0, "doc")])
-    assert [s.prompt_len for s in long] == [512, 1024, 64, 128, 192]
-    assert [len(s.prompt) for s in long] == [512, 1024, 64, 128, 192]
+    assert [s.prompt_len for s in long] == [512, 1024, 1843, 2048, 64, 128, 192]
+    assert [len(s.prompt) for s in long] == [512, 1024, 1843, 2048, 64, 128, 192]
     assert len({s.prompt[0] for s in long}) == len(long)  # type: ignore[index]
 
 
@@ -69,3 +71,21 @@ def test_prefix_requests_extend_one_cached_prompt_alone_then_several_at_once():
     text = RequestSpec("doc-1", " ".join(f"w{i}" for i in range(1000)), 1000, 4, 0.0, "doc")
     base, alone, _ = prefix_specs([text])
     assert str(alone[0].prompt).startswith(str(base[0].prompt) + " ")
+
+
+def test_a_prompt_fit_on_a_handful_of_steps_drops_one_disturbed_step():
+    from costmodel.fit.step_fit import fit_beside
+
+    base = StepCostFit(0.014, 0.0012, 0.0, 0.0005, per_prompt_s=0.015)
+    two_threads = StepCostFit(0.014, 0.0007, 5e-10, 0.0005, per_prompt_s=0.015)
+    steps = [
+        (StepShape.of([], [(0, n)]), two_threads.seconds(StepShape.of([], [(0, n)]))) for n in (300, 560, 1300, 1500)
+    ]
+    clean = fit_beside(steps, base)
+    shape = StepShape.of([], [(0, 300)])
+    disturbed = [(steps[0][0], steps[0][1] * 1.58), *steps[1:]]  # the router's core was busy for one
+    assert fit_beside(disturbed, base).seconds(shape) == pytest.approx(clean.seconds(shape), rel=0.02)
+    assert fit_beside(disturbed, base).samples == 3
+    # fewer steps than that: each is kept (nothing to tell a disturbed one from)
+    kept = fit_beside(disturbed[:3], base)
+    assert kept.samples == 3 and kept.seconds(shape) > 1.05 * clean.seconds(shape)

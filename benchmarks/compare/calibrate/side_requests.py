@@ -10,7 +10,10 @@ from dataclasses import replace
 from costmodel.workloads import RequestSpec
 from engine.config import PROMPT_STEP_TOKENS
 
-SHAPE_FRACTIONS = (0.25, 0.5)
+# lone prompts at these fractions of the longest document: the longer two give a colocated server's
+# prompt threads steps alone, beside the warm-up's few documents (the demo's warm-up had two such
+# steps, one of them disturbed: `step_fit.fit_beside`)
+SHAPE_FRACTIONS = (0.25, 0.5, 0.9, 1.0)
 # ... and lone prompts shorter than the steps a server runs on its prompt threads (a colocated
 # server gives steps of PROMPT_STEP_TOKENS or more the router's core too): a warm-up whose every
 # prompt is that long leaves the one-thread price of a prompt token to the decode steps, and a
