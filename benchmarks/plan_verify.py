@@ -334,19 +334,17 @@ def _measure(
             log("  timed pass")
             with StepLogRecorder(srv.url, srv.api_key) as recorder, QuietGC():  # not pdserve's: no steps
                 result = asyncio.run(run_benchmark(bench, fresh_prompts(specs, args.seed + 2)))
-            row.steps = list(recorder.steps)
-            if setup is not None:
-                row.step_prices = step_prices(recorder.steps, setup)
-                for pool, p in (row.step_prices or {}).items():
-                    cost = f"{p['ratio_p50']:.2f}x the plan's price (p50; p90 {p['ratio_p90']:.2f}x)"
-                    log(f"  {pool}: {p['steps']} steps at {cost}, batches up to {p['largest_batch']}")
-                    if q := p.get("prompt_steps"):
-                        at = f"{q['time_ratio']:.2f}x in time ({q['ratio_p50']:.2f}x p50)"
-                        log(f"    {q['steps']} with prompt tokens: {at}")
-                    if g := p.get("loop_gap"):
-                        share = f"{g['gap_share']:.0%} of the steps' own time"
-                        batches = g["gap_ms_p50_by_batch"]
-                        log(f"    between steps: {g['gap_ms_p50']:.1f} ms p50 ({share}), p50 by batch {batches}")
+            row.steps, row.step_prices = list(recorder.steps), step_prices(recorder.steps, setup) if setup else None
+            for pool, p in (row.step_prices or {}).items():
+                cost = f"{p['ratio_p50']:.2f}x the plan's price (p50; p90 {p['ratio_p90']:.2f}x)"
+                log(f"  {pool}: {p['steps']} steps at {cost}, batches up to {p['largest_batch']}")
+                if q := p.get("prompt_steps"):
+                    at = f"{q['time_ratio']:.2f}x in time ({q['ratio_p50']:.2f}x p50)"
+                    log(f"    {q['steps']} with prompt tokens: {at}")
+                if g := p.get("loop_gap"):
+                    share = f"{g['gap_share']:.0%} of the steps' own time"
+                    batches = g["gap_ms_p50_by_batch"]
+                    log(f"    between steps: {g['gap_ms_p50']:.1f} ms p50 ({share}), p50 by batch {batches}")
     except Exception as e:  # noqa: BLE001 - one candidate failing leaves the others' figures
         row.error = f"{type(e).__name__}: {e}"
         log(f"  failed: {row.error}")
