@@ -283,6 +283,12 @@ def _reads_told_apart(shapes: Sequence[StepShape]) -> bool:
     return bool(ctx) and max(ctx) >= READ_SPREAD * max(min(ctx), 1e-9)
 
 
+# a prompt-thread fit on this many steps or more drops its worst one where that one is off this many
+# times the others' typical error (`fit_beside`)
+BESIDE_MIN_TRIM = 4
+BESIDE_TRIM_FACTOR = 3.0
+
+
 def fit_beside(samples: Sequence[tuple[StepShape, float]], base: StepCostFit) -> StepCostFit:
     """`base` with its prompt-token and prompt-attention terms refitted on `samples`: steps that ran
     the same engine on more intra-op threads (a colocated CPU worker's prompt steps, --prompt-threads).
@@ -302,10 +308,6 @@ def fit_beside(samples: Sequence[tuple[StepShape, float]], base: StepCostFit) ->
     if errs[worst] <= BESIDE_TRIM_FACTOR * max(statistics.median(rest), 0.02):
         return out
     return _fit_beside([x for i, x in enumerate(samples) if i != worst], base)
-
-
-BESIDE_MIN_TRIM = 4
-BESIDE_TRIM_FACTOR = 3.0
 
 
 def _fit_beside(samples: Sequence[tuple[StepShape, float]], base: StepCostFit) -> StepCostFit:

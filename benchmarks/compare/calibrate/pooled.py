@@ -66,6 +66,9 @@ def pooled(servers: Mapping[str, Server]) -> dict[str, tuple[SelfCalibration, li
         for s, _, prompt in members:
             pool = replace(s.cal.pools["colocated"], fit=joint, steps=len(steps) - trimmed, trimmed=trimmed)
             if prompt and pool.prompt_fit is not None:
-                pool = replace(pool, prompt_fit=fit_beside([(x.shape, x.seconds) for x in prompt], joint))
+                try:
+                    pool = replace(pool, prompt_fit=fit_beside([(x.shape, x.seconds) for x in prompt], joint))
+                except ValueError:  # the shared fit prices every prompt step's other terms past its time
+                    pass  # its own prompt fit, beside its own fit, stands
             out[s.label] = (replace(s.cal, pools={**s.cal.pools, "colocated": pool}), labels)
     return out
