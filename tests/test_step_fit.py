@@ -12,7 +12,7 @@ from costmodel.fit.step_fit import OnlineStepFit, StepCostFit, StepShape, fit
 from costmodel.sim.engine import Request, StepModel
 
 # fixed, per token, per prompt pair, per sequence; a decode pair ~30x a prompt pair (50x measured on CPU);
-# a prompt item's own path and its context's read (~14 ms and ~17 us on the 2-core CPU VM)
+# a prompt step's own path and a prompt item's context read (~14 ms and ~17 us on the 2-core CPU VM)
 TRUE = StepCostFit(
     0.005, 90e-6, 0.03e-9 * 1e3, 800e-6, decode_attention_s=1e-6, per_prompt_s=0.004, context_read_s=5e-6
 )
@@ -56,8 +56,8 @@ def test_decode_pairs_are_priced_apart_from_prompt_pairs():
     assert StepShape.reported(128, 9000.0, 4, 500).features()[2:4] == (8500.0, 500.0)
 
 
-def test_a_prompt_item_and_its_context_read_are_priced():
-    """Each prompt chunk pays its own path through the layers and re-reads its whole context:
+def test_a_prompt_step_and_its_context_read_are_priced():
+    """Each step of a prompt chunk pays the prompt path and each chunk re-reads its whole context:
     chunking a prompt finer costs more than its tokens and pairs say, most at deep starts."""
     s = StepShape.of([100, 200], [(0, 64), (960, 64)])
     assert (s.prefill_seqs, s.prefill_reads) == (2, 64 + 1024)
@@ -75,6 +75,22 @@ def test_a_prompt_item_and_its_context_read_are_priced():
     old = StepShape.reported(64, 64 * 1024 + 300.0, 2, 300.0)
     assert (old.prefill_seqs, old.prefill_reads) == (1, 1024)
     assert StepShape.reported(0, 300.0, 2, 300.0).prefill_seqs == 0
+
+
+def test_prompts_batched_in_one_step_pay_the_prompt_path_once():
+    """Measured on the model's forward (`python -m benchmarks.prompt_items`, 2026-12-06): four
+    37-token prompts in one step took what one 148-token prompt did (199 and 205 ms). A fit from
+    lone prompts alone cannot tell a per-step cost from a per-prompt one; priced per prompt, four
+    chats sent together were predicted at 300 ms where they took ~205."""
+    four, one = StepShape.of((), [(0, 37)] * 4), StepShape.of((), [(0, 148)])
+    assert four.features()[5] == one.features()[5] == 1.0
+    assert StepShape.of([40, 50]).features()[5] == 0.0  # a decode step has no prompt path
+    gap = TRUE.seconds(one) - TRUE.seconds(four)  # the whole prompt's extra pairs, nothing per prompt
+    assert gap == pytest.approx(TRUE.attention_s * (148**2 - 4 * 37**2) + TRUE.context_read_s * (148 - 4 * 37))
+    # the simulator's fast path prices the same
+    mixed = StepShape.of([40, 50], [(0, 37)] * 4)
+    assert TRUE.step_seconds(2, 92.0, [(0, 37)] * 4) == pytest.approx(TRUE.seconds(mixed))
+    assert TRUE.step_seconds(2, 92.0) == pytest.approx(TRUE.seconds(StepShape.of([40, 50])))
 
 
 def test_fit_recovers_the_terms_within_noise():

@@ -9,7 +9,7 @@ cost (Python, launches, sampling) whatever it holds. So a step is priced from it
             + attention     * sum_i n_i * end_i        # prompt chunks' attention pairs, quadratic in context
             + decode_attention * sum_j (c_j + 1)       # decode rows' attention pairs, linear in context
             + per_sequence  * decode sequences         # per-stream bookkeeping
-            + per_prompt    * prompt items             # each prompt chunk's own path through every layer
+            + per_prompt    * (1 if the step computes prompt tokens)   # the prompt path, once a step
             + context_read  * sum_i end_i              # each prompt chunk reads its whole context's KV
 
 Item i of a step computes n_i new positions [start_i, end_i): a prefill chunk [p, p + n) or a
@@ -24,10 +24,14 @@ cached context, memory-bound. On the 2-core CPU VM a decode pair cost ~5 us, a p
 (`pdserve bench step --prompt-len 64,1024,2048`, 2026-12-05): one shared term, pinned by the prompts'
 millions of pairs, priced a decode step at a 1,024-token context ~15% short.
 
-The last two price what a chunk costs beyond its tokens and pairs. The engine attends each prompt
-item on its own (engine/model/cpu_attention.py `_prefill`: per layer, its pages gathered and
-dequantized, a mask, one SDPA call), so a step that carries a prompt pays a fixed ~14 ms more than a
-decode step, and a chunk at a deep start re-reads its whole context's KV (~9-21 us a token). Measured
+The last two price what prompt work costs beyond its tokens and pairs. A step that carries
+prompt tokens pays a fixed ~14 ms more than a decode step, once: a step of several short prompts
+costs what one prompt of as many tokens costs (`python -m benchmarks.prompt_items`, the model's
+forward on one thread, 2026-12-06, AMD EPYC VM: 4 x 37 tokens 199 ms, 1 x 148 205; 8 x 16 162,
+1 x 128 163; `benchmarks/results/plan-verify/prompt-items.json`). Priced once per prompt instead,
+a fit from a warm-up of lone prompts put four 37-token chats sent together at 300 ms where they
+took ~205. A prompt item at a deep start re-reads its whole context's KV (~9-21 us a token; the
+engine attends each item on its own, engine/model/cpu_attention.py `_prefill`). Measured
 on the 2-core EPYC VM, 2026-12-05 (`pdserve bench chunks --model smollm2-135m-instruct --prompt-len
 1024 --chunks 64,256,1024`, `benchmarks/results/plan-verify/chunks-1024-i.json`): a 1,024-token prompt
 alone took 1,775 ms in chunks of 64 (a chunk at start 960 145 ms, at start 0 82), 1,579 in chunks of
@@ -134,7 +138,7 @@ class StepShape:
             prompt_pairs,
             self.decode_pairs,
             float(self.decode_seqs),
-            float(self.prefill_seqs),
+            1.0 if self.prefill_seqs > 0 else 0.0,  # once a step (module docstring)
             self.prefill_reads,
         )
 
@@ -150,7 +154,7 @@ class StepCostFit:
     samples: int = 0  # steps it was fitted from
     rms_rel_error: float | None = None  # of the fit over those steps
     decode_attention_s: float = -1.0  # per decode attention pair; left out: attention_s's price
-    per_prompt_s: float = 0.0  # per prompt item (chunk) in the step
+    per_prompt_s: float = 0.0  # per step that computes prompt tokens, whatever number of prompts
     context_read_s: float = 0.0  # per context token a prompt item reads (start + n each)
 
     def __post_init__(self) -> None:
@@ -187,12 +191,11 @@ class StepCostFit:
         """`seconds(StepShape.of(contexts, chunks))` from the decode rows' count and attention pairs
         (sum of context + 1), without building the shape: the simulator prices millions of steps
         for a 16-worker plan, and building the shape was a third of its time."""
-        toks = items = 0
+        toks = 0
         pairs = reads = 0.0
         for start, n in chunks:
             toks += n
             pairs += n * (start + n)
-            items += 1
             reads += start + n
         return (
             self.fixed_s
@@ -200,7 +203,7 @@ class StepCostFit:
             + self.attention_s * pairs
             + self.decode_attention_s * decode_pairs
             + self.per_sequence_s * decode_seqs
-            + self.per_prompt_s * items
+            + (self.per_prompt_s if toks else 0.0)
             + self.context_read_s * reads
         )
 
@@ -240,7 +243,8 @@ class StepCostFit:
             f"{self.attention_s * 1e9:.4f} ns/prompt attention pair + "
             f"{self.decode_attention_s * 1e9:.1f} ns/decode attention pair + "
             f"{self.per_sequence_s * 1e6:.1f} us/decode sequence + "
-            f"{self.per_prompt_s * 1e3:.2f} ms/prompt item + {self.context_read_s * 1e6:.2f} us/context token read"
+            f"{self.per_prompt_s * 1e3:.2f} ms/step with prompt tokens + "
+            f"{self.context_read_s * 1e6:.2f} us/context token read"
         )
 
 
@@ -275,8 +279,8 @@ _READ = TERMS.index("context_read_us_per_token")
 
 def _reads_told_apart(shapes: Sequence[StepShape]) -> bool:
     """Whether the prompt items read contexts of different enough lengths (the longest mean
-    context READ_SPREAD times the shortest) for the fit to tell a context read from an item's own
-    cost. Where every item reads about as much, the two columns are one (a prompt item of 14.3 ms
+    context READ_SPREAD times the shortest) for the fit to tell a context read from a prompt step's own
+    cost. Where every item reads about as much, the two columns are one (a prompt step of 14.3 ms
     or a context token of 387 us priced the same 37-token chats; the second put a 1,024-token
     prompt in chunks of 64 at 2.7x its time: `compare-article-i`'s colocated server, 2026-12-05)."""
     ctx = [s.prefill_reads / s.prefill_seqs for s in shapes if s.prefill_seqs > 0]
