@@ -374,6 +374,7 @@ def test_transfer_from_an_earlier_result_rebuilds_each_modes_device_model(tmp_pa
     t = found["colocated"]
     assert t.setup.kind == "transfer" and t.hop_s == pytest.approx(0.012) and t.basis["used"] == "transfer"
     assert t.setup.prompt_threads == 2 and t.setup.steps.prompt_fit is not None
+    assert len(t.source_steps) == len(cal.logged) > 0  # the source's steps, for this run's pace against them
     shape = StepShape.of([200] * 3)
     assert t.setup.steps.fit is not None and t.setup.steps.fit.seconds(shape) == pytest.approx(
         cal.decode_fit.seconds(shape)

@@ -86,6 +86,32 @@ def _predicted_section(result: dict[str, Any]) -> list[str]:
     return _md_table(["mode"] + [label for _, label, _ in COMPARED], rows) + bases
 
 
+def at_pace_section(result: dict[str, Any]) -> list[str]:
+    """`--transfer-from`: the same predictions re-priced at each server's pace against the source
+    run's (calibrate/serving_pace.py), beside the plain transfer above."""
+    from costmodel.sim.compare_predict import COMPARED  # noqa: PLC0415
+
+    paced = [(m["label"], m["predicted_at_server_pace"]) for m in ok_modes(result) if m.get("predicted_at_server_pace")]
+    if not paced:
+        return []
+    rows = [
+        [f"{label} ({p['ratio']:.2f}x, {p['matched_steps']} steps)"]
+        + [
+            f"{fmt_num(c['measured'])} / {fmt_num(c['predicted'])} ({fmt_pct(c['error'])})"
+            for c in (p["compared"][k] for k, _, _ in COMPARED)
+        ]
+        for label, p in paced
+    ]
+    return [
+        "At each server's pace: the transfer above with every step priced at the ratio of this server's lone "
+        "prompt steps to the source run's of the same shape (the side prompts every warm-up sends; nothing of "
+        "this workload's). Each cell: measured / simulated (error).",
+        "",
+        *_md_table(["mode (pace, matched)"] + [label for _, label, _ in COMPARED], rows),
+        "",
+    ]
+
+
 def _reference_lines(ref: dict[str, Any] | None) -> list[str]:
     if not ref:
         return []
@@ -264,6 +290,7 @@ def write_report(result: dict[str, Any], out_dir: Path, name: str, result_path: 
             "",
             *_predicted_section(result),
             "",
+            *at_pace_section(result),
             "Not in the model: the HTTP/SSE and Ray hop per token, the router's event pump, Python scheduling "
             "between steps, and, on a CPU, the prefill and decode processes of a disaggregated run sharing the "
             "same cores (the simulator gives each worker its own device). pdserve's colocated engine also runs "

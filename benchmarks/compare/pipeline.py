@@ -200,6 +200,8 @@ def predict(run: CompareRun) -> None:
         run.predictions[r.spec.label] = cp.predict(
             r.spec.label, sc, setup, sim_specs, slo["ttft_ms"], slo["tpot_ms"], hop
         )
+        if moved is not None:
+            r.at_server_pace = _at_server_pace(run, r, moved, setup, sim_specs, hop)
         if r.probes is not None:
             from benchmarks.compare.link_probe import predict_documents  # noqa: PLC0415
 
@@ -207,6 +209,31 @@ def predict(run: CompareRun) -> None:
                 {"measured": m, "simulated": p}
                 for m, p in zip(r.probes, predict_documents(setup, sc, sim_specs, args.link_gbps, r.probes))
             ]
+
+
+def _at_server_pace(run: CompareRun, r: ModeRun, moved: Any, setup: Any, sim_specs: list, hop: float) -> dict | None:
+    """A transferred prediction again at this server's pace against the source's, read from the
+    side prompts both warm-ups timed (calibrate/serving_pace.py); None where too few matched."""
+    from benchmarks.compare.calibrate.serving_pace import pace_ratio  # noqa: PLC0415
+    from costmodel.plan.score import priced_at  # noqa: PLC0415
+    from costmodel.sim import compare_predict as cp  # noqa: PLC0415
+
+    here = r.self_calibration.logged if r.self_calibration is not None else []
+    found = pace_ratio(moved.source_steps, here)
+    if found is None or r.bench is None or not isinstance(r.spec, ModeSpec):
+        return None
+    k, matched = found
+    args, slo = run.args, run.slo
+    at = priced_at(setup, k)
+    sc = pc.sim_config_of(r.spec, args.max_num_seqs, at, args.kv_transfer, args.kv_stream_layers)
+    p = cp.predict(r.spec.label, sc, at, sim_specs, slo["ttft_ms"], slo["tpot_ms"], hop)
+    return {
+        "ratio": k,
+        "matched_steps": matched,
+        "how": "every step priced at the median ratio of this server's lone prompt steps to the source run's "
+        "of the same shape (the side prompts both warm-ups sent)",
+        "compared": cp.compare_figures(r.bench.metrics, p.metrics),
+    }
 
 
 def check(run: CompareRun) -> None:

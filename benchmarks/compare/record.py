@@ -38,6 +38,7 @@ class ModeRun:
     prediction_basis: dict[str, Any] | None = None  # which calibration predicted this mode, and why
     probe_calibration: str | None = None  # --probe-calibration: the quick probe's calibration file
     machine_pace: dict[str, Any] | None = None  # the machine's pace before the server started (benchmarks/pace.py)
+    at_server_pace: dict[str, Any] | None = None  # --transfer-from: re-priced at this server's pace (serving_pace.py)
 
 
 def pack(times: list[float]) -> str:
@@ -106,6 +107,8 @@ def result_payload(
                     "metrics": asdict(p.metrics),
                     "compared": cp.compare_figures(r.bench.metrics, p.metrics),
                 }
+            if r.at_server_pace is not None:
+                entry["predicted_at_server_pace"] = r.at_server_pace
             from benchmarks.compare import auto as ca  # noqa: PLC0415 - keeps this file short
 
             entry["per_request"] = ca.per_request(r.bench.records, p.records if p is not None else None)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.compare.calibrate.calibration import SelfCalibration, prediction_setup
+from benchmarks.compare.calibrate.logged_step import LoggedStep
 from benchmarks.compare.calibrate.pooled import Server, pooled
 from costmodel.sim.compare_predict import PredictionSetup
 
@@ -31,6 +32,8 @@ class Transferred:
     kind: str = "colocated"  # the deployment it was fitted on: "colocated", "chunked" or "disagg"
     workers: int = 1  # colocated and chunked: its server's workers (on one CPU host they contend)
     chunk: int | None = None  # chunked: the chunk size its server ran
+    # the warm-up steps of the servers its fit came from (serving_pace.py reads this run's against them)
+    source_steps: tuple[LoggedStep, ...] = ()
 
 
 def is_compare_result(path: Path) -> bool:
@@ -140,5 +143,6 @@ def load(path: Path, model: str) -> tuple[dict[str, Transferred], dict[str, str]
             kind,
             workers,
             spec.get("chunk_size") if kind == "chunked" else None,
+            tuple(s for x in with_ for s in cals[x].logged),
         )
     return found, missing
