@@ -242,7 +242,8 @@ def verify_one(
 
     c = s.candidate
     predicted = Judged(s.attainment, s.meets, s.goodput_per_worker)
-    row = VerifyRow(c, rank, predicted, None, {}, load_average=load_average(), pace=machine_pace())
+    row = VerifyRow(c, rank, predicted, None, {}, load_average=load_average(), pace=machine_pace(),
+                    miss_risk=s.risk.miss_chance if s.risk else None)  # fmt: skip
     log(f"  load {row.load_average[0] if row.load_average else '?'}, {describe_pace(row.pace)}")
     if at_pace is not None and at_pace.pace_gflops and row.pace:
         row.pace_ratio = at_pace.pace_gflops / row.pace["gemm_gflops_1thread"]

@@ -40,6 +40,9 @@ class VerifyRow:
     # the workers' steps in the timed pass as they logged them: a step price or a schedule that was
     # off can be read step by step afterwards, beside the simulator's (a row of `STEP_COLUMNS` each)
     steps: list[LoggedStep] = field(default_factory=list)
+    # the plan's chance that this candidate misses an SLO at its fit's error (costmodel/plan/risk.py;
+    # None: the plan did not weigh it): how near an SLO's edge the prediction was
+    miss_risk: float | None = None
 
     @property
     def goodput_range(self) -> tuple[float, float] | None:
@@ -56,6 +59,7 @@ class VerifyRow:
             "label": self.candidate.label,
             "serve_args": self.candidate.serve_args(),
             "plan_rank": self.rank,
+            "plan_miss_risk": self.miss_risk,
             "predicted": self.predicted.to_dict(),
             "measured": self.measured.to_dict() if self.measured else None,
             "measured_metrics": self.metrics,
@@ -108,7 +112,7 @@ def combine(rounds: list[VerifyRow]) -> VerifyRow:
         step_prices=ok[0].step_prices if ok else None,  # the first round's; every round's in `rounds`
         pace_adjusted=_mean_judged([r.pace_adjusted for r in ok if r.pace_adjusted]) if ok else None,
         pace_ratio=statistics.fmean(x) if (x := [r.pace_ratio for r in ok if r.pace_ratio]) else None,
-        rounds=rounds,
+        rounds=rounds, miss_risk=first.miss_risk,
     )  # fmt: skip
 
 
@@ -239,18 +243,9 @@ def summarize(rows: list[VerifyRow], winner: str, stall_slo_ms: float | None = N
         worth = {r.candidate.label: _worth(r, stall_slo_ms) for r in done}
         top = max(worth.values())
         regret_stall = (top - worth[winner]) / top if top > 0 else 0.0
-    att_err = [
-        abs(p - m)
-        for r in done
-        if r.measured
-        for k in ("ttft", "tpot", "stall")
-        if (p := r.predicted.attainment.get(k)) is not None and (m := r.measured.attainment.get(k)) is not None
-    ]
-    good_err = [
-        abs(r.predicted.goodput_per_worker - r.measured.goodput_per_worker) / r.measured.goodput_per_worker
-        for r in done
-        if r.measured and r.measured.goodput_per_worker > 0
-    ]
+    att_err, good_err = _errors(done)
+    away = [r for r in done if r.miss_risk is not None and not EDGE[0] <= r.miss_risk <= EDGE[1]]
+    away_att, away_good = _errors(away)
     at_pace = [
         abs(r.pace_adjusted.goodput_per_worker - r.measured.goodput_per_worker) / r.measured.goodput_per_worker
         for r in done
@@ -268,7 +263,37 @@ def summarize(rows: list[VerifyRow], winner: str, stall_slo_ms: float | None = N
         "attainment_error_max_pts": max(att_err) * 100 if att_err else None,
         "goodput_error_max": max(good_err) if good_err else None,
         "goodput_error_max_at_pace": max(at_pace) if len(at_pace) == len(done) and at_pace else None,
+        "away_from_edge": {
+            "rows": len(away),
+            "on_edge_rows": sum(1 for r in done if r.miss_risk is not None and EDGE[0] <= r.miss_risk <= EDGE[1]),
+            "attainment_error_max_pts": max(away_att) * 100 if away_att else None,
+            "goodput_error_max": max(away_good) if away_good else None,
+        },
     }
+
+
+# a candidate the plan gave a chance of missing an SLO between these is on the SLO's edge: there a few
+# percent on the step prices moves many requests across it, and two measurements of one deployment
+# differ as much (docs/plan.md, "Accuracy by the plan's own miss risk": 15 of 20 rows away from an
+# edge within 10% of goodput and 19 of 20 within 5 points of attainment, 14 and 13 of 23 on one)
+EDGE = (0.2, 0.9)
+
+
+def _errors(rows: list[VerifyRow]) -> tuple[list[float], list[float]]:
+    """Each measured row's attainment errors (per SLO, as shares) and goodput errors (relative)."""
+    att = [
+        abs(p - m)
+        for r in rows
+        if r.measured
+        for k in ("ttft", "tpot", "stall")
+        if (p := r.predicted.attainment.get(k)) is not None and (m := r.measured.attainment.get(k)) is not None
+    ]
+    good = [
+        abs(r.predicted.goodput_per_worker - r.measured.goodput_per_worker) / r.measured.goodput_per_worker
+        for r in rows
+        if r.measured and r.measured.goodput_per_worker > 0
+    ]
+    return att, good
 
 
 def _worth(r: VerifyRow, stall_slo_ms: float) -> float:
@@ -325,6 +350,15 @@ def format_verification(rows: list[VerifyRow], summary: dict[str, Any]) -> str:
     if summary.get("regret_per_round"):
         each = ", ".join("-" if x is None else f"{x:.1%}" for x in summary["regret_per_round"])
         tail += f" (each round alone: {each})"
+    away = summary.get("away_from_edge") or {}
+    if away.get("rows") and away.get("goodput_error_max") is not None:
+        att = away.get("attainment_error_max_pts")
+        tail += (
+            f"; away from an SLO's edge (the plan's miss risk under {EDGE[0]:.0%} or over {EDGE[1]:.0%}), "
+            f"{away['rows']} candidates: goodput within {away['goodput_error_max']:.0%}"
+            + (f", attainment within {att:.0f} points" if att is not None else "")
+            + f" ({away['on_edge_rows']} on an edge)"
+        )
     if summary.get("goodput_spread_max") is not None:
         spread = summary["goodput_spread_max"]
         tail += f"; measured = mean of the rounds, whose goodput moved by up to {spread:.0%}"

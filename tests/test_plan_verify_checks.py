@@ -83,3 +83,29 @@ def test_a_winner_that_breaks_its_stall_slo_reads_its_regret_both_ways():
     fine = summarize([stalls, holds], holds.candidate.label, stall_slo_ms=275.0)
     assert fine["regret_stall_worth_nothing"] == 0.0 and fine["regret"] == pytest.approx(1 - 0.18 / 0.21)
     assert summarize([stalls, holds], stalls.candidate.label)["regret_stall_worth_nothing"] is None  # no stall SLO
+
+
+def test_the_errors_of_candidates_away_from_an_slos_edge_are_read_apart():
+    """A candidate the plan gave a 20-90% chance of missing an SLO sits on its edge, where two
+    measurements of one deployment differ as much as a prediction may: the summary reads the worst
+    errors of the others apart (docs/plan.md, "Accuracy by the plan's own miss risk")."""
+    from benchmarks.verify_rows import VerifyRow, format_verification, summarize
+    from costmodel.plan.candidates import Candidate
+    from costmodel.plan.score import Judged
+
+    def row(chunk: int, risk: float | None, predicted: float, measured: float, att: tuple[float, float]) -> VerifyRow:
+        p, m = Judged({"tpot": att[0]}, True, predicted), Judged({"tpot": att[1]}, True, measured)
+        return VerifyRow(Candidate("chunked", 1, chunk=chunk), 1, p, m, {}, miss_risk=risk)
+
+    safe = row(64, 0.05, 1.05, 1.00, (1.0, 1.0))
+    certain = row(128, 0.99, 0.50, 0.52, (0.5, 0.48))
+    edge = row(256, 0.45, 2.0, 1.0, (0.9, 0.6))  # off by 100% and 30 points
+    unweighed = row(512, None, 3.0, 1.0, (1.0, 0.5))  # the baseline: not in either count
+    summary = summarize([safe, certain, edge, unweighed], "chunked 64")
+    away = summary["away_from_edge"]
+    assert away["rows"] == 2 and away["on_edge_rows"] == 1
+    assert away["goodput_error_max"] == pytest.approx(0.05) and away["attainment_error_max_pts"] == pytest.approx(2.0)
+    assert summary["goodput_error_max"] == pytest.approx(2.0)  # every row's, as before
+    text = format_verification([safe, certain, edge, unweighed], summary)
+    assert "2 candidates: goodput within 5%, attainment within 2 points (1 on an edge)" in text
+    assert safe.to_dict()["plan_miss_risk"] == 0.05
