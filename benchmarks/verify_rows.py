@@ -352,10 +352,10 @@ def format_verification(rows: list[VerifyRow], summary: dict[str, Any]) -> str:
         tail += f" (each round alone: {each})"
     away = summary.get("away_from_edge") or {}
     if away.get("rows") and away.get("goodput_error_max") is not None:
-        att = away.get("attainment_error_max_pts")
+        att, n = away.get("attainment_error_max_pts"), away["rows"]
         tail += (
             f"; away from an SLO's edge (the plan's miss risk under {EDGE[0]:.0%} or over {EDGE[1]:.0%}), "
-            f"{away['rows']} candidates: goodput within {away['goodput_error_max']:.0%}"
+            f"{n} candidate{'s' if n != 1 else ''}: goodput within {away['goodput_error_max']:.0%}"
             + (f", attainment within {att:.0f} points" if att is not None else "")
             + f" ({away['on_edge_rows']} on an edge)"
         )
