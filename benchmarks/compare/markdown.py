@@ -60,17 +60,11 @@ def _predicted_section(result: dict[str, Any]) -> list[str]:
     from benchmarks.compare.prediction import describe_basis  # noqa: PLC0415
     from costmodel.sim.compare_predict import COMPARED  # noqa: PLC0415
 
-    rows = []
-    for m in ok_modes(result):
-        cmp = (m.get("predicted") or {}).get("compared")
-        if cmp:
-            rows.append(
-                [m["label"]]
-                + [
-                    f"{fmt_num(cmp[k]['measured'])} / {fmt_num(cmp[k]['predicted'])} ({fmt_pct(cmp[k]['error'])})"
-                    for k, _, _ in COMPARED
-                ]
-            )
+    rows = [
+        [m["label"], *_compared_cells(cmp)]
+        for m in ok_modes(result)
+        if (cmp := (m.get("predicted") or {}).get("compared"))
+    ]
     bases = [
         f"- {m['label']}: {describe_basis(m['prediction_basis'])}"
         for m in ok_modes(result)
@@ -95,11 +89,7 @@ def at_pace_section(result: dict[str, Any]) -> list[str]:
     if not paced:
         return []
     rows = [
-        [f"{label} ({p['ratio']:.2f}x, {p['matched_steps']} steps)"]
-        + [
-            f"{fmt_num(c['measured'])} / {fmt_num(c['predicted'])} ({fmt_pct(c['error'])})"
-            for c in (p["compared"][k] for k, _, _ in COMPARED)
-        ]
+        [f"{label} ({p['ratio']:.2f}x, {p['matched_steps']} steps)", *_compared_cells(p["compared"])]
         for label, p in paced
     ]
     return [
@@ -109,6 +99,16 @@ def at_pace_section(result: dict[str, Any]) -> list[str]:
         "",
         *_md_table(["mode (pace, matched)"] + [label for _, label, _ in COMPARED], rows),
         "",
+    ]
+
+
+def _compared_cells(compared: dict[str, Any]) -> list[str]:
+    """One cell per figure of COMPARED: measured / simulated (error)."""
+    from costmodel.sim.compare_predict import COMPARED  # noqa: PLC0415
+
+    return [
+        f"{fmt_num(c['measured'])} / {fmt_num(c['predicted'])} ({fmt_pct(c['error'])})"
+        for c in (compared[k] for k, _, _ in COMPARED)
     ]
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.client.bench_serve import BenchConfig
 from benchmarks.client.serve_client import ClientConfig
@@ -33,6 +33,10 @@ from benchmarks.compare.equality import check_endpoints, check_equality
 from benchmarks.compare.modes import default_device, ensure_ray, gpu_count, log, run_mode
 from benchmarks.compare.record import ModeRun, result_payload
 from costmodel.workloads import RequestSpec, WorkloadConfig, workload_specs
+
+if TYPE_CHECKING:
+    from benchmarks.compare.calibrate.transfer import Transferred
+    from costmodel.sim.compare_predict import PredictionSetup
 
 
 @dataclass
@@ -211,7 +215,9 @@ def predict(run: CompareRun) -> None:
             ]
 
 
-def _at_server_pace(run: CompareRun, r: ModeRun, moved: Any, setup: Any, sim_specs: list, hop: float) -> dict | None:
+def _at_server_pace(
+    run: CompareRun, r: ModeRun, moved: Transferred, setup: PredictionSetup, sim_specs: list[RequestSpec], hop: float
+) -> dict[str, Any] | None:
     """A transferred prediction again at this server's pace against the source's, read from the
     side prompts both warm-ups timed (calibrate/serving_pace.py); None where too few matched."""
     from benchmarks.compare.calibrate.serving_pace import pace_ratio  # noqa: PLC0415
