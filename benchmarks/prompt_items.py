@@ -41,15 +41,12 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 def measure(model: str, shapes: list[tuple[int, int]], threads: int = 1) -> dict[str, Any]:
     import torch  # noqa: PLC0415 - torch only for this measurement
 
-    from engine.checkpoint.registry import resolve  # noqa: PLC0415
-    from engine.config import PRESETS, CacheConfig, resolve_model_config  # noqa: PLC0415
-    from engine.runner.model_runner import ModelRunner, StepItem  # noqa: PLC0415
+    from benchmarks.prompt_threads import model_shapes, shapes_runner  # noqa: PLC0415
+    from engine.runner.model_runner import StepItem  # noqa: PLC0415
 
     torch.set_num_threads(threads)
-    cfg = resolve_model_config(model if model in PRESETS else resolve(model, pull_missing=False))
-    blocks = max(k * (n // 16 + 1) for k, n in shapes) + 1
-    runner = ModelRunner(cfg, CacheConfig(block_size=16, num_blocks=blocks, kv_dtype="fp8"), "fp8",
-                         torch.device("cpu"), None, seed=0)  # fmt: skip
+    cfg = model_shapes(model)
+    runner = shapes_runner(cfg, max(k * (n // 16 + 1) for k, n in shapes) + 1)
 
     def step(k: int, n: int) -> list[StepItem]:
         per = n // 16 + 1  # blocks each prompt holds, its own range of the cache

@@ -54,20 +54,37 @@ def measure_in_child(
     return None
 
 
+def model_shapes(model: str) -> Any:
+    """The ModelConfig of a preset or registry model (a registry model's files must be here)."""
+    from engine.checkpoint.registry import resolve  # noqa: PLC0415
+    from engine.config import PRESETS, resolve_model_config  # noqa: PLC0415
+
+    return resolve_model_config(model if model in PRESETS else resolve(model, pull_missing=False))
+
+
+def shapes_runner(cfg: Any, num_blocks: int) -> Any:
+    """A CPU ModelRunner of `cfg`'s shapes with random weights (timing does not depend on the values)
+    and an FP8 KV cache of `num_blocks` 16-token blocks."""
+    import torch  # noqa: PLC0415
+
+    from engine.config import CacheConfig  # noqa: PLC0415
+    from engine.runner.model_runner import ModelRunner  # noqa: PLC0415
+
+    cache = CacheConfig(block_size=16, num_blocks=num_blocks, kv_dtype="fp8")
+    return ModelRunner(cfg, cache, "fp8", torch.device("cpu"), None, seed=0)
+
+
 def measure(model: str, from_threads: int, to_threads: int, tokens: tuple[int, ...]) -> dict[str, Any]:
     """The forward of one prompt of each length at `from_threads` and `to_threads` intra-op
     threads: {"from_threads", "to_threads", "speedup_by_prompt_tokens": {n: ratio}, ...}."""
     import torch  # noqa: PLC0415 - the child only
 
-    from engine.checkpoint.registry import resolve  # noqa: PLC0415
-    from engine.config import PRESETS, CacheConfig, resolve_model_config  # noqa: PLC0415
-    from engine.runner.model_runner import ModelRunner, StepItem, intra_op_threads  # noqa: PLC0415
+    from engine.runner.model_runner import StepItem, intra_op_threads  # noqa: PLC0415
 
     t0 = time.perf_counter()
-    cfg = resolve_model_config(model if model in PRESETS else resolve(model, pull_missing=False))
+    cfg = model_shapes(model)
     lengths = sorted({min(n, cfg.max_position_embeddings - 1) for n in tokens})
-    cache = CacheConfig(block_size=16, num_blocks=max(lengths) // 16 + 2, kv_dtype="fp8")
-    runner = ModelRunner(cfg, cache, "fp8", torch.device("cpu"), None, seed=0)  # random weights: shapes only
+    runner = shapes_runner(cfg, max(lengths) // 16 + 2)
     speedup: dict[str, float] = {}
     seconds: dict[str, dict[int, float]] = {}
 
