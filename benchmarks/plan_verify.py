@@ -31,7 +31,7 @@ import asyncio
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -39,11 +39,13 @@ from typing import Any
 from benchmarks.client.bench_serve import BenchConfig, run_benchmark
 from benchmarks.client.gc_pauses import QuietGC
 from benchmarks.client.serve_client import ClientConfig
+from benchmarks.compare.calibrate.logged_step import LoggedStep
 from benchmarks.compare.calibrate.side_requests import hop_specs
 from benchmarks.compare.calibrate.step_log import StepLogRecorder
 from benchmarks.compare.modes import ensure_ray, load_average
 from benchmarks.pace import describe as describe_pace
 from benchmarks.pace import machine_pace
+from benchmarks.plan_calibration import calibrated_elsewhere, compare_fits, serving_pace
 from benchmarks.prompt_threads import host_threads
 from benchmarks.verify_rows import VerifyRow, combine, format_verification, per_request, step_prices, summarize
 from cli import CliError
@@ -115,8 +117,9 @@ def main(args: argparse.Namespace) -> int:
         raise CliError(
             "--verify --base-url waits for you to restart the server between candidates: run it in a terminal"
         )
-    by_kind = _compare_fits(args)
-    elsewhere = _calibrated_elsewhere(args) if by_kind else None
+    fits = compare_fits(args)
+    by_kind = fits.by_kind if fits else None
+    elsewhere = calibrated_elsewhere(args) if by_kind else None
     threads = None if by_kind else host_threads(args.workers)
     if not args.verify:
         return plan_cli.main(args, by_kind, [elsewhere] if elsewhere else [], threads)
@@ -139,9 +142,11 @@ def main(args: argparse.Namespace) -> int:
             round_note = f" (round {rnd + 1} of {args.repeats})" if args.repeats > 1 else ""
             log(f"[{done}/{total}] {s.candidate.label}{round_note}: {' '.join(s.candidate.serve_args())}")
             setup = plan.setup_of(s.candidate)
-            # a GEMM's pace on one CPU does not scale another CPU's steps: no pace-adjusted figure then
+            # one CPU's pace does not scale another CPU's steps: no pace-adjusted figure then
             at_pace = setup if not elsewhere else None
-            measured[i].append(verify_one(s, plan.ranked.index(s) + 1, plan.specs, plan.slos, args, setup, at_pace))
+            pace_steps = fits.source_steps if fits else ()
+            rank = plan.ranked.index(s) + 1
+            measured[i].append(verify_one(s, rank, plan.specs, plan.slos, args, setup, at_pace, pace_steps=pace_steps))
     rows = [combine(measured[i]) for i in range(len(chosen))]
     summary = summarize(rows, plan.ranked[0].candidate.label, plan.slos.stall_ms)
     verification = {"rows": [r.to_dict() for r in rows], **summary, "calibrated_elsewhere": elsewhere}
@@ -155,55 +160,6 @@ def main(args: argparse.Namespace) -> int:
     print(format_verification(rows, summary))
     print(f"\nresult: {path}")
     return 0
-
-
-def _compare_fits(args: argparse.Namespace) -> dict[str, Any] | None:
-    """A device model per deployment kind when --calibration names `bench compare` results (their
-    fits to each server they ran, benchmarks/compare/calibrate/transfer.py; several, comma-separated,
-    pool what each measured: one run of 1-worker servers and one of `--decode 2`), else None (a
-    calibration file)."""
-    from pathlib import Path  # noqa: PLC0415
-
-    from benchmarks.compare.calibrate import transfer  # noqa: PLC0415
-
-    paths = [Path(p.strip()) for p in (args.calibration or "").split(",") if p.strip()]
-    if not paths or (len(paths) == 1 and not transfer.is_compare_result(paths[0])):
-        return None
-    if args.gpu:
-        raise CliError("give one device model: --calibration FILE or --gpu NAME")
-    found: dict[str, Any] = {}
-    for path in paths:
-        if not transfer.is_compare_result(path):
-            raise CliError(f"--calibration {path}: several calibrations must each be a `bench compare` result")
-        try:
-            each, _ = transfer.load(path, args.model)
-        except ValueError as e:
-            raise CliError(str(e).replace("--transfer-from", "--calibration")) from None
-        if not each:
-            raise CliError(f"--calibration {path}: no mode of that run has a fit to price from")
-        found.update({f"{path}:{label}": t for label, t in each.items()})
-    return transfer.by_kind(found)
-
-
-def _calibrated_elsewhere(args: argparse.Namespace) -> str | None:
-    """One line when a `bench compare` result given to --calibration was measured on another CPU
-    than this machine's: its prices are that machine's, and so is every prediction made from them
-    (machines of one cloud kind differ: on 2026-12-05 the dev VM came back an AMD EPYC whose steps
-    ran 0.53-0.57x the prices fitted on the Intel Xeon it was before)."""
-    from pathlib import Path  # noqa: PLC0415
-
-    from benchmarks.compare.calibrate import transfer  # noqa: PLC0415
-    from costmodel.machine import cpu_model  # noqa: PLC0415
-
-    here = cpu_model()
-    paths = [Path(p.strip()) for p in (args.calibration or "").split(",") if p.strip()]
-    other = sorted({cpu for p in paths if (cpu := transfer.measured_on(p)) and cpu != here})
-    if not other:
-        return None
-    return (
-        f"the calibration was measured on {', '.join(repr(c) for c in other)}, this machine is {here!r}: "
-        "every figure predicts that machine (calibrate here: bench compare)"
-    )
 
 
 def to_verify(ranked: list[Scored], k: int, budget: int) -> list[Scored]:
@@ -233,10 +189,13 @@ def verify_one(
     setup: PredictionSetup | None = None,
     at_pace: PredictionSetup | None = None,
     serve_flags: dict[str, Any] | None = None,
+    pace_steps: Sequence[LoggedStep] = (),
 ) -> VerifyRow:
     """Deploy `s`'s candidate (plus `serve_flags`, unpriced: benchmarks/serve_flags_ab.py) fresh, warm it,
     time the workload, judge it; with the `setup` that priced it, say what its steps cost against those
-    prices, and with `at_pace` (that setup, calibrated on this CPU) predict it again at today's pace."""
+    prices, and with `at_pace` (that setup, calibrated on this CPU) predict it again at today's pace: the
+    server's own, read from lone steps of the `pace_steps` shapes (the calibration's servers' warm-up
+    steps) timed on it before the timed pass, or without them the GEMM probe's before it started."""
     from router.config import ConfigError, ServeConfig  # noqa: PLC0415 (starts nothing until used)
     from router.serve_cli import ServerThread  # noqa: PLC0415
 
@@ -245,7 +204,9 @@ def verify_one(
     row = VerifyRow(c, rank, predicted, None, {}, load_average=load_average(), pace=machine_pace(),
                     miss_risk=s.risk.miss_chance if s.risk else None)  # fmt: skip
     log(f"  load {row.load_average[0] if row.load_average else '?'}, {describe_pace(row.pace)}")
-    if at_pace is not None and at_pace.pace_gflops and row.pace:
+    pacing = _Pacing(at_pace, tuple(pace_steps)) if at_pace is not None and pace_steps else None
+    if at_pace is not None and pacing is None and at_pace.pace_gflops and row.pace:
+        row.pace_basis = "gemm"
         row.pace_ratio = at_pace.pace_gflops / row.pace["gemm_gflops_1thread"]
         again = score(s.candidate, priced_at(at_pace, row.pace_ratio), specs, slos, args.max_num_seqs)
         row.pace_adjusted = Judged(again.attainment, again.meets, again.goodput_per_worker)
@@ -254,7 +215,7 @@ def verify_one(
             f"{again.goodput_per_worker:.3f}/s"
         )
     if args.base_url:
-        return _measure(row, s, specs, slos, args, setup, lambda: _restarted(s.candidate, args))
+        return _measure(row, s, specs, slos, args, setup, lambda: _restarted(s.candidate, args), pacing)
     try:
         pools = c.mode in ("disagg", "auto")
         cfg = ServeConfig(
@@ -275,7 +236,16 @@ def verify_one(
         row.error = f"not deployable here: {e}"
         return row
     started = lambda: _started(ServerThread(cfg, startup_timeout_s=args.startup_timeout_s), cfg)  # noqa: E731
-    return _measure(row, s, specs, slos, args, setup, started)
+    return _measure(row, s, specs, slos, args, setup, started, pacing)
+
+
+@dataclass(frozen=True)
+class _Pacing:
+    """What a candidate's serving pace is read against (the calibration's servers' warm-up steps) and
+    the device model it re-prices."""
+
+    setup: PredictionSetup
+    source_steps: tuple[LoggedStep, ...]
 
 
 @dataclass(frozen=True)
@@ -311,6 +281,7 @@ def _measure(
     args: argparse.Namespace,
     setup: PredictionSetup | None,
     server: Callable[[], AbstractContextManager[_Target]],
+    pacing: _Pacing | None = None,
 ) -> VerifyRow:
     """Warm the candidate's server, time the workload on it, judge it."""
     c = s.candidate
@@ -332,6 +303,7 @@ def _measure(
             asyncio.run(run_benchmark(bench, first))
             asyncio.run(run_benchmark(bench, hop_specs(first)))
             asyncio.run(run_benchmark(bench, fresh_prompts(specs, args.seed + 3)))
+            paced = serving_pace(bench, srv.url, srv.api_key, pacing.source_steps, args.seed + 4) if pacing else None
             log("  timed pass")
             with StepLogRecorder(srv.url, srv.api_key) as recorder, QuietGC():  # not pdserve's: no steps
                 result = asyncio.run(run_benchmark(bench, fresh_prompts(specs, args.seed + 2)))
@@ -363,6 +335,11 @@ def _measure(
     }
     got, want = row.measured.goodput_per_worker, row.predicted.goodput_per_worker
     log(f"  measured goodput/worker {got:.3f}/s (predicted {want:.3f})")
+    if pacing and paced:
+        row.pace_ratio, row.pace_matched_steps, row.pace_basis = *paced, "serving"
+        again = score(c, priced_at(pacing.setup, paced[0]), specs, slos, args.max_num_seqs)
+        row.pace_adjusted = Judged(again.attainment, again.meets, again.goodput_per_worker)
+        log(f"  at this server's pace: predicted goodput/worker {again.goodput_per_worker:.3f}/s")
     return row
 
 

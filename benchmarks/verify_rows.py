@@ -30,10 +30,13 @@ class VerifyRow:
     pace: dict[str, Any] | None = None  # the machine's pace before the server started (benchmarks/pace.py)
     # the workers' steps in the timed pass against the prices the plan gave them, per pool
     step_prices: dict[str, Any] | None = None
-    # the prediction again with every step priced at the pace measured before this server (the
-    # calibration's pace / this one's); None where either pace is unknown
+    # the prediction again with every step priced at this server's pace against the calibration's:
+    # "serving", its lone steps against the calibration's servers' of the same shape (plan_calibration.py
+    # `serving_pace`), or "gemm", the GEMM probe's before it started; None where neither is known
     pace_adjusted: Judged | None = None
     pace_ratio: float | None = None
+    pace_basis: str | None = None
+    pace_matched_steps: int | None = None
     rounds: list[VerifyRow] = field(default_factory=list)  # each measurement, where there were several
     # request by request, simulated beside measured (`per_request`): where a p90's error comes from
     requests: list[dict[str, Any]] | None = None
@@ -69,6 +72,8 @@ class VerifyRow:
             "machine_pace_at_start": self.pace,
             "step_prices": self.step_prices,
             "pace_ratio": self.pace_ratio,
+            "pace_basis": self.pace_basis,
+            "pace_matched_steps": self.pace_matched_steps,
             "predicted_at_this_pace": self.pace_adjusted.to_dict() if self.pace_adjusted else None,
             "requests": self.requests,
             "steps": {"columns": list(STEP_COLUMNS), "rows": [s.to_row() for s in self.steps]} if self.steps else None,
@@ -112,6 +117,7 @@ def combine(rounds: list[VerifyRow]) -> VerifyRow:
         step_prices=ok[0].step_prices if ok else None,  # the first round's; every round's in `rounds`
         pace_adjusted=_mean_judged([r.pace_adjusted for r in ok if r.pace_adjusted]) if ok else None,
         pace_ratio=statistics.fmean(x) if (x := [r.pace_ratio for r in ok if r.pace_ratio]) else None,
+        pace_basis=first.pace_basis,
         rounds=rounds, miss_risk=first.miss_risk,
     )  # fmt: skip
 
@@ -366,7 +372,7 @@ def format_verification(rows: list[VerifyRow], summary: dict[str, Any]) -> str:
 
 
 def _at_pace(r: VerifyRow) -> list[str]:
-    """The goodput predicted at the pace measured before this server, and its error."""
+    """The goodput predicted at this server's pace (its basis and ratio), and its error."""
     a, m = r.pace_adjusted, r.measured
     if a is None:
         return ["-", "-"]
@@ -375,7 +381,8 @@ def _at_pace(r: VerifyRow) -> list[str]:
         if m and m.goodput_per_worker > 0
         else "-"
     )
-    return [f"{a.goodput_per_worker:.3f}/s", err]
+    basis = f" ({r.pace_ratio:.2f}x {r.pace_basis})" if r.pace_ratio and r.pace_basis else ""
+    return [f"{a.goodput_per_worker:.3f}/s{basis}", err]
 
 
 def _att(j: Judged) -> str:

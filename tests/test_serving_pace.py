@@ -1,14 +1,20 @@
-"""`bench compare --transfer-from`: a server's pace against the source run's, from the same side
-prompts timed on both (benchmarks/compare/calibrate/serving_pace.py)."""
+"""A server's pace against the servers a fit was measured on, from lone steps of one shape timed on
+both (benchmarks/compare/calibrate/serving_pace.py): `bench compare --transfer-from` reads it from the
+side prompts both warm-ups sent, `plan --verify` sends each candidate prompts of the calibration's
+lengths (benchmarks/plan_calibration.py `serving_pace`)."""
 
 from benchmarks.compare.calibrate.logged_step import LoggedStep
-from benchmarks.compare.calibrate.serving_pace import MIN_MATCHED, pace_ratio
+from benchmarks.compare.calibrate.serving_pace import MIN_MATCHED, pace_prompt_lengths, pace_ratio
 from costmodel.fit.step_fit import StepShape
 
 
-def _prompt(tokens: int, seconds: float, threads: int = 1, decoding: int = 0) -> LoggedStep:
+def _prompt(tokens: int, seconds: float, threads: int = 1, decoding: int = 0, role: str = "colocated") -> LoggedStep:
     shape = StepShape.of([100] * decoding, [(0, tokens)])
-    return LoggedStep("w", "colocated", shape, seconds, 0.0, threads)
+    return LoggedStep("w", role, shape, seconds, 0.0, threads)
+
+
+def _decode(context: int, seconds: float, streams: int = 1, role: str = "colocated") -> LoggedStep:
+    return LoggedStep("w", role, StepShape.of([context] * streams, []), seconds, 0.0, 1)
 
 
 def test_the_ratio_is_read_from_prompt_steps_of_the_same_shape():
@@ -37,3 +43,57 @@ def test_the_report_shows_the_paced_prediction_beside_the_plain_one():
     row = next(x for x in lines if x.startswith("| colocated"))
     assert "(0.85x, 12 steps)" in row and row.count("100.0 / 110.0 (+10%)") == len(COMPARED)
     assert at_pace_section({"modes": [{"label": "colocated", "metrics": {}}]}) == []
+
+
+def test_a_verified_candidate_of_another_role_is_paced_by_its_lone_prompts_and_decodes():
+    """A prefill worker's lone prompt is one forward of the model, as a colocated one's is; a lone
+    decode step of one stream at one context too. Steps decoding several streams stay out."""
+    source = [_prompt(n, n * 1e-3) for n in (40, 80, 120)] + [_decode(c, 0.02) for c in (41, 42, 43)]
+    source.append(_decode(50, 0.02, streams=3))
+    here = [_prompt(n, n * 1.2e-3, role="prefill") for n in (40, 80, 120)]
+    here += [_decode(c, 0.024, role="decode") for c in (41, 42, 43)] + [_decode(50, 0.1, streams=3, role="decode")]
+    assert pace_ratio(source, here) is None  # by role (the transfer's rule): nothing matches
+    assert pace_ratio(source, here, by_role=False) is None  # prompts alone: too few
+    ratio, matched = pace_ratio(source, here, by_role=False, decode=True)
+    assert matched == 6 and abs(ratio - 1.2) < 1e-9
+
+
+def test_the_lengths_sent_are_those_computed_whole_alone_and_uncached():
+    cached = LoggedStep("w", "colocated", StepShape.of([], [(128, 64)]), 0.1, 0.0, 1)  # 64 past a 128 prefix
+    two = LoggedStep("w", "colocated", StepShape.of([], [(0, 30), (0, 30)]), 0.1, 0.0, 1)  # two in one step
+    steps = [_prompt(300, 0.3, threads=2), _prompt(40, 0.04), _prompt(40, 0.05), _prompt(9, 0.01, decoding=2)]
+    assert pace_prompt_lengths([*steps, cached, two]) == [40, 300]
+
+
+def test_plan_verify_reads_a_servers_pace_from_prompts_of_the_calibrations_lengths(ray_cluster):
+    """Against a real server (Ray, uvicorn, its step log): the calibration's steps are this server's
+    own a moment earlier, so every prompt and lone decode step sent again finds its twin."""
+    import asyncio
+
+    from benchmarks.client.bench_serve import BenchConfig, run_benchmark
+    from benchmarks.client.serve_client import ClientConfig
+    from benchmarks.compare.calibrate.step_log import StepLogRecorder
+    from benchmarks.plan_calibration import serving_pace
+    from costmodel.workloads import RequestSpec
+    from router.config import ServeConfig
+    from router.serve_cli import ServerThread
+
+    cfg = ServeConfig(model="tiny", num_blocks=256)
+    with ServerThread(cfg, startup_timeout_s=180) as srv:
+        client = ClientConfig(
+            base_url=srv.url + "/v1", model=cfg.model_name, api_key=cfg.api_key or "EMPTY", show_progress=False
+        )
+        bench = BenchConfig(client=client)
+        with StepLogRecorder(srv.url, cfg.api_key) as calibration:
+            for i, n in enumerate((24, 48, 72)):
+                one = RequestSpec(
+                    f"cal-{i}", tuple(40 + (i * 7 + k) % 80 for k in range(n)), n, 6, 0.0, "chat"
+                )  # none a prefix of another
+                asyncio.run(run_benchmark(bench, [one]))
+        source = list(calibration.steps)
+        assert pace_prompt_lengths(source) == [24, 48, 72]
+        found = serving_pace(bench, srv.url, cfg.api_key, source, seed=5)
+    assert found is not None
+    ratio, matched = found
+    assert matched >= 3 + 3 * 4  # each prompt's step, and most of the five lone decode steps after it
+    assert 0.2 < ratio < 5.0
