@@ -47,7 +47,8 @@ from benchmarks.pace import describe as describe_pace
 from benchmarks.pace import machine_pace
 from benchmarks.plan_calibration import calibrated_elsewhere, compare_fits, serving_pace
 from benchmarks.prompt_threads import host_threads
-from benchmarks.verify_rows import VerifyRow, combine, format_verification, per_request, step_prices, summarize
+from benchmarks.verify_rows import VerifyRow, combine, format_verification, per_request, summarize
+from benchmarks.verify_steps import step_prices
 from cli import CliError
 from cli.output import emit_json
 from costmodel import plan_cli
@@ -202,7 +203,7 @@ def verify_one(
     c = s.candidate
     predicted = Judged(s.attainment, s.meets, s.goodput_per_worker)
     row = VerifyRow(c, rank, predicted, None, {}, load_average=load_average(), pace=machine_pace(),
-                    miss_risk=s.risk.miss_chance if s.risk else None)  # fmt: skip
+                    miss_risk=s.risk.miss_chance if s.risk else None, goodput_interval=_interval(s))  # fmt: skip
     log(f"  load {row.load_average[0] if row.load_average else '?'}, {describe_pace(row.pace)}")
     pacing = _Pacing(at_pace, tuple(pace_steps)) if at_pace is not None and pace_steps else None
     if at_pace is not None and pacing is None and at_pace.pace_gflops and row.pace:
@@ -237,6 +238,11 @@ def verify_one(
         return row
     started = lambda: _started(ServerThread(cfg, startup_timeout_s=args.startup_timeout_s), cfg)  # noqa: E731
     return _measure(row, s, specs, slos, args, setup, started, pacing)
+
+
+def _interval(s: Scored) -> tuple[float, float] | None:
+    low, high = (s.interval or {}).get("goodput_per_worker", (None, None))
+    return (min(low, high), max(low, high)) if low is not None and high is not None else None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """What `pdserve plan --verify` records of each candidate and prints (benchmarks/plan_verify.py
-runs them): a row of predicted beside measured, the workers' steps against the plan's prices, the
-regret and the worst errors, and the table. With `--repeats R` each candidate is measured R times
+runs them): a row of predicted beside measured (the workers' steps against the plan's prices:
+benchmarks/verify_steps.py), the regret, the worst errors, how many landed inside the plan's own
+interval, and the table. With `--repeats R` each candidate is measured R times
 in interleaved rounds and its row combines them (`combine`): the mean, and the spread between rounds,
 which is how far this machine's own measurement moves (the floor under any prediction's error)."""
 
@@ -14,7 +15,6 @@ from benchmarks.compare.calibrate.logged_step import STEP_COLUMNS, LoggedStep
 from costmodel.plan.candidates import Candidate
 from costmodel.plan.score import Judged
 from costmodel.serve_metrics import RequestRecord
-from costmodel.sim.compare_predict import PredictionSetup
 
 
 @dataclass
@@ -46,6 +46,8 @@ class VerifyRow:
     # the plan's chance that this candidate misses an SLO at its fit's error (costmodel/plan/risk.py;
     # None: the plan did not weigh it): how near an SLO's edge the prediction was
     miss_risk: float | None = None
+    # the plan's goodput per worker with every step priced its fit's error lower and higher (low, high)
+    goodput_interval: tuple[float, float] | None = None
 
     @property
     def goodput_range(self) -> tuple[float, float] | None:
@@ -63,6 +65,7 @@ class VerifyRow:
             "serve_args": self.candidate.serve_args(),
             "plan_rank": self.rank,
             "plan_miss_risk": self.miss_risk,
+            "plan_goodput_interval": list(self.goodput_interval) if self.goodput_interval else None,
             "predicted": self.predicted.to_dict(),
             "measured": self.measured.to_dict() if self.measured else None,
             "measured_metrics": self.metrics,
@@ -118,7 +121,7 @@ def combine(rounds: list[VerifyRow]) -> VerifyRow:
         pace_adjusted=_mean_judged([r.pace_adjusted for r in ok if r.pace_adjusted]) if ok else None,
         pace_ratio=statistics.fmean(x) if (x := [r.pace_ratio for r in ok if r.pace_ratio]) else None,
         pace_basis=first.pace_basis,
-        rounds=rounds, miss_risk=first.miss_risk,
+        rounds=rounds, miss_risk=first.miss_risk, goodput_interval=first.goodput_interval,
     )  # fmt: skip
 
 
@@ -138,95 +141,6 @@ def _mean_judged(js: list[Judged]) -> Judged | None:
         vals = [v for j in js if (v := j.attainment.get(k)) is not None]
         att[k] = statistics.fmean(vals) if vals else None
     return Judged(att, all(j.meets for j in js), statistics.fmean(j.goodput_per_worker for j in js))
-
-
-def step_prices(steps: list[LoggedStep], setup: PredictionSetup) -> dict[str, Any] | None:
-    """Per pool: how many steps ran, and what they cost against the plan's price for their shape
-    (p50 and p90 of measured / priced, and summed time over summed price), with the most
-    sequences a step decoded; the same for the steps that carried prompt tokens alone (a pool's
-    p50 is mostly decode steps, a TTFT mostly prompt steps). Tells a step model that was off from
-    a scheduling model that was (None: a datasheet model prices no shape)."""
-    by_pool: dict[str, list[tuple[float, float, int, bool]]] = {}
-    by_length: dict[str, dict[tuple[int, int], list[tuple[float, float, int, bool]]]] = {}
-    for s in steps:
-        f = setup.steps.fit_of(s.role, s.shape.prefill_tokens)
-        if f is None:
-            return None
-        priced = f.seconds(s.shape)
-        if priced > 0 and s.seconds > 0:
-            row = (s.seconds, priced, s.shape.decode_seqs, s.shape.prefill_tokens > 0)
-            by_pool.setdefault(s.role, []).append(row)
-            if s.shape.prefill_tokens > 0:
-                key = (_bucket(s.shape.prefill_tokens), s.torch_threads)
-                by_length.setdefault(s.role, {}).setdefault(key, []).append(row)
-    out = {}
-    for pool, xs in by_pool.items():
-        prompt = [x for x in xs if x[3]]
-        out[pool] = {**_prices(xs), "largest_batch": max(b for *_, b, _ in xs)}
-        if prompt and len(prompt) < len(xs):
-            out[pool]["prompt_steps"] = _prices(prompt)
-            # by prompt tokens and threads: what a step's length and its thread count did to its price
-            out[pool]["prompt_steps_by_tokens"] = [
-                {"tokens": f"{lo}-{2 * lo - 1}" if lo else "1-63", "threads": threads, **_prices(rows)}
-                for (lo, threads), rows in sorted(by_length[pool].items())
-            ]
-        gaps = loop_gaps([s for s in steps if s.role == pool])
-        if gaps:
-            out[pool]["loop_gap"] = gaps
-    return out
-
-
-GAP_BATCHES = ((1, 4), (5, 12), (13, 10**6))
-IDLE_GAP_S = 0.010
-
-
-def loop_gaps(steps: list[LoggedStep]) -> dict[str, Any] | None:
-    """The time a worker spends between two steps while it has work (the loop: events out, calls
-    in, the GIL shared with its Ray threads), which no step's `seconds` holds and the simulator
-    does not price. A gap counts when both steps decoded and it is shorter than the step after it
-    (and 10 ms): a longer one is an idle spell between batches that happen to both decode (a
-    disaggregated decode worker between one document's tokens and the next's)."""
-    by_worker: dict[str, list[LoggedStep]] = {}
-    for s in steps:
-        if s.end_unix_s > 0:
-            by_worker.setdefault(s.worker, []).append(s)
-    pairs: list[tuple[float, float, int]] = []  # (gap s, step s, batch)
-    for xs in by_worker.values():
-        xs.sort(key=lambda s: s.end_unix_s)
-        for a, b in zip(xs, xs[1:], strict=False):
-            gap = max(0.0, b.end_unix_s - b.seconds - a.end_unix_s)
-            if a.shape.decode_seqs and b.shape.decode_seqs and gap < max(b.seconds, IDLE_GAP_S):
-                pairs.append((gap, b.seconds, b.shape.decode_seqs))
-    if not pairs:
-        return None
-    gaps = sorted(g for g, *_ in pairs)
-    by_batch = {}
-    for lo, hi in GAP_BATCHES:
-        inside = sorted(g for g, _, n in pairs if lo <= n <= hi)
-        if inside:
-            by_batch[f"{lo}-{hi}" if hi < 10**6 else f"{lo}+"] = round(inside[len(inside) // 2] * 1e3, 2)
-    return {
-        "busy_gaps": len(gaps),
-        "gap_ms_p50": gaps[len(gaps) // 2] * 1e3,
-        "gap_ms_p90": gaps[min(len(gaps) - 1, int(0.9 * len(gaps)))] * 1e3,
-        "gap_share": sum(gaps) / sum(s for _, s, _ in pairs),  # of the busy steps' own time
-        "gap_ms_p50_by_batch": by_batch,
-    }
-
-
-def _bucket(prompt_tokens: int) -> int:
-    """A step's prompt length as the power of two at or below it (from 64; 0 below 64)."""
-    return 0 if prompt_tokens < 64 else 1 << (prompt_tokens.bit_length() - 1)
-
-
-def _prices(xs: list[tuple[float, float, int, bool]]) -> dict[str, Any]:
-    ratios = sorted(m / p for m, p, *_ in xs)
-    return {
-        "steps": len(xs),
-        "ratio_p50": ratios[len(ratios) // 2],
-        "ratio_p90": ratios[min(len(ratios) - 1, int(0.9 * len(ratios)))],
-        "time_ratio": sum(m for m, *_ in xs) / sum(p for _, p, *_ in xs),
-    }
 
 
 def summarize(rows: list[VerifyRow], winner: str, stall_slo_ms: float | None = None) -> dict[str, Any]:
@@ -269,6 +183,7 @@ def summarize(rows: list[VerifyRow], winner: str, stall_slo_ms: float | None = N
         "attainment_error_max_pts": max(att_err) * 100 if att_err else None,
         "goodput_error_max": max(good_err) if good_err else None,
         "goodput_error_max_at_pace": max(at_pace) if len(at_pace) == len(done) and at_pace else None,
+        "goodput_inside_interval": _inside(done),
         "away_from_edge": {
             "rows": len(away),
             "on_edge_rows": sum(1 for r in done if r.miss_risk is not None and EDGE[0] <= r.miss_risk <= EDGE[1]),
@@ -300,6 +215,17 @@ def _errors(rows: list[VerifyRow]) -> tuple[list[float], list[float]]:
         if r.measured and r.measured.goodput_per_worker > 0
     ]
     return att, good
+
+
+def _inside(rows: list[VerifyRow]) -> dict[str, int]:
+    """How many measured goodputs fell inside the plan's interval for them (the uncertainty it printed)."""
+    each = [
+        lo <= r.measured.goodput_per_worker <= hi
+        for r in rows
+        if r.measured is not None and r.goodput_interval is not None
+        for lo, hi in [r.goodput_interval]
+    ]
+    return {"inside": sum(each), "rows": len(each)}
 
 
 def _worth(r: VerifyRow, stall_slo_ms: float) -> float:
@@ -365,6 +291,8 @@ def format_verification(rows: list[VerifyRow], summary: dict[str, Any]) -> str:
             + (f", attainment within {att:.0f} points" if att is not None else "")
             + f" ({away['on_edge_rows']} on an edge)"
         )
+    if (inside := summary.get("goodput_inside_interval") or {}).get("rows"):
+        tail += f"; measured goodput inside the plan's interval: {inside['inside']} of {inside['rows']}"
     if summary.get("goodput_spread_max") is not None:
         spread = summary["goodput_spread_max"]
         tail += f"; measured = mean of the rounds, whose goodput moved by up to {spread:.0%}"

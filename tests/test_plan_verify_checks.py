@@ -1,6 +1,6 @@
 """What `pdserve plan` and `--verify` check about the measurement itself: a calibration measured on
 another CPU than this machine's (benchmarks/plan_verify.py `_calibrated_elsewhere`), and the time a
-worker spends between steps, which no step's own time holds (benchmarks/verify_rows.py `loop_gaps`)."""
+worker spends between steps, which no step's own time holds (benchmarks/verify_steps.py `loop_gaps`)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_loop_gaps_read_the_time_between_steps_while_sequences_wait():
     """A gap counts only between two steps that both decoded (work waited throughout): the time
     before a step that follows an idle spell, or one of prompt tokens alone, is not the loop's."""
     from benchmarks.compare.calibrate.logged_step import LoggedStep
-    from benchmarks.verify_rows import loop_gaps
+    from benchmarks.verify_steps import loop_gaps
 
     def step(worker: str, batch: int, end: float, seconds: float = 0.010) -> LoggedStep:
         shape = StepShape.of([100] * batch) if batch else StepShape.of((), [(0, 64)])
@@ -109,3 +109,21 @@ def test_the_errors_of_candidates_away_from_an_slos_edge_are_read_apart():
     text = format_verification([safe, certain, edge, unweighed], summary)
     assert "2 candidates: goodput within 5%, attainment within 2 points (1 on an edge)" in text
     assert safe.to_dict()["plan_miss_risk"] == 0.05
+
+
+def test_the_summary_counts_the_measured_goodputs_inside_the_plans_interval():
+    """The plan prints each candidate's goodput with every step priced its fit's error lower and
+    higher; the verification says how often the measured goodput landed inside that interval."""
+    from benchmarks.verify_rows import VerifyRow, format_verification, summarize
+    from costmodel.plan.candidates import Candidate
+    from costmodel.plan.score import Judged
+
+    def row(chunk: int, measured: float, interval: tuple[float, float] | None) -> VerifyRow:
+        c = Candidate("chunked", 1, chunk=chunk)
+        return VerifyRow(c, 1, Judged({}, True, 1.0), Judged({}, True, measured), {}, goodput_interval=interval)
+
+    rows = [row(64, 1.1, (0.9, 1.2)), row(128, 1.3, (0.9, 1.2)), row(256, 5.0, None)]
+    summary = summarize(rows, "chunked 64")
+    assert summary["goodput_inside_interval"] == {"inside": 1, "rows": 2}  # no interval: not counted
+    assert "measured goodput inside the plan's interval: 1 of 2" in format_verification(rows, summary)
+    assert rows[0].to_dict()["plan_goodput_interval"] == [0.9, 1.2]
