@@ -12,6 +12,9 @@ figures are judged exactly as the plan judges its simulated ones (`costmodel.pla
 p90 of TTFT and TPOT over the requests and of the stall over the documents, each SLO's
 attainment (the share within it), goodput per worker. The regret is how much measured goodput
 per worker the plan's winner gives up against the best candidate measured: (best - winner) / best.
+Each candidate is also predicted again at its server's own pace against the calibration's, read after
+its warm-up (benchmarks/plan_calibration.py `serving_pace`): on a shared VM a deployment's steps ran
+0.84-1.18x their price from one hour to the next, which no plan made beforehand can know.
 
 The fixed baselines are the deployments a user would run without a plan: the whole budget
 colocated, and disaggregated with the budget split evenly (KV pulled whole); the better of the

@@ -13,6 +13,11 @@ text, sent alone, whatever the workload), so a source run's server and this run'
 identical prompt steps. Their ratio, median over the steps matched by exact shape, is this
 server's pace against the fit's: the prediction is re-priced at it beside the plain transfer
 (nothing of this run's workload enters; the side prompts are the same in every run).
+
+`plan --verify` reads a candidate's pace the same way (benchmarks/plan_calibration.py `serving_pace`):
+it sends the candidate fresh prompts of the lengths the calibration's servers computed whole and alone
+(`pace_prompt_lengths`), and matches their steps without their role (a prefill worker's lone prompt is
+the model's forward as a colocated one's) and with the lone decode steps after them.
 """
 
 from __future__ import annotations
