@@ -1,13 +1,15 @@
-"""What `pdserve plan` (benchmarks/plan_verify.py) reads from a `--calibration` that names `bench
-compare` results: a device model per deployment kind, the CPU the results were measured on, and
-the steps their servers' warm-ups timed, and a verified candidate's serving pace against those
-(`serving_pace`; benchmarks/compare/calibrate/serving_pace.py). A calibration file (`bench probe`, `bench chunks`)
-is plan_cli's to read."""
+"""What `pdserve plan` (benchmarks/plan_verify.py) reads from a `--calibration` beyond a device
+model: from `bench compare` results, a device model per deployment kind, the CPU they were measured
+on and the steps their servers' warm-ups timed; from a `bench probe` calibration of a pdserve server
+on this host, that server's steps (`probe_steps`). And a verified candidate's serving pace against
+those steps (`serving_pace`; benchmarks/compare/calibrate/serving_pace.py). A calibration file's
+device model is plan_cli's to read."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import sys
 from collections.abc import Sequence
@@ -15,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.client.bench_serve import BenchConfig, run_benchmark
+from benchmarks.client.logged_step import LoggedStep
+from benchmarks.client.step_log import StepLogRecorder
 from benchmarks.compare.calibrate import transfer
-from benchmarks.compare.calibrate.logged_step import LoggedStep
 from benchmarks.compare.calibrate.serving_pace import pace_prompt_lengths, pace_ratio
 from benchmarks.compare.calibrate.side_requests import SHAPE_DECODE_TOKENS
-from benchmarks.compare.calibrate.step_log import StepLogRecorder
 from cli import CliError
 from costmodel.sim.compare_predict import PredictionSetup
 from costmodel.workloads import RequestSpec, WorkloadConfig
@@ -61,6 +63,21 @@ def compare_fits(args: argparse.Namespace) -> CompareFits | None:
     # modes that share one engine's fit (pooled) carry the same steps: each once
     steps = {(s.worker, s.end_unix_s, s.seconds): s for t in found.values() for s in t.source_steps}
     return CompareFits(transfer.by_kind(found), tuple(steps.values()))
+
+
+def probe_steps(args: argparse.Namespace) -> tuple[LoggedStep, ...]:
+    """The probed server's own steps when --calibration is a `bench probe` calibration of a pdserve
+    server on this host (the probe's result beside it, `NAME.json` by `NAME.calibration.json`, keeps
+    them as `server_steps`); () for any other calibration, or a probe result without them."""
+    paths = paths_of(args)
+    if len(paths) != 1 or not paths[0].name.endswith(".calibration.json"):
+        return ()
+    result = paths[0].with_name(paths[0].name.removesuffix(".calibration.json") + ".json")
+    try:
+        rows = (json.loads(result.read_text()).get("server_steps") or {}).get("rows") or []
+        return tuple(LoggedStep.from_row(r) for r in rows)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return ()  # no probe result beside it: the GEMM pace then
 
 
 def calibrated_elsewhere(args: argparse.Namespace) -> str | None:

@@ -41,14 +41,14 @@ from typing import Any
 
 from benchmarks.client.bench_serve import BenchConfig, run_benchmark
 from benchmarks.client.gc_pauses import QuietGC
+from benchmarks.client.logged_step import LoggedStep
 from benchmarks.client.serve_client import ClientConfig
-from benchmarks.compare.calibrate.logged_step import LoggedStep
+from benchmarks.client.step_log import StepLogRecorder
 from benchmarks.compare.calibrate.side_requests import hop_specs
-from benchmarks.compare.calibrate.step_log import StepLogRecorder
 from benchmarks.compare.modes import ensure_ray, load_average
 from benchmarks.pace import describe as describe_pace
 from benchmarks.pace import machine_pace
-from benchmarks.plan_calibration import calibrated_elsewhere, compare_fits, serving_pace
+from benchmarks.plan_calibration import calibrated_elsewhere, compare_fits, probe_steps, serving_pace
 from benchmarks.prompt_threads import host_threads
 from benchmarks.verify_rows import VerifyRow, combine, format_verification, per_request, summarize
 from benchmarks.verify_steps import step_prices
@@ -148,7 +148,7 @@ def main(args: argparse.Namespace) -> int:
             setup = plan.setup_of(s.candidate)
             # one CPU's pace does not scale another CPU's steps: no pace-adjusted figure then
             at_pace = setup if not elsewhere else None
-            pace_steps = fits.source_steps if fits else ()
+            pace_steps = fits.source_steps if fits else probe_steps(args)
             rank = plan.ranked.index(s) + 1
             measured[i].append(verify_one(s, rank, plan.specs, plan.slos, args, setup, at_pace, pace_steps=pace_steps))
     rows = [combine(measured[i]) for i in range(len(chosen))]

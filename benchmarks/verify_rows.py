@@ -11,7 +11,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.compare.calibrate.logged_step import STEP_COLUMNS, LoggedStep
+from benchmarks.client.logged_step import STEP_COLUMNS, LoggedStep
 from costmodel.plan.candidates import Candidate
 from costmodel.plan.score import Judged
 from costmodel.serve_metrics import RequestRecord

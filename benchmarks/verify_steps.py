@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.compare.calibrate.logged_step import LoggedStep
+from benchmarks.client.logged_step import LoggedStep
 from costmodel.sim.compare_predict import PredictionSetup
 
 

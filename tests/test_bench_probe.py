@@ -52,6 +52,8 @@ def test_quick_probe_of_pdserve_agrees_with_the_servers_own_timeline(server, cap
     assert rc == 0, err
     assert time.monotonic() - t0 < 90, "a quick probe must stay well under a minute on an idle machine"
     assert d is not None and d["prompts"] == "ids" and d["model"] == "tiny"
+    # a pdserve server on this host: its own steps kept beside the fit (plan --verify paces against them)
+    assert d["server_steps"]["columns"][:2] == ["worker", "role"] and len(d["server_steps"]["rows"]) > 20
     df, fp = d["decode_fit"], d["prefill_fit"]
     step1 = df["fixed_s"] + df["per_sequence_s"] + df["per_context_token_s"] * 16
     assert step1 > 0
@@ -172,3 +174,31 @@ def test_plan_verify_on_a_server_the_user_restarts(server, tmp_path, capsys, mon
     for r in rows:
         assert r["error"] is None and r["measured_metrics"]["completed"] == 4
         assert r["step_prices"]  # a pdserve server: its steps were read too
+
+
+def test_plan_verify_reads_a_servers_pace_from_prompts_of_the_calibrations_lengths(server):
+    """`plan --verify`'s serving pace (benchmarks/plan_calibration.py; its matching rules in
+    tests/test_serving_pace.py) against this module's real server and its step log: the calibration's
+    steps are the server's own a moment earlier, so each prompt and lone decode step sent again finds
+    its twin."""
+    import asyncio
+
+    from benchmarks.client.bench_serve import BenchConfig, run_benchmark
+    from benchmarks.client.serve_client import ClientConfig
+    from benchmarks.client.step_log import StepLogRecorder
+    from benchmarks.compare.calibrate.serving_pace import pace_prompt_lengths
+    from benchmarks.plan_calibration import serving_pace
+    from costmodel.workloads import RequestSpec
+
+    bench = BenchConfig(client=ClientConfig(base_url=server.base_url, model="tiny", show_progress=False))
+    with StepLogRecorder(server.url) as calibration:
+        for i, n in enumerate((24, 48, 72)):
+            ids = tuple(40 + (i * 7 + k) % 80 for k in range(n))  # none a prefix of another
+            asyncio.run(run_benchmark(bench, [RequestSpec(f"cal-{i}", ids, n, 6, 0.0, "chat")]))
+    source = list(calibration.steps)
+    assert pace_prompt_lengths(source) == [24, 48, 72]
+    found = serving_pace(bench, server.url, None, source, seed=5)
+    assert found is not None
+    ratio, matched = found
+    assert matched >= 3 + 3 * 4  # each prompt's step, and most of the five lone decode steps after it
+    assert 0.2 < ratio < 5.0

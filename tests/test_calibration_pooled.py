@@ -8,10 +8,10 @@ import random
 
 import pytest
 
+from benchmarks.client.logged_step import LoggedStep
 from benchmarks.compare.calibrate import transfer
 from benchmarks.compare.calibrate.calibration import build as build_self_calibration
 from benchmarks.compare.calibrate.calibration import trimmed_fit
-from benchmarks.compare.calibrate.logged_step import LoggedStep
 from benchmarks.compare.calibrate.pooled import Server, pooled
 from costmodel.fit.step_fit import StepCostFit, StepShape
 

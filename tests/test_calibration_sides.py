@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.compare.calibrate.logged_step import LoggedStep
+from benchmarks.client.logged_step import LoggedStep
 from costmodel.fit.step_fit import StepCostFit, StepShape
 from costmodel.workloads import RequestSpec
 

@@ -1,5 +1,5 @@
 """A `bench compare` calibration keeps the warm-up steps its fits were made from
-(benchmarks/compare/calibrate/logged_step.py), and a later step model refits them on load."""
+(benchmarks/client/logged_step.py), and a later step model refits them on load."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import random
 
 import pytest
 
+from benchmarks.client.logged_step import LoggedStep
 from benchmarks.compare.calibrate.calibration import PoolFit, SelfCalibration
 from benchmarks.compare.calibrate.calibration import build as build_self_calibration
-from benchmarks.compare.calibrate.logged_step import LoggedStep
 from costmodel.fit.step_fit import StepCostFit, StepShape
 
 TRUE = StepCostFit(fixed_s=0.030, per_token_s=0.0004, attention_s=2e-9, per_sequence_s=0.004)

@@ -8,6 +8,8 @@ import random
 
 import pytest
 
+from benchmarks.client.logged_step import LoggedStep
+from benchmarks.client.step_log import StepLogRecorder
 from benchmarks.compare.calibrate.calibration import (
     PoolFit,
     fit_pools,
@@ -16,8 +18,6 @@ from benchmarks.compare.calibrate.calibration import (
     trimmed_fit,
 )
 from benchmarks.compare.calibrate.calibration import build as build_self_calibration
-from benchmarks.compare.calibrate.logged_step import LoggedStep
-from benchmarks.compare.calibrate.step_log import StepLogRecorder
 from costmodel.article import cost_model as cm
 from costmodel.fit.step_fit import StepCostFit, StepShape
 from costmodel.machine import calibration_mismatch, cpu_model, git

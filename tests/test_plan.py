@@ -306,7 +306,7 @@ def test_a_winner_decoding_more_at_once_than_its_calibration_did_is_noted(tmp_pa
 
 
 def test_step_prices_read_each_pools_steps_against_the_plans_price():
-    from benchmarks.compare.calibrate.logged_step import LoggedStep
+    from benchmarks.client.logged_step import LoggedStep
     from benchmarks.verify_steps import step_prices
     from costmodel.fit.step_fit import StepShape
     from costmodel.sim.compare_predict import setup_from_steps

@@ -43,7 +43,7 @@ def test_a_calibration_measured_on_another_cpu_is_named_in_the_plan(tmp_path, ca
 def test_loop_gaps_read_the_time_between_steps_while_sequences_wait():
     """A gap counts only between two steps that both decoded (work waited throughout): the time
     before a step that follows an idle spell, or one of prompt tokens alone, is not the loop's."""
-    from benchmarks.compare.calibrate.logged_step import LoggedStep
+    from benchmarks.client.logged_step import LoggedStep
     from benchmarks.verify_steps import loop_gaps
 
     def step(worker: str, batch: int, end: float, seconds: float = 0.010) -> LoggedStep:

@@ -36,7 +36,7 @@ def test_a_variants_rounds_and_their_mean():
 
 
 def test_prompt_steps_are_priced_by_length_and_threads():
-    from benchmarks.compare.calibrate.logged_step import LoggedStep
+    from benchmarks.client.logged_step import LoggedStep
     from benchmarks.verify_steps import step_prices
     from costmodel.fit.step_fit import StepCostFit, StepShape
     from costmodel.sim.compare_predict import setup_from_steps

@@ -1,9 +1,10 @@
 """A server's pace against the servers a fit was measured on, from lone steps of one shape timed on
 both (benchmarks/compare/calibrate/serving_pace.py): `bench compare --transfer-from` reads it from the
 side prompts both warm-ups sent, `plan --verify` sends each candidate prompts of the calibration's
-lengths (benchmarks/plan_calibration.py `serving_pace`)."""
+lengths (benchmarks/plan_calibration.py `serving_pace`; against a real server in
+tests/test_bench_probe.py, whose server it shares)."""
 
-from benchmarks.compare.calibrate.logged_step import LoggedStep
+from benchmarks.client.logged_step import LoggedStep
 from benchmarks.compare.calibrate.serving_pace import MIN_MATCHED, pace_prompt_lengths, pace_ratio
 from costmodel.fit.step_fit import StepShape
 
@@ -65,35 +66,22 @@ def test_the_lengths_sent_are_those_computed_whole_alone_and_uncached():
     assert pace_prompt_lengths([*steps, cached, two]) == [40, 300]
 
 
-def test_plan_verify_reads_a_servers_pace_from_prompts_of_the_calibrations_lengths(ray_cluster):
-    """Against a real server (Ray, uvicorn, its step log): the calibration's steps are this server's
-    own a moment earlier, so every prompt and lone decode step sent again finds its twin."""
-    import asyncio
+def test_a_probes_calibration_brings_the_probed_servers_steps(tmp_path):
+    """`bench probe` of a pdserve server on this host keeps its steps in the result beside the
+    calibration file; `plan --verify` reads them from there (and nothing from anything else)."""
+    import argparse
+    import json
 
-    from benchmarks.client.bench_serve import BenchConfig, run_benchmark
-    from benchmarks.client.serve_client import ClientConfig
-    from benchmarks.compare.calibrate.step_log import StepLogRecorder
-    from benchmarks.plan_calibration import serving_pace
-    from costmodel.workloads import RequestSpec
-    from router.config import ServeConfig
-    from router.serve_cli import ServerThread
+    from benchmarks.client.logged_step import STEP_COLUMNS
+    from benchmarks.plan_calibration import probe_steps
 
-    cfg = ServeConfig(model="tiny", num_blocks=256)
-    with ServerThread(cfg, startup_timeout_s=180) as srv:
-        client = ClientConfig(
-            base_url=srv.url + "/v1", model=cfg.model_name, api_key=cfg.api_key or "EMPTY", show_progress=False
-        )
-        bench = BenchConfig(client=client)
-        with StepLogRecorder(srv.url, cfg.api_key) as calibration:
-            for i, n in enumerate((24, 48, 72)):
-                one = RequestSpec(
-                    f"cal-{i}", tuple(40 + (i * 7 + k) % 80 for k in range(n)), n, 6, 0.0, "chat"
-                )  # none a prefix of another
-                asyncio.run(run_benchmark(bench, [one]))
-        source = list(calibration.steps)
-        assert pace_prompt_lengths(source) == [24, 48, 72]
-        found = serving_pace(bench, srv.url, cfg.api_key, source, seed=5)
-    assert found is not None
-    ratio, matched = found
-    assert matched >= 3 + 3 * 4  # each prompt's step, and most of the five lone decode steps after it
-    assert 0.2 < ratio < 5.0
+    steps = [_prompt(40, 0.04), _decode(41, 0.02)]
+    (tmp_path / "probe-x.json").write_text(
+        json.dumps({"server_steps": {"columns": list(STEP_COLUMNS), "rows": [s.to_row() for s in steps]}})
+    )
+    (tmp_path / "probe-x.calibration.json").write_text("{}")
+    (tmp_path / "probe-y.calibration.json").write_text("{}")  # no result beside it
+    read = probe_steps(argparse.Namespace(calibration=str(tmp_path / "probe-x.calibration.json")))
+    assert [(s.shape.prefill_tokens, s.shape.decode_seqs) for s in read] == [(40, 0), (0, 1)]
+    assert probe_steps(argparse.Namespace(calibration=str(tmp_path / "probe-y.calibration.json"))) == ()
+    assert probe_steps(argparse.Namespace(calibration=str(tmp_path / "probe-x.json"))) == ()  # not a calibration file

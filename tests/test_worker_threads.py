@@ -167,9 +167,9 @@ def test_every_worker_call_has_a_concurrency_group():
 def test_calibrations_record_the_threads_and_predictions_carry_them(tmp_path: Path):
     import json
 
+    from benchmarks.client.step_log import StepLogRecorder
     from benchmarks.compare.calibrate.calibration import build as build_self_calibration
     from benchmarks.compare.calibrate.calibration import fit_pools, prediction_setup
-    from benchmarks.compare.calibrate.step_log import StepLogRecorder
     from costmodel.article import cost_model as cm
     from costmodel.sim.compare_predict import setup_from_calibration
 

@@ -28,12 +28,12 @@ from typing import Any
 
 from benchmarks.client.bench_serve import BenchConfig, run_benchmark
 from benchmarks.client.gc_pauses import QuietGC
+from benchmarks.client.step_log import StepLogRecorder
 from benchmarks.compare import demo_samples
 from benchmarks.compare.args import ModeSpec
 from benchmarks.compare.calibrate.calibration import build as build_self_calibration
 from benchmarks.compare.calibrate.calibration import hop_ms
 from benchmarks.compare.calibrate.side_requests import hop_specs, prefix_specs, shape_specs
-from benchmarks.compare.calibrate.step_log import StepLogRecorder
 from benchmarks.compare.equality import equality_pass
 from benchmarks.compare.record import ModeRun
 from benchmarks.pace import describe as describe_pace

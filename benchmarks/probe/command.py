@@ -17,12 +17,15 @@ import random
 import re
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from benchmarks import prompt_threads
 from benchmarks.client.bench_serve import finite_json
+from benchmarks.client.logged_step import STEP_COLUMNS
+from benchmarks.client.step_log import StepLogRecorder
 from benchmarks.pace import describe as describe_pace
 from benchmarks.pace import machine_pace
 from benchmarks.probe.client import ProbeClient, ProbeError
@@ -163,19 +166,28 @@ def main(args: argparse.Namespace) -> int:
             await client.close()
 
     start = time.perf_counter()
+    # a pdserve server on this host: its own step log too, kept beside the fit (nothing in the fit is
+    # read from it) so that `plan --verify` can read a candidate's pace against the probed server's
+    # steps (benchmarks/plan_calibration.py); another server answers no steps and the probe goes on
+    here = prompt_threads.on_this_host(args.base_url)
+    root = args.base_url.rstrip("/").removesuffix("/v1")
+    recorder = StepLogRecorder(root, args.api_key if args.api_key != "EMPTY" else None) if here else nullcontext()
     try:
-        result = asyncio.run(run())
+        with recorder:
+            result = asyncio.run(run())
     except (ProbeError, ValueError) as e:
         raise CliError(str(e)) from None
+    steps = recorder.steps if isinstance(recorder, StepLogRecorder) else []
     # this host's pace, right after the probe's steps (a server here only), so that `plan --verify`
     # can tell a slower machine from a wrong price; and what a second prompt thread gives here
-    pace = machine_pace() if prompt_threads.on_this_host(args.base_url) else None
+    pace = machine_pace() if here else None
     if pace:
         log(f"probe: this host's {describe_pace(pace)}")
     model = args.model_config or result.model
     speedup = prompt_threads.for_probe(args.base_url, model, lambda m: log(f"probe: {m}"))
     result.wall_s = time.perf_counter() - start
-    payload = finite_json({**result.to_dict(), "prompt_thread_speedup": speedup})
+    server_steps = {"columns": list(STEP_COLUMNS), "rows": [x.to_row() for x in steps]} if steps else None
+    payload = finite_json({**result.to_dict(), "prompt_thread_speedup": speedup, "server_steps": server_steps})
     name = _name(args, result.model)
     out_dir = Path(args.results_dir) if args.results_dir else RESULTS_DIR
     config = {**{k: v for k, v in vars(args).items() if not k.startswith("_")}, "seed": seed}

@@ -1,5 +1,5 @@
 """What predicts a `bench compare` mode: `calibration` (each server's own warm-up steps, fitted per
-pool), `step_log` (the recorder that reads them), `side_requests` (the requests beside the warm-up:
+pool; benchmarks/client/step_log.py records them), `side_requests` (the requests beside the warm-up:
 the serving hop, prompts of other lengths), `transfer` (`--transfer-from`: an earlier run's fits).
 
 May import: `costmodel`, `engine.config`.

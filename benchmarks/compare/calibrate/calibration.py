@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from benchmarks.compare.calibrate.logged_step import STEP_COLUMNS, LoggedStep
+from benchmarks.client.logged_step import STEP_COLUMNS, LoggedStep
 from costmodel.fit.step_fit import StepCostFit, StepShape, fit, fit_beside
 from costmodel.sim import compare_predict as cp
 from costmodel.sim.compare_predict import PredictionSetup

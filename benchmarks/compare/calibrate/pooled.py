@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from benchmarks.client.logged_step import LoggedStep
 from benchmarks.compare.calibrate.calibration import (
     MIN_STEPS,
     SelfCalibration,
@@ -33,7 +34,6 @@ from benchmarks.compare.calibrate.calibration import (
     threads_of,
     trimmed_fit,
 )
-from benchmarks.compare.calibrate.logged_step import LoggedStep
 from costmodel.fit.step_fit import fit_beside
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Sequence
 
-from benchmarks.compare.calibrate.logged_step import LoggedStep
+from benchmarks.client.logged_step import LoggedStep
 
 # fewer matched steps than this and the ratio is not read (one disturbed step would set it)
 MIN_MATCHED = 5

@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.client.logged_step import LoggedStep
 from benchmarks.compare.calibrate.calibration import SelfCalibration, prediction_setup
-from benchmarks.compare.calibrate.logged_step import LoggedStep
 from benchmarks.compare.calibrate.pooled import Server, pooled
 from costmodel.sim.compare_predict import PredictionSetup
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.compare.calibrate.logged_step import LoggedStep
+from benchmarks.client.logged_step import LoggedStep
 from costmodel.fit.step_fit import StepShape
 
 POLL_S = 1.0  # a worker keeps its last 256 steps; at >= 4 ms a step none is missed between polls
