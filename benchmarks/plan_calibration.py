@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.client.bench_serve import BenchConfig, run_benchmark
-from benchmarks.client.logged_step import LoggedStep
+from benchmarks.client.logged_step import LoggedStep, from_table
 from benchmarks.client.step_log import StepLogRecorder
 from benchmarks.compare.calibrate import transfer
 from benchmarks.compare.calibrate.serving_pace import pace_prompt_lengths, pace_ratio
@@ -74,8 +74,7 @@ def probe_steps(args: argparse.Namespace) -> tuple[LoggedStep, ...]:
         return ()
     result = paths[0].with_name(paths[0].name.removesuffix(".calibration.json") + ".json")
     try:
-        rows = (json.loads(result.read_text()).get("server_steps") or {}).get("rows") or []
-        return tuple(LoggedStep.from_row(r) for r in rows)
+        return tuple(from_table(json.loads(result.read_text()).get("server_steps")))
     except (OSError, ValueError, AttributeError, TypeError):
         return ()  # no probe result beside it: the GEMM pace then
 

@@ -11,7 +11,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.client.logged_step import STEP_COLUMNS, LoggedStep
+from benchmarks.client.logged_step import LoggedStep, steps_table
 from costmodel.plan.candidates import Candidate
 from costmodel.plan.score import Judged
 from costmodel.serve_metrics import RequestRecord
@@ -79,7 +79,7 @@ class VerifyRow:
             "pace_matched_steps": self.pace_matched_steps,
             "predicted_at_this_pace": self.pace_adjusted.to_dict() if self.pace_adjusted else None,
             "requests": self.requests,
-            "steps": {"columns": list(STEP_COLUMNS), "rows": [s.to_row() for s in self.steps]} if self.steps else None,
+            "steps": steps_table(self.steps) if self.steps else None,
             **extra,
         }
 

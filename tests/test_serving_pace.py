@@ -72,13 +72,11 @@ def test_a_probes_calibration_brings_the_probed_servers_steps(tmp_path):
     import argparse
     import json
 
-    from benchmarks.client.logged_step import STEP_COLUMNS
+    from benchmarks.client.logged_step import steps_table
     from benchmarks.plan_calibration import probe_steps
 
     steps = [_prompt(40, 0.04), _decode(41, 0.02)]
-    (tmp_path / "probe-x.json").write_text(
-        json.dumps({"server_steps": {"columns": list(STEP_COLUMNS), "rows": [s.to_row() for s in steps]}})
-    )
+    (tmp_path / "probe-x.json").write_text(json.dumps({"server_steps": steps_table(steps)}))
     (tmp_path / "probe-x.calibration.json").write_text("{}")
     (tmp_path / "probe-y.calibration.json").write_text("{}")  # no result beside it
     read = probe_steps(argparse.Namespace(calibration=str(tmp_path / "probe-x.calibration.json")))

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,3 +57,13 @@ STEP_COLUMNS = (
     "prefill_seqs",
     "prefill_reads",
 )
+
+
+def steps_table(steps: Iterable[LoggedStep]) -> dict[str, Any]:
+    """Steps as a result file keeps them: the column names once, a row each (`from_table` reads it)."""
+    return {"columns": list(STEP_COLUMNS), "rows": [s.to_row() for s in steps]}
+
+
+def from_table(table: dict[str, Any] | None) -> list[LoggedStep]:
+    """The steps of a `steps_table` (none for None or a table without rows)."""
+    return [LoggedStep.from_row(r) for r in (table or {}).get("rows") or []]

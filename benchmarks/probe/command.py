@@ -24,7 +24,7 @@ from typing import Any
 
 from benchmarks import prompt_threads
 from benchmarks.client.bench_serve import finite_json
-from benchmarks.client.logged_step import STEP_COLUMNS
+from benchmarks.client.logged_step import steps_table
 from benchmarks.client.step_log import StepLogRecorder
 from benchmarks.pace import describe as describe_pace
 from benchmarks.pace import machine_pace
@@ -186,7 +186,7 @@ def main(args: argparse.Namespace) -> int:
     model = args.model_config or result.model
     speedup = prompt_threads.for_probe(args.base_url, model, lambda m: log(f"probe: {m}"))
     result.wall_s = time.perf_counter() - start
-    server_steps = {"columns": list(STEP_COLUMNS), "rows": [x.to_row() for x in steps]} if steps else None
+    server_steps = steps_table(steps) if steps else None
     payload = finite_json({**result.to_dict(), "prompt_thread_speedup": speedup, "server_steps": server_steps})
     name = _name(args, result.model)
     out_dir = Path(args.results_dir) if args.results_dir else RESULTS_DIR

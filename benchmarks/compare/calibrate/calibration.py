@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from benchmarks.client.logged_step import STEP_COLUMNS, LoggedStep
+from benchmarks.client.logged_step import LoggedStep, from_table, steps_table
 from costmodel.fit.step_fit import StepCostFit, StepShape, fit, fit_beside
 from costmodel.sim import compare_predict as cp
 from costmodel.sim.compare_predict import PredictionSetup
@@ -311,7 +311,7 @@ class SelfCalibration:
             list(d.get("notes", [])),
             d.get("longest_prompt"),
             d.get("largest_batch"),
-            [LoggedStep.from_row(r) for r in (d.get("warmup_steps") or {}).get("rows", [])],
+            from_table(d.get("warmup_steps")),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -328,7 +328,7 @@ class SelfCalibration:
             "notes": self.notes,
             "longest_prompt": self.longest_prompt,
             "largest_batch": self.largest_batch,
-            "warmup_steps": {"columns": list(STEP_COLUMNS), "rows": [s.to_row() for s in self.logged]},
+            "warmup_steps": steps_table(self.logged),
         }
 
 
