@@ -11,8 +11,7 @@ import argparse
 import asyncio
 import json
 import random
-import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,7 +96,12 @@ def calibrated_elsewhere(args: argparse.Namespace) -> str | None:
 
 
 def serving_pace(
-    bench: BenchConfig, url: str, api_key: str | None, source: Sequence[LoggedStep], seed: int
+    bench: BenchConfig,
+    url: str,
+    api_key: str | None,
+    source: Sequence[LoggedStep],
+    seed: int,
+    log: Callable[[str], None] = lambda _: None,
 ) -> tuple[float, int] | None:
     """This server's pace against the calibration's servers: fresh prompts of the lengths they computed
     whole and alone (serving_pace.pace_prompt_lengths), one at a time, each decoding alone after it; the
@@ -108,18 +112,12 @@ def serving_pace(
     lengths = pace_prompt_lengths(source)
     if not lengths:
         return None
-    _log(
-        f"  serving pace: {len(lengths)} lone prompts of the calibration's lengths ({lengths[0]}-{lengths[-1]} tokens)"
-    )
+    log(f"  serving pace: {len(lengths)} lone prompts of the calibration's lengths ({lengths[0]}-{lengths[-1]} tokens)")
     with StepLogRecorder(url, api_key) as recorder:
         for i, n in enumerate(lengths):
             ids = tuple(rng.randrange(WorkloadConfig.token_id_low, WorkloadConfig.token_id_high) for _ in range(n))
             one = RequestSpec(f"pace-{i}", ids, n, SHAPE_DECODE_TOKENS, 0.0, "chat")
             asyncio.run(run_benchmark(bench, [one]))
     found = pace_ratio(source, list(recorder.steps), by_role=False, decode=True)
-    _log(f"  steps {found[0]:.2f}x the calibration's ({found[1]} matched)" if found else "  too few steps matched")
+    log(f"  steps {found[0]:.2f}x the calibration's ({found[1]} matched)" if found else "  too few steps matched")
     return found
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)

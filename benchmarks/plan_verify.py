@@ -138,6 +138,7 @@ def main(args: argparse.Namespace) -> int:
         ensure_ray()
     measured: dict[int, list[VerifyRow]] = {i: [] for i in range(len(chosen))}
     total, done = len(chosen) * args.repeats, 0
+    pace_steps = fits.source_steps if fits else probe_steps(args)  # what each candidate's pace is read against
     for rnd in range(args.repeats):
         order = list(range(len(chosen)))
         for i in order if rnd % 2 == 0 else order[::-1]:
@@ -148,7 +149,6 @@ def main(args: argparse.Namespace) -> int:
             setup = plan.setup_of(s.candidate)
             # one CPU's pace does not scale another CPU's steps: no pace-adjusted figure then
             at_pace = setup if not elsewhere else None
-            pace_steps = fits.source_steps if fits else probe_steps(args)
             rank = plan.ranked.index(s) + 1
             measured[i].append(verify_one(s, rank, plan.specs, plan.slos, args, setup, at_pace, pace_steps=pace_steps))
     rows = [combine(measured[i]) for i in range(len(chosen))]
@@ -312,7 +312,9 @@ def _measure(
             asyncio.run(run_benchmark(bench, first))
             asyncio.run(run_benchmark(bench, hop_specs(first)))
             asyncio.run(run_benchmark(bench, fresh_prompts(specs, args.seed + 3)))
-            paced = serving_pace(bench, srv.url, srv.api_key, pacing.source_steps, args.seed + 4) if pacing else None
+            paced = (
+                serving_pace(bench, srv.url, srv.api_key, pacing.source_steps, args.seed + 4, log) if pacing else None
+            )
             log("  timed pass")
             with StepLogRecorder(srv.url, srv.api_key) as recorder, QuietGC():  # not pdserve's: no steps
                 result = asyncio.run(run_benchmark(bench, fresh_prompts(specs, args.seed + 2)))
