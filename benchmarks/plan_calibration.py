@@ -1,45 +1,33 @@
 """What `pdserve plan` (benchmarks/plan_verify.py) reads from a `--calibration` beyond a device
-model: from `bench compare` results, a device model per deployment kind, the CPU they were measured
-on and the steps their servers' warm-ups timed; from a `bench probe` calibration of a pdserve server
-on this host, that server's steps (`probe_steps`). And a verified candidate's serving pace against
-those steps (`serving_pace`; benchmarks/compare/calibrate/serving_pace.py). A calibration file's
-device model is plan_cli's to read."""
+model: from `bench compare` results, a device model per deployment kind and the CPU they were
+measured on. And the steps a verified candidate's server runs before its timed pass, which read its
+serving pace (`serving_pace`; benchmarks/verify_steps.py `step_pace`). A calibration file's device
+model is plan_cli's to read."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.client.bench_serve import BenchConfig, run_benchmark
-from benchmarks.client.logged_step import LoggedStep, from_table
+from benchmarks.client.logged_step import LoggedStep
 from benchmarks.client.step_log import StepLogRecorder
 from benchmarks.compare.calibrate import transfer
-from benchmarks.compare.calibrate.serving_pace import pace_prompt_lengths, pace_ratio
 from benchmarks.compare.calibrate.side_requests import SHAPE_DECODE_TOKENS
 from cli import CliError
+from costmodel.plan.pricing import computed_parts
 from costmodel.sim.compare_predict import PredictionSetup
 from costmodel.workloads import RequestSpec, WorkloadConfig
-
-
-@dataclass(frozen=True)
-class CompareFits:
-    """The device models `bench compare` results fitted, by deployment kind (transfer.by_kind), and
-    the warm-up steps of the servers they were fitted to (each step once)."""
-
-    by_kind: dict[str, PredictionSetup]
-    source_steps: tuple[LoggedStep, ...]
 
 
 def paths_of(args: argparse.Namespace) -> list[Path]:
     return [Path(p.strip()) for p in (args.calibration or "").split(",") if p.strip()]
 
 
-def compare_fits(args: argparse.Namespace) -> CompareFits | None:
+def compare_fits(args: argparse.Namespace) -> dict[str, PredictionSetup] | None:
     """The fits when --calibration names `bench compare` results (their fits to each server they
     ran, benchmarks/compare/calibrate/transfer.py; several, comma-separated, pool what each
     measured: one run of 1-worker servers and one of `--decode 2`), else None (a calibration file)."""
@@ -59,23 +47,7 @@ def compare_fits(args: argparse.Namespace) -> CompareFits | None:
         if not each:
             raise CliError(f"--calibration {path}: no mode of that run has a fit to price from")
         found.update({f"{path}:{label}": t for label, t in each.items()})
-    # modes that share one engine's fit (pooled) carry the same steps: each once
-    steps = {(s.worker, s.end_unix_s, s.seconds): s for t in found.values() for s in t.source_steps}
-    return CompareFits(transfer.by_kind(found), tuple(steps.values()))
-
-
-def probe_steps(args: argparse.Namespace) -> tuple[LoggedStep, ...]:
-    """The probed server's own steps when --calibration is a `bench probe` calibration of a pdserve
-    server on this host (the probe's result beside it, `NAME.json` by `NAME.calibration.json`, keeps
-    them as `server_steps`); () for any other calibration, or a probe result without them."""
-    paths = paths_of(args)
-    if len(paths) != 1 or not paths[0].name.endswith(".calibration.json"):
-        return ()
-    result = paths[0].with_name(paths[0].name.removesuffix(".calibration.json") + ".json")
-    try:
-        return tuple(from_table(json.loads(result.read_text()).get("server_steps")))
-    except (OSError, ValueError, AttributeError, TypeError):
-        return ()  # no probe result beside it: the GEMM pace then
+    return transfer.by_kind(found)
 
 
 def calibrated_elsewhere(args: argparse.Namespace) -> str | None:
@@ -95,29 +67,44 @@ def calibrated_elsewhere(args: argparse.Namespace) -> str | None:
     )
 
 
+# the lone prompts' lengths: these quantiles of the prompt tokens the workload's requests compute
+PACE_QUANTILES = (0.1, 0.3, 0.5, 0.7, 0.9)
+PACE_BURST_MAX = 16  # streams per worker in the burst that reads batched decode steps
+PACE_BURST_TOKENS = 32  # tokens each of the burst's streams decodes
+
+
+def pace_lengths(specs: Sequence[RequestSpec]) -> list[int]:
+    """The lone prompts' lengths: quantiles of what the workload's requests compute (a shared prefix
+    once), each at least one token."""
+    parts = sorted(computed_parts(specs))
+    return sorted({max(1, parts[min(len(parts) - 1, int(q * len(parts)))]) for q in PACE_QUANTILES})
+
+
 def serving_pace(
     bench: BenchConfig,
     url: str,
     api_key: str | None,
-    source: Sequence[LoggedStep],
+    specs: Sequence[RequestSpec],
+    streams: int,
     seed: int,
     log: Callable[[str], None] = lambda _: None,
-) -> tuple[float, int] | None:
-    """This server's pace against the calibration's servers: fresh prompts of the lengths they computed
-    whole and alone (serving_pace.pace_prompt_lengths), one at a time, each decoding alone after it; the
-    median ratio of this server's lone steps to theirs of the same shape and threads (None: too few
-    matched, or a server that logs no steps). A verified candidate's steps ran 1.08-1.18x their price in
-    the minutes it ran (docs/plan.md), which the GEMM probe before it did not see."""
+) -> list[LoggedStep]:
+    """The steps a candidate's server runs, after its warm-up and before its timed pass, for requests
+    that are not the workload's but have its shapes: fresh prompts of the lengths its requests
+    compute (`pace_lengths`), one at a time, each decoding alone after it; then `streams` fresh
+    prompts of its mean length at once, decoding PACE_BURST_TOKENS tokens together. Their cost against
+    the plan's prices (benchmarks/verify_steps.py `step_pace`) re-prices the prediction: a verified
+    candidate's steps ran 0.84-1.18x their price in the minutes it ran (docs/plan.md), and batched
+    decode steps apart from lone ones (0.93-0.95x against 0.96-0.97x on one chat, 2026-12-06). Empty
+    from a server that logs no steps."""
     rng = random.Random(seed)
-    lengths = pace_prompt_lengths(source)
-    if not lengths:
-        return None
-    log(f"  serving pace: {len(lengths)} lone prompts of the calibration's lengths ({lengths[0]}-{lengths[-1]} tokens)")
+    draw = lambda n: tuple(rng.randrange(WorkloadConfig.token_id_low, WorkloadConfig.token_id_high) for _ in range(n))  # noqa: E731
+    lengths = pace_lengths(specs)
+    mean = max(1, round(sum(s.prompt_len for s in specs) / len(specs)))
+    log(f"  serving pace: lone prompts of {', '.join(map(str, lengths))} tokens, then {streams} of {mean} at once")
     with StepLogRecorder(url, api_key) as recorder:
         for i, n in enumerate(lengths):
-            ids = tuple(rng.randrange(WorkloadConfig.token_id_low, WorkloadConfig.token_id_high) for _ in range(n))
-            one = RequestSpec(f"pace-{i}", ids, n, SHAPE_DECODE_TOKENS, 0.0, "chat")
-            asyncio.run(run_benchmark(bench, [one]))
-    found = pace_ratio(source, list(recorder.steps), by_role=False, decode=True)
-    log(f"  steps {found[0]:.2f}x the calibration's ({found[1]} matched)" if found else "  too few steps matched")
-    return found
+            asyncio.run(run_benchmark(bench, [RequestSpec(f"pace-{i}", draw(n), n, SHAPE_DECODE_TOKENS, 0.0, "chat")]))
+        burst = [RequestSpec(f"pace-b{i}", draw(mean), mean, PACE_BURST_TOKENS, 0.0, "chat") for i in range(streams)]
+        asyncio.run(run_benchmark(bench, burst))
+    return list(recorder.steps)

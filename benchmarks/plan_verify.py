@@ -34,24 +34,23 @@ import asyncio
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from benchmarks.client.bench_serve import BenchConfig, run_benchmark
 from benchmarks.client.gc_pauses import QuietGC
-from benchmarks.client.logged_step import LoggedStep
 from benchmarks.client.serve_client import ClientConfig
 from benchmarks.client.step_log import StepLogRecorder
 from benchmarks.compare.calibrate.side_requests import hop_specs
 from benchmarks.compare.modes import ensure_ray, load_average
 from benchmarks.pace import describe as describe_pace
 from benchmarks.pace import machine_pace
-from benchmarks.plan_calibration import calibrated_elsewhere, compare_fits, probe_steps, serving_pace
+from benchmarks.plan_calibration import PACE_BURST_MAX, calibrated_elsewhere, compare_fits, serving_pace
 from benchmarks.prompt_threads import host_threads
 from benchmarks.verify_rows import VerifyRow, combine, format_verification, per_request, summarize
-from benchmarks.verify_steps import step_prices
+from benchmarks.verify_steps import StepPace, step_pace, step_prices
 from cli import CliError
 from cli.output import emit_json
 from costmodel import plan_cli
@@ -121,8 +120,7 @@ def main(args: argparse.Namespace) -> int:
         raise CliError(
             "--verify --base-url waits for you to restart the server between candidates: run it in a terminal"
         )
-    fits = compare_fits(args)
-    by_kind = fits.by_kind if fits else None
+    by_kind = compare_fits(args)
     elsewhere = calibrated_elsewhere(args) if by_kind else None
     threads = None if by_kind else host_threads(args.workers)
     if not args.verify:
@@ -138,7 +136,6 @@ def main(args: argparse.Namespace) -> int:
         ensure_ray()
     measured: dict[int, list[VerifyRow]] = {i: [] for i in range(len(chosen))}
     total, done = len(chosen) * args.repeats, 0
-    pace_steps = fits.source_steps if fits else probe_steps(args)  # what each candidate's pace is read against
     for rnd in range(args.repeats):
         order = list(range(len(chosen)))
         for i in order if rnd % 2 == 0 else order[::-1]:
@@ -150,7 +147,7 @@ def main(args: argparse.Namespace) -> int:
             # one CPU's pace does not scale another CPU's steps: no pace-adjusted figure then
             at_pace = setup if not elsewhere else None
             rank = plan.ranked.index(s) + 1
-            measured[i].append(verify_one(s, rank, plan.specs, plan.slos, args, setup, at_pace, pace_steps=pace_steps))
+            measured[i].append(verify_one(s, rank, plan.specs, plan.slos, args, setup, at_pace))
     rows = [combine(measured[i]) for i in range(len(chosen))]
     summary = summarize(rows, plan.ranked[0].candidate.label, plan.slos.stall_ms)
     verification = {"rows": [r.to_dict() for r in rows], **summary, "calibrated_elsewhere": elsewhere}
@@ -193,13 +190,12 @@ def verify_one(
     setup: PredictionSetup | None = None,
     at_pace: PredictionSetup | None = None,
     serve_flags: dict[str, Any] | None = None,
-    pace_steps: Sequence[LoggedStep] = (),
 ) -> VerifyRow:
     """Deploy `s`'s candidate (plus `serve_flags`, unpriced: benchmarks/serve_flags_ab.py) fresh, warm it,
     time the workload, judge it; with the `setup` that priced it, say what its steps cost against those
     prices, and with `at_pace` (that setup, calibrated on this CPU) predict it again at today's pace: the
-    server's own, read from lone steps of the `pace_steps` shapes (the calibration's servers' warm-up
-    steps) timed on it before the timed pass, or without them the GEMM probe's before it started."""
+    server's own, its steps for requests of the workload's shapes against those prices before the timed
+    pass (`serving_pace`), or where it logs no steps the GEMM probe's before it started."""
     from router.config import ConfigError, ServeConfig  # noqa: PLC0415 (starts nothing until used)
     from router.serve_cli import ServerThread  # noqa: PLC0415
 
@@ -208,8 +204,7 @@ def verify_one(
     row = VerifyRow(c, rank, predicted, None, {}, load_average=load_average(), pace=machine_pace(),
                     miss_risk=s.risk.miss_chance if s.risk else None, goodput_interval=_interval(s))  # fmt: skip
     log(f"  load {row.load_average[0] if row.load_average else '?'}, {describe_pace(row.pace)}")
-    pacing = _Pacing(at_pace, tuple(pace_steps)) if at_pace is not None and pace_steps else None
-    if at_pace is not None and pacing is None and at_pace.pace_gflops and row.pace:
+    if at_pace is not None and at_pace.pace_gflops and row.pace:  # a server's own steps replace it
         row.pace_basis = "gemm"
         row.pace_ratio = at_pace.pace_gflops / row.pace["gemm_gflops_1thread"]
         again = score(s.candidate, priced_at(at_pace, row.pace_ratio), specs, slos, args.max_num_seqs)
@@ -219,7 +214,7 @@ def verify_one(
             f"{again.goodput_per_worker:.3f}/s"
         )
     if args.base_url:
-        return _measure(row, s, specs, slos, args, setup, lambda: _restarted(s.candidate, args), pacing)
+        return _measure(row, s, specs, slos, args, setup, lambda: _restarted(s.candidate, args), at_pace)
     try:
         pools = c.mode in ("disagg", "auto")
         cfg = ServeConfig(
@@ -240,21 +235,12 @@ def verify_one(
         row.error = f"not deployable here: {e}"
         return row
     started = lambda: _started(ServerThread(cfg, startup_timeout_s=args.startup_timeout_s), cfg)  # noqa: E731
-    return _measure(row, s, specs, slos, args, setup, started, pacing)
+    return _measure(row, s, specs, slos, args, setup, started, at_pace)
 
 
 def _interval(s: Scored) -> tuple[float, float] | None:
     low, high = (s.interval or {}).get("goodput_per_worker", (None, None))
     return (min(low, high), max(low, high)) if low is not None and high is not None else None
-
-
-@dataclass(frozen=True)
-class _Pacing:
-    """What a candidate's serving pace is read against (the calibration's servers' warm-up steps) and
-    the device model it re-prices."""
-
-    setup: PredictionSetup
-    source_steps: tuple[LoggedStep, ...]
 
 
 @dataclass(frozen=True)
@@ -290,7 +276,7 @@ def _measure(
     args: argparse.Namespace,
     setup: PredictionSetup | None,
     server: Callable[[], AbstractContextManager[_Target]],
-    pacing: _Pacing | None = None,
+    at_pace: PredictionSetup | None = None,
 ) -> VerifyRow:
     """Warm the candidate's server, time the workload on it, judge it."""
     c = s.candidate
@@ -313,8 +299,12 @@ def _measure(
             asyncio.run(run_benchmark(bench, hop_specs(first)))
             asyncio.run(run_benchmark(bench, fresh_prompts(specs, args.seed + 3)))
             paced = (
-                serving_pace(bench, srv.url, srv.api_key, pacing.source_steps, args.seed + 4, log) if pacing else None
+                step_pace(serving_pace(bench, srv.url, srv.api_key, specs, _burst(s), args.seed + 4, log), at_pace)
+                if at_pace
+                else None
             )
+            if paced:
+                log(f"  steps at {_paced(paced)} the plan's prices")
             log("  timed pass")
             with StepLogRecorder(srv.url, srv.api_key) as recorder, QuietGC():  # not pdserve's: no steps
                 result = asyncio.run(run_benchmark(bench, fresh_prompts(specs, args.seed + 2)))
@@ -346,12 +336,26 @@ def _measure(
     }
     got, want = row.measured.goodput_per_worker, row.predicted.goodput_per_worker
     log(f"  measured goodput/worker {got:.3f}/s (predicted {want:.3f})")
-    if pacing and paced:
-        row.pace_ratio, row.pace_matched_steps, row.pace_basis = *paced, "serving"
-        again = score(c, priced_at(pacing.setup, paced[0]), specs, slos, args.max_num_seqs)
+    if at_pace and paced:
+        kp, kd = paced.prompt or paced.decode, paced.decode or paced.prompt
+        row.pace_ratio, row.pace_decode_ratio, row.pace_basis = kp, kd, "serving"
+        row.pace_matched_steps = paced.prompt_steps + paced.decode_steps
+        again = score(c, priced_at(at_pace, kp, kd), specs, slos, args.max_num_seqs)  # type: ignore[arg-type]
         row.pace_adjusted = Judged(again.attainment, again.meets, again.goodput_per_worker)
         log(f"  at this server's pace: predicted goodput/worker {again.goodput_per_worker:.3f}/s")
     return row
+
+
+def _burst(s: Scored) -> int:
+    """The burst's streams (plan_calibration.serving_pace): as many a worker as the plan has it decode
+    at once at most (up to PACE_BURST_MAX), on each of its decode-side workers."""
+    return max(2, min(s.peak_batch, PACE_BURST_MAX)) * s.candidate.decode
+
+
+def _paced(p: StepPace) -> str:
+    prompt = f"{p.prompt:.2f}x (prompt, {p.prompt_steps} steps)" if p.prompt else ""
+    decode = f"{p.decode:.2f}x (decode, {p.decode_steps})" if p.decode else ""
+    return ", ".join(x for x in (prompt, decode) if x)
 
 
 def settle(limit_s: float, quiet: float = QUIET_LOAD) -> None:

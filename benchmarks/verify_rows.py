@@ -30,13 +30,15 @@ class VerifyRow:
     pace: dict[str, Any] | None = None  # the machine's pace before the server started (benchmarks/pace.py)
     # the workers' steps in the timed pass against the prices the plan gave them, per pool
     step_prices: dict[str, Any] | None = None
-    # the prediction again with every step priced at this server's pace against the calibration's:
-    # "serving", its lone steps against the calibration's servers' of the same shape (plan_calibration.py
-    # `serving_pace`), or "gemm", the GEMM probe's before it started; None where neither is known
+    # the prediction again with its steps priced at this server's pace: "serving", its steps against
+    # the plan's prices before the timed pass (plan_calibration.py `serving_pace`: prompt steps at
+    # `pace_ratio`, decode rows at `pace_decode_ratio`), or "gemm", the GEMM probe's before it started
+    # against the calibration's (`pace_ratio`, every step); None where neither is known
     pace_adjusted: Judged | None = None
     pace_ratio: float | None = None
     pace_basis: str | None = None
-    pace_matched_steps: int | None = None
+    pace_matched_steps: int | None = None  # "serving": the steps read
+    pace_decode_ratio: float | None = None
     rounds: list[VerifyRow] = field(default_factory=list)  # each measurement, where there were several
     # request by request, simulated beside measured (`per_request`): where a p90's error comes from
     requests: list[dict[str, Any]] | None = None
@@ -77,6 +79,7 @@ class VerifyRow:
             "pace_ratio": self.pace_ratio,
             "pace_basis": self.pace_basis,
             "pace_matched_steps": self.pace_matched_steps,
+            "pace_decode_ratio": self.pace_decode_ratio,
             "predicted_at_this_pace": self.pace_adjusted.to_dict() if self.pace_adjusted else None,
             "requests": self.requests,
             "steps": steps_table(self.steps) if self.steps else None,
@@ -119,10 +122,15 @@ def combine(rounds: list[VerifyRow]) -> VerifyRow:
         startup_s=first.startup_s, load_average=first.load_average, pace=first.pace,
         step_prices=ok[0].step_prices if ok else None,  # the first round's; every round's in `rounds`
         pace_adjusted=_mean_judged([r.pace_adjusted for r in ok if r.pace_adjusted]) if ok else None,
-        pace_ratio=statistics.fmean(x) if (x := [r.pace_ratio for r in ok if r.pace_ratio]) else None,
-        pace_basis=first.pace_basis,
+        pace_ratio=_mean([r.pace_ratio for r in ok]), pace_basis=first.pace_basis,
+        pace_decode_ratio=_mean([r.pace_decode_ratio for r in ok]),
         rounds=rounds, miss_risk=first.miss_risk, goodput_interval=first.goodput_interval,
     )  # fmt: skip
+
+
+def _mean(xs: list[float | None]) -> float | None:
+    known = [x for x in xs if x]
+    return statistics.fmean(known) if known else None
 
 
 def _mean_metrics(ms: list[dict[str, Any]]) -> dict[str, Any]:
@@ -309,7 +317,8 @@ def _at_pace(r: VerifyRow) -> list[str]:
         if m and m.goodput_per_worker > 0
         else "-"
     )
-    basis = f" ({r.pace_ratio:.2f}x {r.pace_basis})" if r.pace_ratio and r.pace_basis else ""
+    decode = f"/{r.pace_decode_ratio:.2f}x" if r.pace_decode_ratio else ""
+    basis = f" ({r.pace_ratio:.2f}x{decode} {r.pace_basis})" if r.pace_ratio and r.pace_basis else ""
     return [f"{a.goodput_per_worker:.3f}/s{basis}", err]
 
 

@@ -1,10 +1,12 @@
 """What a verified candidate's workers' steps cost against the prices the plan gave them
 (`step_prices`, per pool and by prompt length), and the time a worker spends between two steps
 (`loop_gaps`), which no step's own time holds: a step model that was off told from a scheduling
-model that was. benchmarks/plan_verify.py records them in each row (benchmarks/verify_rows.py)."""
+model that was. benchmarks/plan_verify.py records them in each row (benchmarks/verify_rows.py).
+`step_pace`: the same ratio read before a candidate's timed pass, its prediction re-priced by it."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.client.logged_step import LoggedStep
@@ -45,6 +47,47 @@ def step_prices(steps: list[LoggedStep], setup: PredictionSetup) -> dict[str, An
         if gaps:
             out[pool]["loop_gap"] = gaps
     return out
+
+
+# fewer steps of a kind than these and its pace is not read (one disturbed step would set it)
+MIN_PROMPT_STEPS = 3
+MIN_DECODE_STEPS = 5
+
+
+@dataclass(frozen=True)
+class StepPace:
+    """A server's steps against the plan's prices for their shapes (summed time over summed price),
+    apart for the steps that computed prompt tokens alone and those that decoded two streams or more
+    alone; None where too few ran."""
+
+    prompt: float | None
+    prompt_steps: int
+    decode: float | None
+    decode_steps: int
+
+
+def step_pace(steps: list[LoggedStep], setup: PredictionSetup) -> StepPace | None:
+    """What `steps` cost against `setup`'s prices (None: a datasheet model, or too few steps of either
+    kind). A decode step that ran while another worker computed a prompt is left out: on a CPU host
+    the two share cores (the plan prices that apart, SimConfig.decode_slowdown)."""
+    prompt_at = [(s.end_unix_s - s.seconds, s.end_unix_s, s.worker) for s in steps if s.shape.prefill_tokens]
+    prompt, decode = [], []
+    for s in steps:
+        f = setup.steps.fit_of(s.role, s.shape.prefill_tokens)
+        if f is None:
+            return None
+        sh, priced = s.shape, f.seconds(s.shape)
+        if priced <= 0 or s.seconds <= 0:
+            continue
+        if sh.prefill_tokens and not sh.decode_seqs:
+            prompt.append((s.seconds, priced))
+        elif not sh.prefill_tokens and sh.decode_seqs >= 2:
+            start = s.end_unix_s - s.seconds
+            if not any(w != s.worker and a < s.end_unix_s and start < b for a, b, w in prompt_at):
+                decode.append((s.seconds, priced))
+    ratio = lambda xs, least: sum(m for m, _ in xs) / sum(p for _, p in xs) if len(xs) >= least else None  # noqa: E731
+    found = StepPace(ratio(prompt, MIN_PROMPT_STEPS), len(prompt), ratio(decode, MIN_DECODE_STEPS), len(decode))
+    return found if found.prompt is not None or found.decode is not None else None
 
 
 GAP_BATCHES = ((1, 4), (5, 12), (13, 10**6))

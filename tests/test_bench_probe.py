@@ -176,29 +176,26 @@ def test_plan_verify_on_a_server_the_user_restarts(server, tmp_path, capsys, mon
         assert r["step_prices"]  # a pdserve server: its steps were read too
 
 
-def test_plan_verify_reads_a_servers_pace_from_prompts_of_the_calibrations_lengths(server):
-    """`plan --verify`'s serving pace (benchmarks/plan_calibration.py; its matching rules in
-    tests/test_serving_pace.py) against this module's real server and its step log: the calibration's
-    steps are the server's own a moment earlier, so each prompt and lone decode step sent again finds
-    its twin."""
-    import asyncio
-
-    from benchmarks.client.bench_serve import BenchConfig, run_benchmark
+def test_plan_verify_reads_a_servers_pace_from_requests_of_the_workloads_shapes(server):
+    """`plan --verify`'s serving pace (benchmarks/plan_calibration.py; its reading rules in
+    tests/test_serving_pace.py) against this module's real server and its step log: a lone prompt of
+    each length the workload computes, then a burst decoding together; priced by a fit to the
+    server's own steps, each kind reads near 1."""
+    from benchmarks.client.bench_serve import BenchConfig
     from benchmarks.client.serve_client import ClientConfig
-    from benchmarks.client.step_log import StepLogRecorder
-    from benchmarks.compare.calibrate.serving_pace import pace_prompt_lengths
-    from benchmarks.plan_calibration import serving_pace
+    from benchmarks.plan_calibration import PACE_BURST_TOKENS, serving_pace
+    from benchmarks.verify_steps import step_pace
+    from costmodel.fit.step_fit import fit
+    from costmodel.sim.compare_predict import setup_from_steps
     from costmodel.workloads import RequestSpec
 
     bench = BenchConfig(client=ClientConfig(base_url=server.base_url, model="tiny", show_progress=False))
-    with StepLogRecorder(server.url) as calibration:
-        for i, n in enumerate((24, 48, 72)):
-            ids = tuple(40 + (i * 7 + k) % 80 for k in range(n))  # none a prefix of another
-            asyncio.run(run_benchmark(bench, [RequestSpec(f"cal-{i}", ids, n, 6, 0.0, "chat")]))
-    source = list(calibration.steps)
-    assert pace_prompt_lengths(source) == [24, 48, 72]
-    found = serving_pace(bench, server.url, None, source, seed=5)
-    assert found is not None
-    ratio, matched = found
-    assert matched >= 3 + 3 * 4  # each prompt's step, and most of the five lone decode steps after it
-    assert 0.2 < ratio < 5.0
+    specs = [RequestSpec(f"r{i}", (), n, 8, float(i), "chat") for i, n in enumerate((24, 48, 48, 72))]
+    steps = serving_pace(bench, server.url, None, specs, streams=4, seed=5)
+    lone = sorted(s.shape.prefill_tokens for s in steps if s.shape.prefill_tokens and not s.shape.decode_seqs)
+    assert {24, 48, 72} <= set(lone)  # each length computed whole, alone (the burst's four may batch)
+    assert sum(s.shape.decode_seqs == 4 and not s.shape.prefill_tokens for s in steps) >= PACE_BURST_TOKENS // 2
+    own = setup_from_steps("tiny", fit([(s.shape, s.seconds) for s in steps]), None, None, "its own steps", len(steps))
+    found = step_pace(steps, own)
+    assert found is not None and found.prompt_steps >= 3 and found.decode_steps >= PACE_BURST_TOKENS // 2
+    assert 0.5 < found.prompt < 2.0 and 0.5 < found.decode < 2.0

@@ -1,11 +1,12 @@
-"""A server's pace against the servers a fit was measured on, from lone steps of one shape timed on
-both (benchmarks/compare/calibrate/serving_pace.py): `bench compare --transfer-from` reads it from the
-side prompts both warm-ups sent, `plan --verify` sends each candidate prompts of the calibration's
-lengths (benchmarks/plan_calibration.py `serving_pace`; against a real server in
-tests/test_bench_probe.py, whose server it shares)."""
+"""A server's pace: against the servers a fit was measured on, from lone steps of one shape timed on
+both (benchmarks/compare/calibrate/serving_pace.py: `bench compare --transfer-from` reads it from the
+side prompts both warm-ups sent); and a verified candidate's against the plan's prices, from requests
+of the workload's shapes sent before its timed pass (benchmarks/plan_calibration.py `serving_pace`,
+benchmarks/verify_steps.py `step_pace`; against a real server in tests/test_bench_probe.py, whose
+server it shares)."""
 
 from benchmarks.client.logged_step import LoggedStep
-from benchmarks.compare.calibrate.serving_pace import MIN_MATCHED, pace_prompt_lengths, pace_ratio
+from benchmarks.compare.calibrate.serving_pace import MIN_MATCHED, pace_ratio
 from costmodel.fit.step_fit import StepShape
 
 
@@ -46,40 +47,70 @@ def test_the_report_shows_the_paced_prediction_beside_the_plain_one():
     assert at_pace_section({"modes": [{"label": "colocated", "metrics": {}}]}) == []
 
 
-def test_a_verified_candidate_of_another_role_is_paced_by_its_lone_prompts_and_decodes():
-    """A prefill worker's lone prompt is one forward of the model, as a colocated one's is; a lone
-    decode step of one stream at one context too. Steps decoding several streams stay out."""
-    source = [_prompt(n, n * 1e-3) for n in (40, 80, 120)] + [_decode(c, 0.02) for c in (41, 42, 43)]
-    source.append(_decode(50, 0.02, streams=3))
-    here = [_prompt(n, n * 1.2e-3, role="prefill") for n in (40, 80, 120)]
-    here += [_decode(c, 0.024, role="decode") for c in (41, 42, 43)] + [_decode(50, 0.1, streams=3, role="decode")]
-    assert pace_ratio(source, here) is None  # by role (the transfer's rule): nothing matches
-    assert pace_ratio(source, here, by_role=False) is None  # prompts alone: too few
-    ratio, matched = pace_ratio(source, here, by_role=False, decode=True)
-    assert matched == 6 and abs(ratio - 1.2) < 1e-9
+def _setup(prefill_fit=None):
+    from costmodel.fit.step_fit import StepCostFit
+    from costmodel.sim.compare_predict import setup_from_steps
+
+    fit = StepCostFit(fixed_s=0.01, per_token_s=1e-4, attention_s=1e-7, per_sequence_s=1e-3)
+    return setup_from_steps("tiny", fit, prefill_fit, None, "test", 10)
 
 
-def test_the_lengths_sent_are_those_computed_whole_alone_and_uncached():
-    cached = LoggedStep("w", "colocated", StepShape.of([], [(128, 64)]), 0.1, 0.0, 1)  # 64 past a 128 prefix
-    two = LoggedStep("w", "colocated", StepShape.of([], [(0, 30), (0, 30)]), 0.1, 0.0, 1)  # two in one step
-    steps = [_prompt(300, 0.3, threads=2), _prompt(40, 0.04), _prompt(40, 0.05), _prompt(9, 0.01, decoding=2)]
-    assert pace_prompt_lengths([*steps, cached, two]) == [40, 300]
+def _priced(setup, step: LoggedStep, k: float) -> LoggedStep:
+    """`step` timed at `k` times the price `setup` gives its shape."""
+    f = setup.steps.fit_of(step.role, step.shape.prefill_tokens)
+    return LoggedStep(step.worker, step.role, step.shape, k * f.seconds(step.shape), step.end_unix_s, 1)
 
 
-def test_a_probes_calibration_brings_the_probed_servers_steps(tmp_path):
-    """`bench probe` of a pdserve server on this host keeps its steps in the result beside the
-    calibration file; `plan --verify` reads them from there (and nothing from anything else)."""
-    import argparse
-    import json
+def test_a_candidates_pace_reads_prompt_and_batched_decode_steps_apart():
+    """`plan --verify`'s pace (benchmarks/verify_steps.py `step_pace`): steps that computed prompt
+    tokens alone, and steps that decoded two streams or more alone, each against the plan's price;
+    a lone stream's decode step, a mixed step, and a decode step beside another worker's prompt
+    step stay out. Too few of a kind: that kind is not read."""
+    from benchmarks.verify_steps import MIN_DECODE_STEPS, step_pace
 
-    from benchmarks.client.logged_step import steps_table
-    from benchmarks.plan_calibration import probe_steps
+    setup = _setup()
+    prompts = [_priced(setup, _prompt(n, 0.0), 1.25) for n in (40, 120, 300)]
+    batched = [_priced(setup, _decode(200 + i, 0.0, streams=8), 0.9) for i in range(MIN_DECODE_STEPS)]
+    lone = [_priced(setup, _decode(200, 0.0), 2.0)]
+    mixed = [_priced(setup, _prompt(64, 0.0, decoding=4), 3.0)]
+    found = step_pace(prompts + batched + lone + mixed, setup)
+    assert found is not None and (found.prompt_steps, found.decode_steps) == (3, MIN_DECODE_STEPS)
+    assert abs(found.prompt - 1.25) < 1e-9 and abs(found.decode - 0.9) < 1e-9
+    assert step_pace(prompts, setup).decode is None  # no batched decode step: prompt pace alone
+    assert step_pace(prompts[:2] + lone, setup) is None  # too few of either
 
-    steps = [_prompt(40, 0.04), _decode(41, 0.02)]
-    (tmp_path / "probe-x.json").write_text(json.dumps({"server_steps": steps_table(steps)}))
-    (tmp_path / "probe-x.calibration.json").write_text("{}")
-    (tmp_path / "probe-y.calibration.json").write_text("{}")  # no result beside it
-    read = probe_steps(argparse.Namespace(calibration=str(tmp_path / "probe-x.calibration.json")))
-    assert [(s.shape.prefill_tokens, s.shape.decode_seqs) for s in read] == [(40, 0), (0, 1)]
-    assert probe_steps(argparse.Namespace(calibration=str(tmp_path / "probe-y.calibration.json"))) == ()
-    assert probe_steps(argparse.Namespace(calibration=str(tmp_path / "probe-x.json"))) == ()  # not a calibration file
+    # disaggregated on one host: a decode step while the prefill worker computes a prompt is left out
+    beside = LoggedStep("p", "prefill", StepShape.of([], [(0, 500)]), 1.0, 10.0, 1)
+    during = [LoggedStep("d", "decode", s.shape, s.seconds * 3, 9.5, 1) for s in batched]
+    found = step_pace([*batched, beside, *during], setup)
+    assert found.decode_steps == MIN_DECODE_STEPS and abs(found.decode - 0.9) < 1e-9
+
+
+def test_a_prediction_repriced_at_two_paces_prices_a_steps_decode_rows_apart():
+    """`priced_at(setup, k, decode_k)`: prompt tokens at k times the fit, a step's decode rows and
+    fixed cost at decode_k times; a step with both, each part at its own."""
+    from costmodel.plan.score import priced_at
+    from costmodel.sim.model import Request
+
+    setup = _setup()
+    paced = priced_at(setup, 1.2, 0.9)
+    batch = [Request(i, "chat", 0.0, 100 + i, 8) for i in range(4)]
+    parts = [(0, 64)]
+    plain, at = setup.steps, paced.steps
+    decode_only = plain.step(batch, [])
+    assert abs(at.step(batch, []) - 0.9 * decode_only) < 1e-12
+    assert abs(at.step([], parts) - 1.2 * plain.step([], parts)) < 1e-12
+    both = plain.step(batch, parts)
+    assert abs(at.step(batch, parts) - (1.2 * (both - decode_only) + 0.9 * decode_only)) < 1e-12
+    assert all(abs(a - 0.9 * b) < 1e-12 for a, b in zip(at.decode_run(batch, 3), plain.decode_run(batch, 3)))
+    assert abs(priced_at(setup, 1.2).steps.step(batch, []) - 1.2 * decode_only) < 1e-12  # one pace: every term
+
+
+def test_the_lone_prompts_have_the_lengths_the_workload_computes():
+    """A shared prefix counts once: after the first request of a prefix, the rest of the prompt."""
+    from benchmarks.plan_calibration import pace_lengths
+    from costmodel.workloads import RequestSpec
+
+    specs = [RequestSpec(f"r{i}", (), 256, 8, float(i), "chat", prefix_id="a", prefix_len=192) for i in range(9)]
+    specs.append(RequestSpec("doc", (), 1000, 8, 20.0, "doc"))
+    assert pace_lengths(specs) == [64, 1000]  # the 10th and 90th percentiles: 256 is neither

@@ -72,15 +72,21 @@ def computed_prompt_tokens(specs: Sequence[RequestSpec]) -> float:
     reading the ratio at the whole prompt's 249 tokens priced colocated whole's prompt steps at 1/1.56
     of the probe's; they ran 1.72x that (`plan-verify-chat-prefix-probe-n`): the 64 fresh tokens
     gain far less from a second thread."""
+    parts = [n for n in computed_parts(specs) if n >= PROMPT_STEP_TOKENS]
+    return sum(parts) / len(parts) if parts else 0.0
+
+
+def computed_parts(specs: Sequence[RequestSpec]) -> list[int]:
+    """The prompt tokens each request computes, in arrival order: its prompt, less a shared prefix
+    an earlier request computed."""
     seen: set[str] = set()
     parts = []
     for s in sorted(specs, key=lambda r: r.arrival_s):
         cached = s.prefix_len if s.prefix_id is not None and s.prefix_id in seen else 0
         if s.prefix_id is not None:
             seen.add(s.prefix_id)
-        if s.prompt_len - cached >= PROMPT_STEP_TOKENS:
-            parts.append(s.prompt_len - cached)
-    return sum(parts) / len(parts) if parts else 0.0
+        parts.append(s.prompt_len - cached)
+    return parts
 
 
 def speedup_at(measured: Mapping[str, Any], prompt_tokens: float) -> float:

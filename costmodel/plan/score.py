@@ -222,12 +222,14 @@ def fit_error(setup: cp.PredictionSetup) -> float | None:
     return max(known) if known else None
 
 
-def priced_at(setup: cp.PredictionSetup, k: float) -> cp.PredictionSetup:
-    """`setup` with every term of its step fits `k` times its price (a datasheet model: unchanged)."""
+def priced_at(setup: cp.PredictionSetup, k: float, decode_k: float | None = None) -> cp.PredictionSetup:
+    """`setup` with every term of its step fits `k` times its price (a datasheet model: unchanged);
+    with `decode_k`, a step's decode rows and fixed cost `decode_k` times instead (StepModel.decode_pace)."""
     st = setup.steps
     steps = replace(
-        st, fit=_scaled(st.fit, k), prefill_fit=_scaled(st.prefill_fit, k), prompt_fit=_scaled(st.prompt_fit, k)
-    )
+        st, fit=_scaled(st.fit, k), prefill_fit=_scaled(st.prefill_fit, k), prompt_fit=_scaled(st.prompt_fit, k),
+        decode_pace=st.decode_pace * (decode_k / k if decode_k else 1.0),
+    )  # fmt: skip
     return replace(setup, steps=steps)
 
 

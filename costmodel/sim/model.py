@@ -83,12 +83,20 @@ class StepModel:
     # intra-op threads than its decode steps (a colocated CPU worker's --prompt-threads): fitted
     # on those steps alone; None: `fit` prices them too.
     prompt_fit: StepCostFit | None = None
+    # A step's decode rows (with its fixed cost) priced this many times the fit's, its prompt tokens
+    # at the fit's: a verified candidate's steps read before its timed pass, batched decode steps at
+    # one pace and prompt steps at another (benchmarks/verify_steps.py `step_pace`). 1: the fit's.
+    decode_pace: float = 1.0
 
     def step(self, batch: list[Request], parts: list[tuple[int, int]]) -> float:
         """One engine step: the decode batch plus prompt chunks (start, n)."""
         if self.fit is not None:
             f = self._fit_for(sum(n for _, n in parts))
-            return f.step_seconds(len(batch), self._decode_pairs(batch), parts)
+            pairs = self._decode_pairs(batch)
+            t = f.step_seconds(len(batch), pairs, parts)
+            if self.decode_pace != 1.0 and batch:
+                t += (self.decode_pace - 1.0) * f.step_seconds(len(batch), pairs)
+            return t
         return (self.decode(batch) if batch else 0.0) + sum(self.chunk(s, n) for s, n in parts)
 
     def decode_run(self, batch: list[Request], k: int) -> list[float]:
@@ -96,10 +104,11 @@ class StepModel:
         the same figures as pricing the steps one by one (the sums are whole numbers)."""
         n = len(batch)
         if self.fit is not None:
+            p = self.decode_pace
             if self.fixed_ctx is not None:
-                return [self.fit.step_seconds(n, float((int(self.fixed_ctx) + 1) * n))] * k
+                return [p * self.fit.step_seconds(n, float((int(self.fixed_ctx) + 1) * n))] * k
             s0 = sum(r.prompt + len(r.token_times) for r in batch)
-            return [self.fit.step_seconds(n, float(s0 + i * n + n)) for i in range(k)]
+            return [p * self.fit.step_seconds(n, float(s0 + i * n + n)) for i in range(k)]
         if self.fixed_ctx is not None:
             return [self.decode(batch)] * k
         s0 = sum(r.ctx for r in batch)
@@ -141,7 +150,7 @@ class StepModel:
 
     def decode(self, batch: list[Request]) -> float:
         if self.fit is not None:
-            return self.fit.step_seconds(len(batch), self._decode_pairs(batch))
+            return self.decode_pace * self.fit.step_seconds(len(batch), self._decode_pairs(batch))
         kv = self.fixed_ctx * len(batch) if self.fixed_ctx is not None else sum(r.ctx for r in batch)
         return cm.decode_step_tokens(
             self.model, self.hw, len(batch), kv, self.mfu, self.weight_dtype, self.kv_dtype
