@@ -19,6 +19,7 @@ from benchmarks.compare.calibrate import transfer
 from benchmarks.compare.calibrate.side_requests import SHAPE_DECODE_TOKENS
 from cli import CliError
 from costmodel.plan.pricing import computed_parts
+from costmodel.plan.score import Scored
 from costmodel.sim.compare_predict import PredictionSetup
 from costmodel.workloads import RequestSpec, WorkloadConfig
 
@@ -71,6 +72,12 @@ def calibrated_elsewhere(args: argparse.Namespace) -> str | None:
 PACE_QUANTILES = (0.1, 0.3, 0.5, 0.7, 0.9)
 PACE_BURST_MAX = 16  # streams per worker in the burst that reads batched decode steps
 PACE_BURST_TOKENS = 32  # tokens each of the burst's streams decodes
+
+
+def pace_burst(s: Scored) -> int:
+    """The burst's streams: as many a worker as the plan has it decode at once at most (up to
+    PACE_BURST_MAX), on each of its decode-side workers."""
+    return max(2, min(s.peak_batch, PACE_BURST_MAX)) * s.candidate.decode
 
 
 def pace_lengths(specs: Sequence[RequestSpec]) -> list[int]:

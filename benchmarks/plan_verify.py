@@ -47,10 +47,10 @@ from benchmarks.compare.calibrate.side_requests import hop_specs
 from benchmarks.compare.modes import ensure_ray, load_average
 from benchmarks.pace import describe as describe_pace
 from benchmarks.pace import machine_pace
-from benchmarks.plan_calibration import PACE_BURST_MAX, calibrated_elsewhere, compare_fits, serving_pace
+from benchmarks.plan_calibration import calibrated_elsewhere, compare_fits, pace_burst, serving_pace
 from benchmarks.prompt_threads import host_threads
 from benchmarks.verify_rows import VerifyRow, combine, format_verification, per_request, summarize
-from benchmarks.verify_steps import StepPace, step_pace, step_prices
+from benchmarks.verify_steps import step_pace, step_prices
 from cli import CliError
 from cli.output import emit_json
 from costmodel import plan_cli
@@ -299,16 +299,18 @@ def _measure(
             asyncio.run(run_benchmark(bench, hop_specs(first)))
             asyncio.run(run_benchmark(bench, fresh_prompts(specs, args.seed + 3)))
             paced = (
-                step_pace(serving_pace(bench, srv.url, srv.api_key, specs, _burst(s), args.seed + 4, log), at_pace)
+                step_pace(serving_pace(bench, srv.url, srv.api_key, specs, pace_burst(s), args.seed + 4, log), at_pace)
                 if at_pace
                 else None
             )
             if paced:
-                log(f"  steps at {_paced(paced)} the plan's prices")
+                log(f"  steps at {paced.describe()} the plan's prices")
             log("  timed pass")
             with StepLogRecorder(srv.url, srv.api_key) as recorder, QuietGC():  # not pdserve's: no steps
                 result = asyncio.run(run_benchmark(bench, fresh_prompts(specs, args.seed + 2)))
             row.steps, row.step_prices = list(recorder.steps), step_prices(recorder.steps, setup) if setup else None
+            # not a prediction: the timed pass's own step cost, which tells a price that was off from a schedule
+            row.run_pace = step_pace(row.steps, setup) if setup else None
             for pool, p in (row.step_prices or {}).items():
                 cost = f"{p['ratio_p50']:.2f}x the plan's price (p50; p90 {p['ratio_p90']:.2f}x)"
                 log(f"  {pool}: {p['steps']} steps at {cost}, batches up to {p['largest_batch']}")
@@ -336,26 +338,16 @@ def _measure(
     }
     got, want = row.measured.goodput_per_worker, row.predicted.goodput_per_worker
     log(f"  measured goodput/worker {got:.3f}/s (predicted {want:.3f})")
+    if setup and row.run_pace:
+        again = score(c, priced_at(setup, *row.run_pace.paces()), specs, slos, args.max_num_seqs)
+        row.run_paced = Judged(again.attainment, again.meets, again.goodput_per_worker)
     if at_pace and paced:
-        kp, kd = paced.prompt or paced.decode, paced.decode or paced.prompt
-        row.pace_ratio, row.pace_decode_ratio, row.pace_basis = kp, kd, "serving"
-        row.pace_matched_steps = paced.prompt_steps + paced.decode_steps
-        again = score(c, priced_at(at_pace, kp, kd), specs, slos, args.max_num_seqs)  # type: ignore[arg-type]
+        row.pace_ratio, row.pace_decode_ratio = kp, kd = paced.paces()
+        row.pace_basis, row.pace_matched_steps = "serving", paced.prompt_steps + paced.decode_steps
+        again = score(c, priced_at(at_pace, kp, kd), specs, slos, args.max_num_seqs)
         row.pace_adjusted = Judged(again.attainment, again.meets, again.goodput_per_worker)
         log(f"  at this server's pace: predicted goodput/worker {again.goodput_per_worker:.3f}/s")
     return row
-
-
-def _burst(s: Scored) -> int:
-    """The burst's streams (plan_calibration.serving_pace): as many a worker as the plan has it decode
-    at once at most (up to PACE_BURST_MAX), on each of its decode-side workers."""
-    return max(2, min(s.peak_batch, PACE_BURST_MAX)) * s.candidate.decode
-
-
-def _paced(p: StepPace) -> str:
-    prompt = f"{p.prompt:.2f}x (prompt, {p.prompt_steps} steps)" if p.prompt else ""
-    decode = f"{p.decode:.2f}x (decode, {p.decode_steps})" if p.decode else ""
-    return ", ".join(x for x in (prompt, decode) if x)
 
 
 def settle(limit_s: float, quiet: float = QUIET_LOAD) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.client.logged_step import LoggedStep, steps_table
+from benchmarks.verify_steps import StepPace
 from costmodel.plan.candidates import Candidate
 from costmodel.plan.score import Judged
 from costmodel.serve_metrics import RequestRecord
@@ -39,6 +40,11 @@ class VerifyRow:
     pace_basis: str | None = None
     pace_matched_steps: int | None = None  # "serving": the steps read
     pace_decode_ratio: float | None = None
+    # not a prediction: the timed pass's own steps against the plan's prices (verify_steps.step_pace),
+    # and the plan's prediction re-priced at them after the fact: what is left of its error is the
+    # schedule's (queueing, batching), not the step prices'
+    run_pace: StepPace | None = None
+    run_paced: Judged | None = None
     rounds: list[VerifyRow] = field(default_factory=list)  # each measurement, where there were several
     # request by request, simulated beside measured (`per_request`): where a p90's error comes from
     requests: list[dict[str, Any]] | None = None
@@ -80,6 +86,8 @@ class VerifyRow:
             "pace_basis": self.pace_basis,
             "pace_matched_steps": self.pace_matched_steps,
             "pace_decode_ratio": self.pace_decode_ratio,
+            "run_pace": self.run_pace.to_dict() if self.run_pace else None,
+            "predicted_at_run_pace": self.run_paced.to_dict() if self.run_paced else None,
             "predicted_at_this_pace": self.pace_adjusted.to_dict() if self.pace_adjusted else None,
             "requests": self.requests,
             "steps": steps_table(self.steps) if self.steps else None,
@@ -124,6 +132,7 @@ def combine(rounds: list[VerifyRow]) -> VerifyRow:
         pace_adjusted=_mean_judged([r.pace_adjusted for r in ok if r.pace_adjusted]) if ok else None,
         pace_ratio=_mean([r.pace_ratio for r in ok]), pace_basis=first.pace_basis,
         pace_decode_ratio=_mean([r.pace_decode_ratio for r in ok]),
+        run_pace=ok[0].run_pace if ok else None, run_paced=_mean_judged([r.run_paced for r in ok if r.run_paced]),
         rounds=rounds, miss_risk=first.miss_risk, goodput_interval=first.goodput_interval,
     )  # fmt: skip
 
@@ -179,6 +188,11 @@ def summarize(rows: list[VerifyRow], winner: str, stall_slo_ms: float | None = N
         for r in done
         if r.measured and r.pace_adjusted and r.measured.goodput_per_worker > 0
     ]
+    at_run = [
+        abs(r.run_paced.goodput_per_worker - r.measured.goodput_per_worker) / r.measured.goodput_per_worker
+        for r in done
+        if r.measured and r.run_paced and r.measured.goodput_per_worker > 0
+    ]
     ranges = [g for r in done if (g := r.goodput_range) is not None and g[1] > 0]
     spreads = [(hi - lo) / ((hi + lo) / 2) for lo, hi in ranges]
     return {
@@ -191,6 +205,7 @@ def summarize(rows: list[VerifyRow], winner: str, stall_slo_ms: float | None = N
         "attainment_error_max_pts": max(att_err) * 100 if att_err else None,
         "goodput_error_max": max(good_err) if good_err else None,
         "goodput_error_max_at_pace": max(at_pace) if len(at_pace) == len(done) and at_pace else None,
+        "goodput_error_max_at_run_pace": max(at_run) if len(at_run) == len(done) and at_run else None,
         "goodput_inside_interval": _inside(done),
         "away_from_edge": {
             "rows": len(away),
@@ -301,10 +316,24 @@ def format_verification(rows: list[VerifyRow], summary: dict[str, Any]) -> str:
         )
     if (inside := summary.get("goodput_inside_interval") or {}).get("rows"):
         tail += f"; measured goodput inside the plan's interval: {inside['inside']} of {inside['rows']}"
+    if ran := [r for r in rows if r.run_paced and r.run_pace]:
+        tail += (
+            "\nre-priced after the fact at each timed pass's own steps (not a prediction; prompt/decode): "
+            + ", ".join(
+                f"{r.candidate.label} {r.run_paced.goodput_per_worker:.3f}/s ({_ratios(r.run_pace)})"  # type: ignore[union-attr,arg-type]
+                for r in ran
+            )
+        )
+        if (worst := summary.get("goodput_error_max_at_run_pace")) is not None:
+            tail += f": goodput within {worst:.0%} of measured"
     if summary.get("goodput_spread_max") is not None:
         spread = summary["goodput_spread_max"]
         tail += f"; measured = mean of the rounds, whose goodput moved by up to {spread:.0%}"
     return "verified on this machine (measured) beside the plan (predicted)\n" + "\n".join(lines) + "\n" + tail
+
+
+def _ratios(p: StepPace) -> str:
+    return "/".join(f"{x:.2f}x" if x else "-" for x in (p.prompt, p.decode))
 
 
 def _at_pace(r: VerifyRow) -> list[str]:

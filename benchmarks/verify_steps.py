@@ -65,6 +65,21 @@ class StepPace:
     decode: float | None
     decode_steps: int
 
+    def paces(self) -> tuple[float, float]:
+        """(prompt, decode) paces, the one read standing in for the other where it was not."""
+        kp, kd = self.prompt or self.decode, self.decode or self.prompt
+        assert kp is not None and kd is not None  # step_pace returns none without either
+        return kp, kd
+
+    def describe(self) -> str:
+        prompt = f"{self.prompt:.2f}x (prompt, {self.prompt_steps} steps)" if self.prompt else ""
+        decode = f"{self.decode:.2f}x (decode, {self.decode_steps})" if self.decode else ""
+        return ", ".join(x for x in (prompt, decode) if x)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prompt": self.prompt, "prompt_steps": self.prompt_steps, "decode": self.decode,
+                "decode_steps": self.decode_steps}  # fmt: skip
+
 
 def step_pace(steps: list[LoggedStep], setup: PredictionSetup) -> StepPace | None:
     """What `steps` cost against `setup`'s prices (None: a datasheet model, or too few steps of either

@@ -127,3 +127,29 @@ def test_the_summary_counts_the_measured_goodputs_inside_the_plans_interval():
     assert summary["goodput_inside_interval"] == {"inside": 1, "rows": 2}  # no interval: not counted
     assert "measured goodput inside the plan's interval: 1 of 2" in format_verification(rows, summary)
     assert rows[0].to_dict()["plan_goodput_interval"] == [0.9, 1.2]
+
+
+def test_the_prediction_repriced_at_the_timed_pass_own_steps_is_said_not_to_be_one():
+    """After the timed pass the plan's prediction is made again at what its steps cost against the
+    plan's prices (prompt and decode apart): what is left of the error is the schedule's. The
+    verification prints it as after the fact, with its worst error, and keeps both in the JSON."""
+    from benchmarks.verify_rows import VerifyRow, format_verification, summarize
+    from benchmarks.verify_steps import StepPace
+    from costmodel.plan.candidates import Candidate
+    from costmodel.plan.score import Judged
+
+    def row(chunk: int, measured: float, at_run: float) -> VerifyRow:
+        r = VerifyRow(Candidate("chunked", 1, chunk=chunk), 1, Judged({}, True, 1.5), Judged({}, True, measured), {})
+        r.run_pace, r.run_paced = StepPace(1.1, 4, 1.3, 30), Judged({}, True, at_run)
+        return r
+
+    rows = [row(64, 1.0, 1.05), row(128, 2.0, 1.8)]
+    summary = summarize(rows, "chunked 64")
+    assert summary["goodput_error_max_at_run_pace"] == pytest.approx(0.10)
+    text = format_verification(rows, summary)
+    assert "after the fact" in text and "not a prediction" in text
+    assert "chunked 64 1.050/s (1.10x/1.30x)" in text and "goodput within 10% of measured" in text
+    d = rows[0].to_dict()
+    assert d["run_pace"] == {"prompt": 1.1, "prompt_steps": 4, "decode": 1.3, "decode_steps": 30}
+    assert d["predicted_at_run_pace"]["goodput_per_worker"] == 1.05
+    assert StepPace(None, 1, 0.9, 8).paces() == (0.9, 0.9)  # the one read stands in for the other
