@@ -298,11 +298,9 @@ def _measure(
             asyncio.run(run_benchmark(bench, first))
             asyncio.run(run_benchmark(bench, hop_specs(first)))
             asyncio.run(run_benchmark(bench, fresh_prompts(specs, args.seed + 3)))
-            paced = (
-                step_pace(serving_pace(bench, srv.url, srv.api_key, specs, pace_burst(s), args.seed + 4, log), at_pace)
-                if at_pace
-                else None
-            )
+            if at_pace:
+                row.pace_steps = serving_pace(bench, srv.url, srv.api_key, specs, pace_burst(s), args.seed + 4, log)
+            paced = step_pace(row.pace_steps, at_pace) if at_pace else None
             if paced:
                 log(f"  steps at {paced.describe()} the plan's prices")
             log("  timed pass")

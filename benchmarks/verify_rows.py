@@ -51,6 +51,7 @@ class VerifyRow:
     # the workers' steps in the timed pass as they logged them: a step price or a schedule that was
     # off can be read step by step afterwards, beside the simulator's (a row of `STEP_COLUMNS` each)
     steps: list[LoggedStep] = field(default_factory=list)
+    pace_steps: list[LoggedStep] = field(default_factory=list)  # the serving pace's, before the timed pass
     # the plan's chance that this candidate misses an SLO at its fit's error (costmodel/plan/risk.py;
     # None: the plan did not weigh it): how near an SLO's edge the prediction was
     miss_risk: float | None = None
@@ -91,6 +92,7 @@ class VerifyRow:
             "predicted_at_this_pace": self.pace_adjusted.to_dict() if self.pace_adjusted else None,
             "requests": self.requests,
             "steps": steps_table(self.steps) if self.steps else None,
+            "pace_steps": steps_table(self.pace_steps) if self.pace_steps else None,
             **extra,
         }
 
