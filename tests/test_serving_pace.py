@@ -114,3 +114,21 @@ def test_the_lone_prompts_have_the_lengths_the_workload_computes():
     specs = [RequestSpec(f"r{i}", (), 256, 8, float(i), "chat", prefix_id="a", prefix_len=192) for i in range(9)]
     specs.append(RequestSpec("doc", (), 1000, 8, 20.0, "doc"))
     assert pace_lengths(specs) == [64, 1000]  # the 10th and 90th percentiles: 256 is neither
+
+
+def test_the_burst_decodes_as_many_streams_as_the_plan_has_a_worker_decode_on_average():
+    """Time-weighted over the spells a worker decodes anything, per decode-side worker; not the peak."""
+    from types import SimpleNamespace
+
+    from benchmarks.plan_calibration import PACE_BURST_MAX, pace_burst
+    from costmodel.serve_metrics import RequestRecord
+
+    def rec(first: float, last: float) -> RequestRecord:
+        return RequestRecord("r", "chat", 8, 8, 0.0, chunk_times_s=[first, last])
+
+    # 1 stream for 8 s, 9 at once for 1 s (the peak), then idle, then 1 for 1 s: the mean while decoding is 1.8
+    records = [rec(0.0, 8.0)] + [rec(8.0, 9.0) for _ in range(9)] + [rec(20.0, 21.0)]
+    one = SimpleNamespace(records=records, candidate=SimpleNamespace(decode=1))
+    assert pace_burst(one) == 2
+    two = SimpleNamespace(records=[rec(0.0, 1.0) for _ in range(40)], candidate=SimpleNamespace(decode=2))
+    assert pace_burst(two) == PACE_BURST_MAX * 2  # 20 a worker, capped, on each of two
