@@ -169,3 +169,25 @@ def test_fp8_linear_refuses_bad_shapes():
         op(torch.zeros(2, 8), w, s, None, 1)
     with pytest.raises(RuntimeError, match="post must be"):
         op(torch.zeros(2, 8), w, s, None, 5)
+
+
+def test_a_build_lock_left_by_a_stopped_process_is_removed_and_a_fresh_one_waited_for(tmp_path, monkeypatch):
+    """torch's extension builder waits forever on a lock a process killed mid-build left; a lock
+    older than BUILD_LOCK_STALE_S is removed, a younger one waited on until its build ends."""
+    import os
+    import threading
+    import time
+
+    stale = tmp_path / "py311_cpu" / cpu_kernels.NAME / "lock"
+    stale.parent.mkdir(parents=True)
+    stale.touch()
+    old = time.time() - cpu_kernels.BUILD_LOCK_STALE_S - 60
+    os.utime(stale, (old, old))
+    cpu_kernels.clear_stale_build_lock(tmp_path)
+    assert not stale.exists()
+
+    stale.touch()  # a build under way: its process removes the lock when it ends
+    threading.Timer(1.5, stale.unlink).start()
+    t0 = time.monotonic()
+    cpu_kernels.clear_stale_build_lock(tmp_path)
+    assert 1.0 < time.monotonic() - t0 < 10.0 and not stale.exists()

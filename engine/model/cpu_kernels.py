@@ -10,7 +10,9 @@ They are built with torch's extension builder (g++ and ninja) on first use, into
 extension cache (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), for this machine's
 instruction set (-march=native); later processes load the cached library in about a second, and
 a changed source rebuilds. Several workers starting at once share one build (the builder locks
-its directory).
+its directory). A process stopped mid-build leaves that lock behind, and the builder would wait
+on it forever (a server killed in its first start hung every later start, 2026-12-06): a lock
+older than BUILD_LOCK_STALE_S, a build's time several times over, is removed (`clear_stale_build_lock`).
 
 Where they cannot be built (no compiler, no ninja, another CPU architecture's flags refused) or
 `PDSERVE_CPU_KERNELS=0` is set, both ops are None and the torch paths run (batched attention,
@@ -35,6 +37,8 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_decode.cpp", CSRC / "fp8_linear.cpp"]  # and the header they share, cpu_math.h
 ENV_SWITCH = "PDSERVE_CPU_KERNELS"  # "0" turns the kernels off (the torch path runs)
 _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+NAME = "pdserve_cpu_kernels"
+BUILD_LOCK_STALE_S = 180.0  # the build takes ~30 s on the 2-core dev VM
 _reason: str | None = None
 
 
@@ -51,8 +55,9 @@ def _load() -> bool:
     try:
         from torch.utils import cpp_extension  # noqa: PLC0415 (imports setuptools: only when needed)
 
+        clear_stale_build_lock(Path(cpp_extension.get_default_build_root()))
         cpp_extension.load(
-            name="pdserve_cpu_kernels",
+            name=NAME,
             sources=[str(s) for s in SOURCES],
             extra_cflags=_CFLAGS,
             is_python_module=False,
@@ -64,6 +69,22 @@ def _load() -> bool:
         return False
     log.info("CPU kernels ready in %.1f s (%s)", time.perf_counter() - t0, ", ".join(s.name for s in SOURCES))
     return True
+
+
+def clear_stale_build_lock(root: Path) -> None:
+    """Wait while another process builds (its lock younger than BUILD_LOCK_STALE_S); remove a lock
+    older than that, which a process stopped mid-build left (the builder itself would wait forever)."""
+    for lock in root.glob(f"*/{NAME}/lock"):
+        while True:
+            try:
+                age = time.time() - lock.stat().st_mtime
+            except FileNotFoundError:
+                break  # the build it guarded finished
+            if age > BUILD_LOCK_STALE_S:
+                log.warning("removing %s: a build lock %.0f s old, left by a process stopped mid-build", lock, age)
+                lock.unlink(missing_ok=True)
+                break
+            time.sleep(1.0)
 
 
 def paged_decode_op() -> Callable[..., torch.Tensor] | None:
