@@ -9,17 +9,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from benchmarks.client.bench_serve import BenchConfig, run_benchmark
+from benchmarks.client.bench_serve import BenchConfig
 from benchmarks.client.logged_step import LoggedStep
+from benchmarks.client.serve_client import ClientConfig, StreamRecord, discover_model, make_client, send_one
 from benchmarks.client.step_log import StepLogRecorder
 from benchmarks.compare.calibrate import transfer
 from benchmarks.compare.calibrate.side_requests import SHAPE_DECODE_TOKENS
 from cli import CliError
 from costmodel.plan.pricing import computed_parts
-from costmodel.plan.score import Scored
+from costmodel.plan.score import Scored, decoding_batch
 from costmodel.sim.compare_predict import PredictionSetup
 from costmodel.workloads import RequestSpec, WorkloadConfig
 
@@ -68,10 +70,11 @@ def calibrated_elsewhere(args: argparse.Namespace) -> str | None:
     )
 
 
-# the lone prompts' lengths: these quantiles of the prompt tokens the workload's requests compute
+# the lengths of the prompts sent beside the burst: these quantiles of the prompt tokens the workload's requests compute
 PACE_QUANTILES = (0.1, 0.3, 0.5, 0.7, 0.9)
 PACE_BURST_MAX = 16  # streams per worker in the burst that reads batched decode steps
-PACE_BURST_TOKENS = 32  # tokens each of the burst's streams decodes
+PACE_BURST_TOKENS = 32  # tokens each of the burst's streams decodes after the prompts beside it
+PACE_TURN_STEPS = 4  # steps the burst may decode between one prompt beside it and the next (the client's turn)
 
 
 def pace_burst(s: Scored) -> int:
@@ -80,22 +83,13 @@ def pace_burst(s: Scored) -> int:
     decode steps of long contexts cost more against their price at larger batches (rag, colocated:
     1.07-1.14x at 1-3 streams, 1.25-1.35x at 4-7, `plan-verify-rag-zi`), and a burst at the peak
     priced every step as the largest."""
-    edges = sorted(
-        (t, d) for r in s.records if r.chunk_times_s for t, d in ((r.chunk_times_s[0], 1), (r.chunk_times_s[-1], -1))
-    )
-    busy = weighted = 0.0
-    now = 0
-    for (t0, d), (t1, _) in zip(edges, edges[1:]):
-        now += d
-        if now > 0:
-            busy, weighted = busy + (t1 - t0), weighted + now * (t1 - t0)
-    mean = weighted / busy / max(1, s.candidate.decode) if busy > 0 else 0.0
+    mean = decoding_batch(s.records)[1] / max(1, s.candidate.decode)
     return max(2, min(round(mean), PACE_BURST_MAX)) * s.candidate.decode
 
 
 def pace_lengths(specs: Sequence[RequestSpec]) -> list[int]:
-    """The lone prompts' lengths: quantiles of what the workload's requests compute (a shared prefix
-    once), each at least one token."""
+    """The lengths of the prompts sent beside the burst: quantiles of what the workload's requests
+    compute (a shared prefix once), each at least one token."""
     parts = sorted(computed_parts(specs))
     return sorted({max(1, parts[min(len(parts) - 1, int(q * len(parts)))]) for q in PACE_QUANTILES})
 
@@ -108,23 +102,52 @@ def serving_pace(
     streams: int,
     seed: int,
     log: Callable[[str], None] = lambda _: None,
+    chunk: int | None = None,
 ) -> list[LoggedStep]:
     """The steps a candidate's server runs, after its warm-up and before its timed pass, for requests
-    that are not the workload's but have its shapes: fresh prompts of the lengths its requests
-    compute (`pace_lengths`), one at a time, each decoding alone after it; then `streams` fresh
-    prompts of its mean length at once, decoding PACE_BURST_TOKENS tokens together. Their cost against
-    the plan's prices (benchmarks/verify_steps.py `step_pace`) re-prices the prediction: a verified
-    candidate's steps ran 0.84-1.18x their price in the minutes it ran (docs/plan.md), and batched
-    decode steps apart from lone ones (0.93-0.95x against 0.96-0.97x on one chat, 2026-12-06). Empty
-    from a server that logs no steps."""
+    that are not the workload's but have its shapes: `streams` fresh prompts of its mean length at
+    once, decoding together; once each has its first token, fresh prompts of the lengths its requests
+    compute (`pace_lengths`), one at a time, each computed beside that decoding batch as the
+    workload's prompts are beside its own (`chunk`: the candidate's, for how many steps a prompt
+    takes). Their cost against the plan's prices (benchmarks/verify_steps.py `step_pace`) re-prices
+    the prediction: a verified candidate's steps ran 0.84-1.18x their price in the minutes it ran
+    (docs/plan.md), and lone prompts read apart from the same lengths beside a decoding batch (1.16-1.39x
+    against 1.03-1.09x on one chat, 2026-12-06). Empty from a server that logs no steps."""
     rng = random.Random(seed)
     draw = lambda n: tuple(rng.randrange(WorkloadConfig.token_id_low, WorkloadConfig.token_id_high) for _ in range(n))  # noqa: E731
     lengths = pace_lengths(specs)
     mean = max(1, round(sum(s.prompt_len for s in specs) / len(specs)))
-    log(f"  serving pace: lone prompts of {', '.join(map(str, lengths))} tokens, then {streams} of {mean} at once")
+    tokens = burst_tokens(lengths, chunk)
+    burst = [RequestSpec(f"pace-b{i}", draw(mean), mean, tokens, 0.0, "chat") for i in range(streams)]
+    beside = [RequestSpec(f"pace-{i}", draw(n), n, SHAPE_DECODE_TOKENS, 0.0, "chat") for i, n in enumerate(lengths)]
+    log(
+        f"  serving pace: {streams} prompts of {mean} tokens decoding {tokens} together; beside them, one at "
+        f"a time, prompts of {', '.join(map(str, lengths))} tokens"
+    )
     with StepLogRecorder(url, api_key) as recorder:
-        for i, n in enumerate(lengths):
-            asyncio.run(run_benchmark(bench, [RequestSpec(f"pace-{i}", draw(n), n, SHAPE_DECODE_TOKENS, 0.0, "chat")]))
-        burst = [RequestSpec(f"pace-b{i}", draw(mean), mean, PACE_BURST_TOKENS, 0.0, "chat") for i in range(streams)]
-        asyncio.run(run_benchmark(bench, burst))
+        asyncio.run(_beside_a_burst(bench.client, burst, beside))
     return list(recorder.steps)
+
+
+def burst_tokens(lengths: Sequence[int], chunk: int | None) -> int:
+    """Tokens a burst stream decodes: PACE_BURST_TOKENS, and a step for each step the prompts beside it
+    take (a prompt's chunks, its SHAPE_DECODE_TOKENS, a turn between two requests) so that the burst is
+    still decoding when the last is computed."""
+    each = [-(-n // chunk) if chunk else 1 for n in lengths]
+    return PACE_BURST_TOKENS + sum(k + SHAPE_DECODE_TOKENS + PACE_TURN_STEPS for k in each)
+
+
+async def _beside_a_burst(cfg: ClientConfig, burst: list[RequestSpec], beside: list[RequestSpec]) -> None:
+    client = make_client(cfg)
+    try:
+        model = cfg.model or await discover_model(client)
+        t0 = time.perf_counter()
+        records = [StreamRecord(s.request_id, s.kind, s.prompt_len, s.max_tokens, 0.0) for s in [*burst, *beside]]
+        tasks = [asyncio.create_task(send_one(client, model, s, i, cfg, records[i], t0)) for i, s in enumerate(burst)]
+        while not all(t.done() for t in tasks) and not all(r.chunk_times_s for r in records[: len(burst)]):
+            await asyncio.sleep(0.005)
+        for i, s in enumerate(beside, start=len(burst)):
+            await send_one(client, model, s, i, cfg, records[i], t0)
+        await asyncio.gather(*tasks)
+    finally:
+        await client.close()

@@ -299,7 +299,9 @@ def _measure(
             asyncio.run(run_benchmark(bench, hop_specs(first)))
             asyncio.run(run_benchmark(bench, fresh_prompts(specs, args.seed + 3)))
             if at_pace:
-                row.pace_steps = serving_pace(bench, srv.url, srv.api_key, specs, pace_burst(s), args.seed + 4, log)
+                row.pace_steps = serving_pace(
+                    bench, srv.url, srv.api_key, specs, pace_burst(s), args.seed + 4, log, c.chunk
+                )
             paced = step_pace(row.pace_steps, at_pace) if at_pace else None
             if paced:
                 log(f"  steps at {paced.describe()} the plan's prices")

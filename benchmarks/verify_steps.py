@@ -57,8 +57,9 @@ MIN_DECODE_STEPS = 5
 @dataclass(frozen=True)
 class StepPace:
     """A server's steps against the plan's prices for their shapes (summed time over summed price),
-    apart for the steps that computed prompt tokens alone and those that decoded two streams or more
-    alone; None where too few ran."""
+    apart for the steps that computed prompt tokens (`step_pace`: which) and those that decoded two
+    streams or more alone; None where too few ran. The plan re-prices a step by its kind whole
+    (StepModel.decode_pace)."""
 
     prompt: float | None
     prompt_steps: int
@@ -83,10 +84,16 @@ class StepPace:
 
 def step_pace(steps: list[LoggedStep], setup: PredictionSetup) -> StepPace | None:
     """What `steps` cost against `setup`'s prices (None: a datasheet model, or too few steps of either
-    kind). A decode step that ran while another worker computed a prompt is left out: on a CPU host
-    the two share cores (the plan prices that apart, SimConfig.decode_slowdown)."""
+    kind): the steps that computed prompt tokens beside a decoding batch, as a loaded server's do
+    (those alone too where fewer than MIN_PROMPT_STEPS ran so: a prompt-only step read 1.16-1.39x
+    its price where the same lengths beside decoding read 1.03-1.09x, 2026-12-06), and the steps
+    that decoded two streams or more alone. A decode step that ran while another worker computed a
+    prompt is left out: on a CPU host the two share cores (the plan prices that apart,
+    SimConfig.decode_slowdown)."""
     prompt_at = [(s.end_unix_s - s.seconds, s.end_unix_s, s.worker) for s in steps if s.shape.prefill_tokens]
-    prompt, decode = [], []
+    alone: list[tuple[float, float]] = []
+    beside: list[tuple[float, float]] = []
+    decode: list[tuple[float, float]] = []
     for s in steps:
         f = setup.steps.fit_of(s.role, s.shape.prefill_tokens)
         if f is None:
@@ -94,12 +101,13 @@ def step_pace(steps: list[LoggedStep], setup: PredictionSetup) -> StepPace | Non
         sh, priced = s.shape, f.seconds(s.shape)
         if priced <= 0 or s.seconds <= 0:
             continue
-        if sh.prefill_tokens and not sh.decode_seqs:
-            prompt.append((s.seconds, priced))
-        elif not sh.prefill_tokens and sh.decode_seqs >= 2:
+        if sh.prefill_tokens:
+            (beside if sh.decode_seqs else alone).append((s.seconds, priced))
+        elif sh.decode_seqs >= 2:
             start = s.end_unix_s - s.seconds
             if not any(w != s.worker and a < s.end_unix_s and start < b for a, b, w in prompt_at):
                 decode.append((s.seconds, priced))
+    prompt = beside if len(beside) >= MIN_PROMPT_STEPS else alone + beside
     ratio = lambda xs, least: sum(m for m, _ in xs) / sum(p for _, p in xs) if len(xs) >= least else None  # noqa: E731
     found = StepPace(ratio(prompt, MIN_PROMPT_STEPS), len(prompt), ratio(decode, MIN_DECODE_STEPS), len(decode))
     return found if found.prompt is not None or found.decode is not None else None

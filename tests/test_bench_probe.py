@@ -178,9 +178,10 @@ def test_plan_verify_on_a_server_the_user_restarts(server, tmp_path, capsys, mon
 
 def test_plan_verify_reads_a_servers_pace_from_requests_of_the_workloads_shapes(server):
     """`plan --verify`'s serving pace (benchmarks/plan_calibration.py; its reading rules in
-    tests/test_serving_pace.py) against this module's real server and its step log: a lone prompt of
-    each length the workload computes, then a burst decoding together; priced by a fit to the
-    server's own steps, each kind reads near 1."""
+    tests/test_serving_pace.py) against this module's real (disaggregated) server and its step log: a
+    burst decoding together, and beside it a prompt of each length the workload computes, one at a
+    time; priced by a fit to the server's own steps, each kind reads near 1. (Beside the decoding
+    batch on a colocated server: tests/test_plan.py's --verify.)"""
     from benchmarks.client.bench_serve import BenchConfig
     from benchmarks.client.serve_client import ClientConfig
     from benchmarks.plan_calibration import PACE_BURST_TOKENS, serving_pace
@@ -193,7 +194,7 @@ def test_plan_verify_reads_a_servers_pace_from_requests_of_the_workloads_shapes(
     specs = [RequestSpec(f"r{i}", (), n, 8, float(i), "chat") for i, n in enumerate((24, 48, 48, 72))]
     steps = serving_pace(bench, server.url, None, specs, streams=4, seed=5)
     lone = sorted(s.shape.prefill_tokens for s in steps if s.shape.prefill_tokens and not s.shape.decode_seqs)
-    assert {24, 48, 72} <= set(lone)  # each length computed whole, alone (the burst's four may batch)
+    assert {24, 48, 72} <= set(lone)  # each length computed whole on the prefill worker (the burst's may batch)
     assert sum(s.shape.decode_seqs == 4 and not s.shape.prefill_tokens for s in steps) >= PACE_BURST_TOKENS // 2
     own = setup_from_steps("tiny", fit([(s.shape, s.seconds) for s in steps]), None, None, "its own steps", len(steps))
     found = step_pace(steps, own)

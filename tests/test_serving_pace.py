@@ -63,21 +63,23 @@ def _priced(setup, step: LoggedStep, k: float) -> LoggedStep:
 
 def test_a_candidates_pace_reads_prompt_and_batched_decode_steps_apart():
     """`plan --verify`'s pace (benchmarks/verify_steps.py `step_pace`): steps that computed prompt
-    tokens alone, and steps that decoded two streams or more alone, each against the plan's price;
-    a lone stream's decode step, a mixed step, and a decode step beside another worker's prompt
-    step stay out. Too few of a kind: that kind is not read."""
-    from benchmarks.verify_steps import MIN_DECODE_STEPS, step_pace
+    tokens beside a decoding batch (with the prompt-only ones where too few did), and steps that
+    decoded two streams or more alone, each against the plan's price; a lone stream's decode step
+    and a decode step beside another worker's prompt step stay out. Too few of a kind: that kind is
+    not read."""
+    from benchmarks.verify_steps import MIN_DECODE_STEPS, MIN_PROMPT_STEPS, step_pace
 
     setup = _setup()
-    prompts = [_priced(setup, _prompt(n, 0.0), 1.25) for n in (40, 120, 300)]
+    alone = [_priced(setup, _prompt(n, 0.0), 1.25) for n in (40, 120, 300)]
     batched = [_priced(setup, _decode(200 + i, 0.0, streams=8), 0.9) for i in range(MIN_DECODE_STEPS)]
     lone = [_priced(setup, _decode(200, 0.0), 2.0)]
-    mixed = [_priced(setup, _prompt(64, 0.0, decoding=4), 3.0)]
-    found = step_pace(prompts + batched + lone + mixed, setup)
-    assert found is not None and (found.prompt_steps, found.decode_steps) == (3, MIN_DECODE_STEPS)
-    assert abs(found.prompt - 1.25) < 1e-9 and abs(found.decode - 0.9) < 1e-9
-    assert step_pace(prompts, setup).decode is None  # no batched decode step: prompt pace alone
-    assert step_pace(prompts[:2] + lone, setup) is None  # too few of either
+    mixed = [_priced(setup, _prompt(64 + i, 0.0, decoding=4), 1.1) for i in range(MIN_PROMPT_STEPS)]
+    found = step_pace(alone + batched + lone + mixed, setup)
+    assert found is not None and (found.prompt_steps, found.decode_steps) == (MIN_PROMPT_STEPS, MIN_DECODE_STEPS)
+    assert abs(found.prompt - 1.1) < 1e-9 and abs(found.decode - 0.9) < 1e-9  # beside decoding: those alone
+    few = step_pace(alone + mixed[:1], setup)  # too few beside decoding: every step with prompt tokens
+    assert few.prompt_steps == len(alone) + 1 and 1.1 < few.prompt < 1.25 and few.decode is None
+    assert step_pace(alone[:2] + lone, setup) is None  # too few of either
 
     # disaggregated on one host: a decode step while the prefill worker computes a prompt is left out
     beside = LoggedStep("p", "prefill", StepShape.of([], [(0, 500)]), 1.0, 10.0, 1)
@@ -86,9 +88,10 @@ def test_a_candidates_pace_reads_prompt_and_batched_decode_steps_apart():
     assert found.decode_steps == MIN_DECODE_STEPS and abs(found.decode - 0.9) < 1e-9
 
 
-def test_a_prediction_repriced_at_two_paces_prices_a_steps_decode_rows_apart():
-    """`priced_at(setup, k, decode_k)`: prompt tokens at k times the fit, a step's decode rows and
-    fixed cost at decode_k times; a step with both, each part at its own."""
+def test_a_prediction_repriced_at_two_paces_prices_each_step_whole_by_its_kind():
+    """`priced_at(setup, k, decode_k)`: a step that decodes alone at decode_k times the fit, a step
+    with prompt tokens at k times, its decode rows too (mixed steps ran at the prompt steps' pace,
+    not split: docs/plan.md)."""
     from costmodel.plan.score import priced_at
     from costmodel.sim.model import Request
 
@@ -100,13 +103,22 @@ def test_a_prediction_repriced_at_two_paces_prices_a_steps_decode_rows_apart():
     decode_only = plain.step(batch, [])
     assert abs(at.step(batch, []) - 0.9 * decode_only) < 1e-12
     assert abs(at.step([], parts) - 1.2 * plain.step([], parts)) < 1e-12
-    both = plain.step(batch, parts)
-    assert abs(at.step(batch, parts) - (1.2 * (both - decode_only) + 0.9 * decode_only)) < 1e-12
+    assert abs(at.step(batch, parts) - 1.2 * plain.step(batch, parts)) < 1e-12
     assert all(abs(a - 0.9 * b) < 1e-12 for a, b in zip(at.decode_run(batch, 3), plain.decode_run(batch, 3)))
     assert abs(priced_at(setup, 1.2).steps.step(batch, []) - 1.2 * decode_only) < 1e-12  # one pace: every term
 
 
-def test_the_lone_prompts_have_the_lengths_the_workload_computes():
+def test_the_burst_outlasts_the_prompts_sent_beside_it():
+    """A step of the burst's for each step a prompt beside it takes (its chunks, its decode, a turn)."""
+    from benchmarks.compare.calibrate.side_requests import SHAPE_DECODE_TOKENS
+    from benchmarks.plan_calibration import PACE_BURST_TOKENS, PACE_TURN_STEPS, burst_tokens
+
+    turn = SHAPE_DECODE_TOKENS + PACE_TURN_STEPS
+    assert burst_tokens([100, 1000], None) == PACE_BURST_TOKENS + 2 * (1 + turn)  # whole: a step each
+    assert burst_tokens([100, 1000], 256) == PACE_BURST_TOKENS + (1 + turn) + (4 + turn)
+
+
+def test_the_prompts_beside_the_burst_have_the_lengths_the_workload_computes():
     """A shared prefix counts once: after the first request of a prefix, the rest of the prompt."""
     from benchmarks.plan_calibration import pace_lengths
     from costmodel.workloads import RequestSpec

@@ -125,14 +125,23 @@ def score(
 
 def _peak(records: Sequence[RequestRecord], cand: Candidate) -> int:
     """The most requests between their first and last token at once, per decode-side worker."""
+    return -(-decoding_batch(records)[0] // max(1, cand.decode))
+
+
+def decoding_batch(records: Sequence[RequestRecord]) -> tuple[int, float]:
+    """(the most requests between their first and last token at once, how many on average while any
+    is), over every worker."""
     edges = sorted(
         (t, d) for r in records if r.chunk_times_s for t, d in ((r.chunk_times_s[0], 1), (r.chunk_times_s[-1], -1))
     )
     now = peak = 0
-    for _, d in edges:
+    busy = weighted = 0.0
+    for (t0, d), (t1, _) in zip(edges, [*edges[1:], edges[-1]] if edges else []):
         now += d
         peak = max(peak, now)
-    return -(-peak // max(1, cand.decode))
+        if now > 0:
+            busy, weighted = busy + (t1 - t0), weighted + now * (t1 - t0)
+    return peak, weighted / busy if busy > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -224,7 +233,7 @@ def fit_error(setup: cp.PredictionSetup) -> float | None:
 
 def priced_at(setup: cp.PredictionSetup, k: float, decode_k: float | None = None) -> cp.PredictionSetup:
     """`setup` with every term of its step fits `k` times its price (a datasheet model: unchanged);
-    with `decode_k`, a step's decode rows and fixed cost `decode_k` times instead (StepModel.decode_pace)."""
+    with `decode_k`, a step that decodes alone `decode_k` times instead (StepModel.decode_pace)."""
     st = setup.steps
     steps = replace(
         st, fit=_scaled(st.fit, k), prefill_fit=_scaled(st.prefill_fit, k), prompt_fit=_scaled(st.prompt_fit, k),

@@ -83,9 +83,13 @@ class StepModel:
     # intra-op threads than its decode steps (a colocated CPU worker's --prompt-threads): fitted
     # on those steps alone; None: `fit` prices them too.
     prompt_fit: StepCostFit | None = None
-    # A step's decode rows (with its fixed cost) priced this many times the fit's, its prompt tokens
-    # at the fit's: a verified candidate's steps read before its timed pass, batched decode steps at
-    # one pace and prompt steps at another (benchmarks/verify_steps.py `step_pace`). 1: the fit's.
+    # A step that decodes alone (no prompt tokens) priced this many times the fit's; a step that
+    # carries prompt tokens stays at the fit's, decode rows and all: a verified candidate's steps
+    # read before its timed pass, decode steps at one pace and steps with prompt tokens at another
+    # (benchmarks/verify_steps.py `step_pace`). Not split inside a step: on 2026-12-06 a chat's
+    # mixed steps ran 1.03x their price beside decode steps at 0.91x, and pricing a mixed step's
+    # decode rows at the decode pace put its re-priced goodput 31% off where whole steps by kind
+    # put it within 1% (docs/plan.md). 1: the fit's.
     decode_pace: float = 1.0
 
     def step(self, batch: list[Request], parts: list[tuple[int, int]]) -> float:
@@ -94,9 +98,7 @@ class StepModel:
             f = self._fit_for(sum(n for _, n in parts))
             pairs = self._decode_pairs(batch)
             t = f.step_seconds(len(batch), pairs, parts)
-            if self.decode_pace != 1.0 and batch:
-                t += (self.decode_pace - 1.0) * f.step_seconds(len(batch), pairs)
-            return t
+            return t if parts else self.decode_pace * t
         return (self.decode(batch) if batch else 0.0) + sum(self.chunk(s, n) for s, n in parts)
 
     def decode_run(self, batch: list[Request], k: int) -> list[float]:
