@@ -184,7 +184,7 @@ def test_plan_verify_reads_a_servers_pace_from_requests_of_the_workloads_shapes(
     batch on a colocated server: tests/test_plan.py's --verify.)"""
     from benchmarks.client.bench_serve import BenchConfig
     from benchmarks.client.serve_client import ClientConfig
-    from benchmarks.plan_calibration import PACE_BURST_TOKENS, serving_pace
+    from benchmarks.plan_calibration import PACE_BURST_TOKENS, pace_lengths, serving_pace
     from benchmarks.verify_steps import step_pace
     from costmodel.fit.step_fit import fit
     from costmodel.sim.compare_predict import setup_from_steps
@@ -194,7 +194,9 @@ def test_plan_verify_reads_a_servers_pace_from_requests_of_the_workloads_shapes(
     specs = [RequestSpec(f"r{i}", (), n, 8, float(i), "chat") for i, n in enumerate((24, 48, 48, 72))]
     steps = serving_pace(bench, server.url, None, specs, streams=4, seed=5)
     lone = sorted(s.shape.prefill_tokens for s in steps if s.shape.prefill_tokens and not s.shape.decode_seqs)
-    assert {24, 48, 72} <= set(lone)  # each length computed whole on the prefill worker (the burst's may batch)
+    # each length computed whole on the prefill worker, once: read from the burst decoding on, so the
+    # burst's own four prompts, computed before, are left out
+    assert lone == pace_lengths(specs) == [24, 48, 48, 48, 72]
     assert sum(s.shape.decode_seqs == 4 and not s.shape.prefill_tokens for s in steps) >= PACE_BURST_TOKENS // 2
     own = setup_from_steps("tiny", fit([(s.shape, s.seconds) for s in steps]), None, None, "its own steps", len(steps))
     found = step_pace(steps, own)

@@ -125,7 +125,7 @@ def test_the_prompts_beside_the_burst_have_the_lengths_the_workload_computes():
 
     specs = [RequestSpec(f"r{i}", (), 256, 8, float(i), "chat", prefix_id="a", prefix_len=192) for i in range(9)]
     specs.append(RequestSpec("doc", (), 1000, 8, 20.0, "doc"))
-    assert pace_lengths(specs) == [64, 1000]  # the 10th and 90th percentiles: 256 is neither
+    assert pace_lengths(specs) == [64, 64, 64, 64, 1000]  # one a quantile: 256 is none of them
 
 
 def test_the_burst_decodes_as_many_streams_as_the_plan_has_a_worker_decode_on_average():
