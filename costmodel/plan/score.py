@@ -136,11 +136,12 @@ def decoding_batch(records: Sequence[RequestRecord]) -> tuple[int, float]:
     )
     now = peak = 0
     busy = weighted = 0.0
-    for (t0, d), (t1, _) in zip(edges, [*edges[1:], edges[-1]] if edges else []):
+    for i, (t, d) in enumerate(edges):
         now += d
         peak = max(peak, now)
-        if now > 0:
-            busy, weighted = busy + (t1 - t0), weighted + now * (t1 - t0)
+        if now > 0 and i + 1 < len(edges):  # until the next edge, `now` requests decode
+            span = edges[i + 1][0] - t
+            busy, weighted = busy + span, weighted + now * span
     return peak, weighted / busy if busy > 0 else 0.0
 
 
