@@ -39,6 +39,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from benchmarks import plan_reprice
 from benchmarks.client.bench_serve import BenchConfig, run_benchmark
 from benchmarks.client.gc_pauses import QuietGC
 from benchmarks.client.serve_client import ClientConfig
@@ -103,11 +104,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the server at this URL so (interactive)",
     )
     v.add_argument("--api-key", default="EMPTY", help="with --base-url: the server's API key")
+    v.add_argument(
+        "--reprice",
+        default=None,
+        metavar="RESULT",
+        help="deploy nothing: predict a `--verify` result's measured rows again with the code as it is now, "
+        "from the result's own flags and the steps it kept (benchmarks/plan_reprice.py)",
+    )
     v.add_argument("--out", default=None, help="verification result name (default plan-verify-<workload>)")
     v.add_argument("--out-dir", default=None, help=OUT_DIR_HELP)
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.reprice:
+        if args.verify:
+            raise CliError("--reprice re-reads a verification already run: give it without --verify")
+        bare = argparse.ArgumentParser()
+        add_arguments(bare)
+        return plan_reprice.main(args, bare.parse_args([]))
+    if not args.model:
+        raise CliError("--model is required (the served model: its shapes price the steps)")
     if args.verify < 0 or args.verify > MAX_VERIFY:
         raise CliError(f"--verify must be 0-{MAX_VERIFY} (each candidate is a server started and loaded)")
     if not 1 <= args.repeats <= MAX_REPEATS:

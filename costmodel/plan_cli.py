@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "to the server of its kind (colocated, chunked, disagg) and worker count",
     )
     g.add_argument("--gpu", help=f"price from a datasheet instead (predicted only): {', '.join(sorted(cm.HARDWARE))}")
-    g.add_argument("--model", required=True, help="model preset, checkpoint dir or config.json (its shapes)")
+    g.add_argument("--model", default=None, help="model preset, checkpoint dir or config.json (its shapes; required)")
     g.add_argument(
         "--link",
         default=None,
@@ -287,6 +287,8 @@ def main(
 
 
 def _check_flags(args: argparse.Namespace) -> None:
+    if not args.model:
+        raise CliError("--model is required (the served model: its shapes price the steps)")
     for flag in ("max_num_seqs", "slo_ttft_ms", "slo_tpot_ms", "slo_stall_ms"):
         value = getattr(args, flag)
         if value is not None and value <= 0:

@@ -1,0 +1,215 @@
+"""`pdserve plan --reprice RESULT`: a `--verify` result's measured rows predicted again by the
+code as it is now, without deploying anything.
+
+A verification keeps each candidate's measured figures and the steps its workers logged: the
+serving pace's before the timed pass (`pace_steps`) and the timed pass's own (`steps`). This
+rebuilds the plan from the result's own flags (its provenance) and, for each measured round,
+gives the goodput and attainment the current simulator predicts three ways: plain (the
+calibration's prices), at the pace read before the pass (what `--verify` would predict now), and
+at the timed pass's own steps (after the fact, not a prediction: what is left of that error is the
+schedule's, not the step prices'). A change to the simulator or to how a pace is read can then be
+judged on every run kept, and the figure quoted with this command beside it.
+
+The calibration is found where the result names it, else beside the result (a result read on
+another clone). Nothing here is measured; a round's steps are as the result kept them (results
+from before 2026-12-06 23:03 UTC kept the burst's own prompts among the pace steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.client.logged_step import from_table
+from benchmarks.plan_calibration import compare_fits
+from benchmarks.prompt_threads import host_threads
+from benchmarks.verify_steps import step_pace
+from cli import CliError
+from cli.output import emit_json
+from costmodel import plan_cli
+from costmodel.plan.score import Judged, Scored, priced_at, score
+
+# the plan flags a result's provenance carries that `--reprice` takes from it (everything but how
+# the verification ran and where it wrote)
+_NOT_PLAN_FLAGS = {"command", "verify", "repeats", "reprice", "out", "out_dir", "json", "_main", "func", "handler"}
+WITHIN_GOODPUT, WITHIN_POINTS = 0.10, 5.0  # issue 42's per-candidate targets
+
+
+@dataclass(frozen=True)
+class Repriced:
+    """One measured round of one candidate, predicted again now."""
+
+    label: str
+    round: int  # 1-based; 1 where the verification measured once
+    measured: Judged
+    kept: Judged  # the prediction the result recorded when it ran
+    plain: Judged  # now, at the calibration's prices
+    at_pace: Judged | None  # now, at the pace its server's steps read before the timed pass
+    at_run: Judged | None  # now, at the timed pass's own steps (after the fact)
+    pace: tuple[float, float] | None  # (prompt, decode) paces read before the pass
+    run_pace: tuple[float, float] | None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"label": self.label, "round": self.round}
+        for name in ("measured", "kept", "plain", "at_pace", "at_run"):
+            j = getattr(self, name)
+            out[name] = j.to_dict() if j else None
+        return {**out, "pace": self.pace, "run_pace": self.run_pace}
+
+
+def plan_args(result: dict[str, Any], path: Path, defaults: argparse.Namespace) -> argparse.Namespace:
+    """The plan's flags as the result ran them, over today's defaults; the calibration beside the
+    result where the path it names is not here."""
+    config = dict((result.get("provenance") or {}).get("config") or {})
+    if not config:
+        raise CliError(f"--reprice {path}: no provenance config (not a `pdserve plan --verify` result)")
+    args = argparse.Namespace(**vars(defaults))
+    for k, v in config.items():
+        if k not in _NOT_PLAN_FLAGS and hasattr(args, k):
+            setattr(args, k, v)
+    if args.calibration:
+        found = []
+        for c in str(args.calibration).split(","):
+            here = Path(c) if Path(c).exists() else path.parent / Path(c).name
+            if not here.exists():
+                raise CliError(f"--reprice {path}: its calibration {c} is not here, nor beside the result")
+            found.append(str(here))
+        args.calibration = ",".join(found)
+    return args
+
+
+def reprice(result: dict[str, Any], args: argparse.Namespace) -> list[Repriced]:
+    """Every measured round of the result's verification, predicted again by the current code."""
+    by_kind = compare_fits(args)
+    plan = plan_cli.make_plan(args, by_kind, [], None if by_kind else host_threads(args.workers))
+    ranked = {s.candidate.label: s for s in plan.ranked}
+    out = []
+    for row in (result.get("verification") or {}).get("rows") or []:
+        s = ranked.get(row["label"])
+        if s is None:
+            log(f"{row['label']}: not among the plan's candidates now; left out")
+            continue
+        for i, rnd in enumerate(row.get("rounds") or [row], start=1):
+            if rnd.get("measured"):
+                out.append(_one(s, rnd, i, plan, args))
+    return out
+
+
+def _one(s: Scored, rnd: dict[str, Any], i: int, plan: plan_cli.Plan, args: argparse.Namespace) -> Repriced:
+    setup = plan.setup_of(s.candidate)
+
+    def again(steps: dict[str, Any] | None) -> tuple[Judged | None, tuple[float, float] | None]:
+        paced = step_pace(from_table(steps), setup)
+        if paced is None:
+            return None, None
+        kp, kd = paced.paces()
+        sc = score(s.candidate, priced_at(setup, kp, kd), plan.specs, plan.slos, args.max_num_seqs)
+        return _judged(sc), (kp, kd)
+
+    at_pace, pace = again(rnd.get("pace_steps"))
+    at_run, run_pace = again(rnd.get("steps"))
+    return Repriced(
+        s.candidate.label, i, _from_dict(rnd["measured"]), _from_dict(rnd["predicted"]), _judged(s),
+        at_pace, at_run, pace, run_pace,
+    )  # fmt: skip
+
+
+def _judged(s: Scored) -> Judged:
+    return Judged(s.attainment, s.meets, s.goodput_per_worker)
+
+
+def _from_dict(d: dict[str, Any]) -> Judged:
+    return Judged(dict(d["attainment"]), bool(d["meets_slos"]), float(d["goodput_per_worker"]))
+
+
+def goodput_error(p: Judged | None, m: Judged) -> float | None:
+    """(predicted - measured) / measured; None where either is missing or nothing was measured good."""
+    if p is None or m.goodput_per_worker <= 0:
+        return None
+    return (p.goodput_per_worker - m.goodput_per_worker) / m.goodput_per_worker
+
+
+def attainment_points(p: Judged | None, m: Judged) -> float | None:
+    """The largest attainment error over the SLOs given, in percentage points."""
+    if p is None:
+        return None
+    pts = [
+        abs(a - b) * 100 for k, a in p.attainment.items() if a is not None and (b := m.attainment.get(k)) is not None
+    ]
+    return max(pts) if pts else None
+
+
+def summary(rows: list[Repriced]) -> dict[str, Any]:
+    """Per way of predicting: rounds within issue 42's targets (goodput 10%, attainment 5 points)."""
+    out: dict[str, Any] = {"rounds": len(rows)}
+    for name in ("kept", "plain", "at_pace", "at_run"):
+        g = [e for r in rows if (e := goodput_error(getattr(r, name), r.measured)) is not None]
+        a = [e for r in rows if (e := attainment_points(getattr(r, name), r.measured)) is not None]
+        out[name] = {
+            "goodput_within_10pct": sum(abs(e) <= WITHIN_GOODPUT for e in g), "goodput_rows": len(g),
+            "goodput_error_median_abs": statistics.median(abs(e) for e in g) if g else None,
+            "attainment_within_5pts": sum(e <= WITHIN_POINTS for e in a), "attainment_rows": len(a),
+        }  # fmt: skip
+    return out
+
+
+def format_table(rows: list[Repriced], totals: dict[str, Any]) -> str:
+    head = ["candidate", "round", "measured", "kept", "now", "at pace now", "at run now (after)", "paces p/d"]
+    out = [head]
+    for r in rows:
+        m = r.measured
+        cell = lambda j: "-" if j is None else f"{j.goodput_per_worker:.3f} {_err(goodput_error(j, m))}"  # noqa: E731
+        paces = "/".join(f"{x:.2f}" for x in r.pace) if r.pace else "-"
+        run = "/".join(f"{x:.2f}" for x in r.run_pace) if r.run_pace else "-"
+        out.append([r.label, str(r.round), f"{m.goodput_per_worker:.3f}", cell(r.kept), cell(r.plain),
+                    cell(r.at_pace), cell(r.at_run), f"{paces} then {run}"])  # fmt: skip
+    widths = [max(len(row[i]) for row in out) for i in range(len(head))]
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in out
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    tail = [
+        f"{name}: goodput within 10% for {t['goodput_within_10pct']} of {t['goodput_rows']} "
+        f"(median |error| {_pct(t['goodput_error_median_abs'])}), attainment within 5 points for "
+        f"{t['attainment_within_5pts']} of {t['attainment_rows']}"
+        for name, t in ((n, totals[n]) for n in ("kept", "plain", "at_pace", "at_run"))
+    ]
+    return (
+        "goodput per worker, measured beside predicted (error against measured); nothing here is measured anew\n"
+        + "\n".join(lines) + "\n" + "\n".join(tail)
+    )  # fmt: skip
+
+
+def _err(e: float | None) -> str:
+    return "" if e is None else f"({e:+.0%})"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def main(args: argparse.Namespace, defaults: argparse.Namespace) -> int:
+    """`defaults`: the plan's flags as a bare `pdserve plan` parses them (a result's own override them)."""
+    path = Path(args.reprice)
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CliError(f"--reprice {path}: {e}") from e
+    if not (result.get("verification") or {}).get("rows"):
+        raise CliError(f"--reprice {path}: no verified rows (a `pdserve plan --verify K` result has them)")
+    rows = reprice(result, plan_args(result, path, defaults))
+    totals = summary(rows)
+    if args.json:
+        emit_json({"result": str(path), "rounds": [r.to_dict() for r in rows], "summary": totals})
+    else:
+        print(format_table(rows, totals))
+    return 0
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
