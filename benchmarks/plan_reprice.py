@@ -11,8 +11,10 @@ schedule's, not the step prices'). A change to the simulator or to how a pace is
 judged on every run kept, and the figure quoted with this command beside it.
 
 The calibration is found where the result names it, else beside the result (a result read on
-another clone). Nothing here is measured; a round's steps are as the result kept them (results
-from before 2026-12-06 23:03 UTC kept the burst's own prompts among the pace steps).
+another clone); `--calibration FILE` given beside `--reprice` judges another calibration on the
+same measured runs (the "kept" column stays the result's own prediction). Nothing here is
+measured; a round's steps are as the result kept them (results from before 2026-12-06 23:03 UTC
+kept the burst's own prompts among the pace steps).
 """
 
 from __future__ import annotations
@@ -62,9 +64,12 @@ class Repriced:
         return {**out, "pace": self.pace, "run_pace": self.run_pace}
 
 
-def plan_args(result: dict[str, Any], path: Path, defaults: argparse.Namespace) -> argparse.Namespace:
+def plan_args(
+    result: dict[str, Any], path: Path, defaults: argparse.Namespace, calibration: str | None = None
+) -> argparse.Namespace:
     """The plan's flags as the result ran them, over today's defaults; the calibration beside the
-    result where the path it names is not here."""
+    result where the path it names is not here, or `calibration` instead (another fit judged on the
+    same measured runs)."""
     config = dict((result.get("provenance") or {}).get("config") or {})
     if not config:
         raise CliError(f"--reprice {path}: no provenance config (not a `pdserve plan --verify` result)")
@@ -72,7 +77,9 @@ def plan_args(result: dict[str, Any], path: Path, defaults: argparse.Namespace) 
     for k, v in config.items():
         if k not in _NOT_PLAN_FLAGS and hasattr(args, k):
             setattr(args, k, v)
-    if args.calibration:
+    if calibration:
+        args.calibration, args.gpu = calibration, None
+    elif args.calibration:
         found = []
         for c in str(args.calibration).split(","):
             here = Path(c) if Path(c).exists() else path.parent / Path(c).name
@@ -202,10 +209,12 @@ def main(args: argparse.Namespace, defaults: argparse.Namespace) -> int:
         raise CliError(f"--reprice {path}: {e}") from e
     if not (result.get("verification") or {}).get("rows"):
         raise CliError(f"--reprice {path}: no verified rows (a `pdserve plan --verify K` result has them)")
-    rows = reprice(result, plan_args(result, path, defaults))
+    planned = plan_args(result, path, defaults, args.calibration)
+    rows = reprice(result, planned)
     totals = summary(rows)
     if args.json:
-        emit_json({"result": str(path), "rounds": [r.to_dict() for r in rows], "summary": totals})
+        doc = {"result": str(path), "calibration": planned.calibration, "gpu": planned.gpu}
+        emit_json({**doc, "rounds": [r.to_dict() for r in rows], "summary": totals})
     else:
         print(format_table(rows, totals))
     return 0

@@ -109,7 +109,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="RESULT",
         help="deploy nothing: predict a `--verify` result's measured rows again with the code as it is now, "
-        "from the result's own flags and the steps it kept (benchmarks/plan_reprice.py)",
+        "from the result's own flags and the steps it kept; with --calibration, another calibration judged on the "
+        "same measured runs (benchmarks/plan_reprice.py)",
     )
     v.add_argument("--out", default=None, help="verification result name (default plan-verify-<workload>)")
     v.add_argument("--out-dir", default=None, help=OUT_DIR_HELP)

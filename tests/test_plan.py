@@ -271,3 +271,17 @@ def test_a_winner_decoding_more_at_once_than_its_calibration_did_is_noted(tmp_pa
     assert "requests at once on a worker, its calibration's steps at most 2" in wide["workload"]["note"]
     lone = _plan_json(capsys, *args, "--num-requests", "2", "--rate", "0.1", "--osl", "4")
     assert "requests at once" not in lone["workload"]["note"]  # (its 3000-token calibration is noted)
+
+
+def test_a_probes_largest_batch_is_kept_and_a_winner_past_it_noted(tmp_path, capsys):
+    """A probe's calibration records its largest decode batch; a plan whose winner decodes more at
+    once says its step prices there are extrapolated. A bad value is refused with one line."""
+    cal = cm.Calibration(device="cpu", dtype="fp32", step_fit=FIT.to_dict(), largest_batch=2)
+    path = tmp_path / "probe.calibration.json"
+    path.write_text(json.dumps(cal.to_dict()))
+    args = ("--calibration", str(path), "--model", "tiny", "--workers", "1", "--workload", "chat")
+    wide = _plan_json(capsys, *args, "--num-requests", "16", "--rate", "50", "--osl", "64")
+    assert "requests at once on a worker, its calibration's steps at most 2" in wide["workload"]["note"]
+    path.write_text(json.dumps({**cal.to_dict(), "largest_batch": 0}))
+    assert cli_main(["plan", *args]) == 2
+    assert "largest_batch must be a positive integer" in capsys.readouterr().err

@@ -77,6 +77,17 @@ def test_verify_deploys_the_winner_and_the_baseline_and_puts_measured_beside_pre
                 kept["predicted_at_run_pace"]["goodput_per_worker"], rel=1e-3
             )
     assert again["summary"]["rounds"] == len(labels)
+    # another calibration judged on the same measured runs: every step priced twice as dear
+    dear = tmp_path / "dear.calibration.json"
+    dear_fit = StepCostFit(0.010, 2e-3, 0.0, 2e-3, samples=100, rms_rel_error=0.1)
+    dear.write_text(json.dumps(cm.Calibration(device="cpu", dtype="fp32", step_fit=dear_fit.to_dict()).to_dict()))
+    argv = ["plan", "--reprice", str(moved / "plan-verify-chat.json"), "--calibration", str(dear), "--json"]
+    assert cli_main(argv) == 0
+    other = json.loads(capsys.readouterr().out)
+    assert other["calibration"] == str(dear)
+    for r, kept in zip(other["rounds"], v["rows"], strict=True):
+        assert r["kept"] == kept["predicted"]  # the result's own, whatever re-prices it
+        assert r["plain"]["goodput_per_worker"] < kept["predicted"]["goodput_per_worker"]
 
 
 def test_verify_takes_a_small_count(calibration, capsys):

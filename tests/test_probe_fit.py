@@ -319,3 +319,19 @@ def test_article_check_spaces_eight_documents_inside_the_streams(step_s, ttft_s)
     assert (args.workload, args.doc_count, args.prompt_token_ids) == ("article", chk.doc_count, True)
     assert (args.chat_prompt_len, args.chat_output_len) == (chk.chat_prompt_len, chk.chat_output_len)
     assert (args.doc_start_s, args.doc_interval_s) == (chk.doc_start_s, chk.doc_interval_s)
+
+
+def test_a_timed_out_probe_request_says_which_flag_to_raise():
+    """A batch of long prompts can outlast the request timeout (16 of 1,024 tokens did, on the 2-core
+    VM): the one-line error names --request-timeout-s and --max-batch; other failures stay as they were."""
+    from benchmarks.client.serve_client import StreamRecord
+    from benchmarks.probe.client import ProbeError, checked
+
+    rec = StreamRecord("probe-90", "probe", 1024, 40, 0.0)
+    rec.error = "APITimeoutError: Request timed out."
+    with pytest.raises(ProbeError, match=r"probe-90 \(1024-token prompt\) failed: .*raise it, or lower --max-batch"):
+        checked(rec)
+    rec.error = "APIConnectionError: Connection refused"
+    with pytest.raises(ProbeError) as e:
+        checked(rec)
+    assert "--max-batch" not in str(e.value)

@@ -164,7 +164,12 @@ def checked(rec: RequestRecord) -> RequestRecord:
     or why its stream cannot be timed token by token (the probe's decode step and stall are gaps
     between tokens, taken as gaps between chunks)."""
     if not rec.ok:
-        raise ProbeError(f"request {rec.request_id} ({rec.prompt_len}-token prompt) failed: {rec.error}")
+        why = f"request {rec.request_id} ({rec.prompt_len}-token prompt) failed: {rec.error}"
+        if "time" in (rec.error or "").lower():  # the client's timeout, or ours
+            # the longest wait is a stream at the largest batch and the long context: its first token
+            # comes after every prompt of the batch (on the 2-core VM 16 of 1,024 tokens took over 60 s)
+            why += " (a batch of long prompts can take longer than --request-timeout-s: raise it, or lower --max-batch)"
+        raise ProbeError(why)
     for code in NOT_PER_TOKEN:
         if code in shape_of(rec):
             raise ProbeError(

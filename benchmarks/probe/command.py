@@ -114,6 +114,7 @@ def calibration(
         step_fit=r.step_fit.to_dict(),
         prompt_thread_speedup=prompt_speedup,
         pace_gflops=pace_gflops,
+        largest_batch=r.plan.batches[-1],
     )
     try:
         spec = cm.ModelSpec.resolve(model_config or r.model)

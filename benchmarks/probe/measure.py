@@ -131,8 +131,9 @@ async def _decode_once(c: ProbeClient, batch: int, prompt_tokens: int, tokens: i
     specs = [c.spec(prompt_tokens, cap, "probe") for _ in range(batch)]
     live = [c.record(s) for s in specs]  # send_one fills them in place while they stream
     tasks = [asyncio.create_task(c.run(s, r)) for s, r in zip(specs, live)]
+    ended: list[RequestRecord] = []
     try:
-        while _side_by_side(live) < tokens and not any(t.done() for t in tasks):
+        while _side_by_side(live) < tokens and not (ended := [r for r, t in zip(live, tasks) if t.done()]):
             await asyncio.sleep(0.005)
     finally:
         for t in tasks:
@@ -141,6 +142,15 @@ async def _decode_once(c: ProbeClient, batch: int, prompt_tokens: int, tokens: i
         # errors unretrieved (a traceback at exit instead of one line)
         await asyncio.gather(*tasks, return_exceptions=True)
     recs = live
+    # a stream stopped short (an error, or fewer tokens than asked) says why the others were closed
+    # before all decoded; one that ran to its cap is a server running streams one after another
+    for r in (r for r in ended if r.error or r.n_out < cap):
+        checked(r)
+        raise ProbeError(
+            f"request {r.request_id} ended after {r.n_out} of {cap} tokens before all {batch} streams "
+            f"of {prompt_tokens}-token prompts decoded side by side: the server stopped it early (a context or "
+            "KV limit?); lower --max-batch or --max-context"
+        )
     for r in recs:
         if r.error and r.error.startswith("cancelled"):
             r.error = None  # closed by the probe, on purpose

@@ -75,6 +75,10 @@ class Calibration:
     # the machine's pace when it was measured: a one-thread GEMM's GFLOP/s (benchmarks/pace.py;
     # None: not recorded). `plan --verify` re-prices the steps at the pace it measures before each server
     pace_gflops: float | None = None
+    # the most sequences a measured decode step ran at once (None: not recorded): beyond it the fit
+    # extrapolates, and on a CPU a batch's per-sequence cost falls as it grows (a probe of batches
+    # 1-8 priced a chat's decode steps of 12-19 sequences 1.15-1.2x what they took, docs/plan.md)
+    largest_batch: int | None = None
 
     SCHEMA = "pdserve.calibration/1"
 
@@ -92,8 +96,10 @@ class Calibration:
             v = getattr(cal, k)
             if v is not None and v <= 0:
                 raise ValueError(f"calibration {k} must be positive, got {v}")
-        if cal.torch_threads is not None and (isinstance(cal.torch_threads, bool) or cal.torch_threads < 1):
-            raise ValueError(f"calibration torch_threads must be a positive integer, got {cal.torch_threads}")
+        for k in ("torch_threads", "largest_batch"):
+            v = getattr(cal, k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"calibration {k} must be a positive integer, got {v}")
         if cal.mfu is not None and not 0 < cal.mfu <= 1:
             raise ValueError(f"calibration mfu must be in (0, 1], got {cal.mfu}")
         if cal.step_fit is not None:

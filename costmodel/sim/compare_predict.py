@@ -123,6 +123,7 @@ def setup_from_calibration(model: str, calibration: Path, kv_dtype: str = "fp8")
         torch_threads=cal.torch_threads,
         prompt_speedup=cal.prompt_thread_speedup,
         pace_gflops=cal.pace_gflops,
+        largest_batch=cal.largest_batch,
     )
 
 
