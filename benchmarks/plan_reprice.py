@@ -34,7 +34,8 @@ from benchmarks.verify_steps import step_pace
 from cli import CliError
 from cli.output import emit_json
 from costmodel import plan_cli
-from costmodel.plan.score import Judged, Scored, priced_at, score
+from costmodel.plan.score import Judged, Scored, Slos, priced_at, score
+from costmodel.serve_metrics import percentile
 
 # the plan flags a result's provenance carries that `--reprice` takes from it (everything but how
 # the verification ran and where it wrote)
@@ -49,7 +50,7 @@ class Repriced:
     label: str
     round: int  # 1-based; 1 where the verification measured once
     measured: Judged
-    kept: Judged  # the prediction the result recorded when it ran
+    kept: Judged | None  # the prediction the result recorded when it ran (None: judged at other SLOs now)
     plain: Judged  # now, at the calibration's prices
     at_pace: Judged | None  # now, at the pace its server's steps read before the timed pass
     at_run: Judged | None  # now, at the timed pass's own steps (after the fact)
@@ -90,8 +91,10 @@ def plan_args(
     return args
 
 
-def reprice(result: dict[str, Any], args: argparse.Namespace) -> list[Repriced]:
-    """Every measured round of the result's verification, predicted again by the current code."""
+def reprice(result: dict[str, Any], args: argparse.Namespace, ran: Slos | None = None) -> list[Repriced]:
+    """Every measured round of the result's verification, predicted again by the current code; where
+    `args` asks for other SLOs than the result ran with (`ran`), its measured requests judged again at
+    them (`rejudged`)."""
     by_kind = compare_fits(args)
     plan = plan_cli.make_plan(args, by_kind, [], None if by_kind else host_threads(args.workers))
     ranked = {s.candidate.label: s for s in plan.ranked}
@@ -102,12 +105,48 @@ def reprice(result: dict[str, Any], args: argparse.Namespace) -> list[Repriced]:
             log(f"{row['label']}: not among the plan's candidates now; left out")
             continue
         for i, rnd in enumerate(row.get("rounds") or [row], start=1):
-            if rnd.get("measured"):
-                out.append(_one(s, rnd, i, plan, args))
+            if not rnd.get("measured"):
+                continue
+            measured, kept = _from_dict(rnd["measured"]), _from_dict(rnd["predicted"])
+            kept_now: Judged | None = kept
+            if ran is not None and ran != plan.slos:
+                got = rejudged(rnd, ran, plan.slos)
+                if got is None:
+                    log(f"{row['label']} round {i}: no request met the SLOs it ran with; its duration is not known")
+                    continue
+                measured, kept_now = got, None
+            out.append(_one(s, rnd, i, plan, args, measured, kept_now))
     return out
 
 
-def _one(s: Scored, rnd: dict[str, Any], i: int, plan: plan_cli.Plan, args: argparse.Namespace) -> Repriced:
+def rejudged(rnd: dict[str, Any], ran: Slos, now: Slos) -> Judged | None:
+    """A round's measured requests (its kept TTFT and TPOT each) judged at the SLOs `now` instead
+    of those it `ran` with: attainment, p90s within them, goodput per worker, the run's duration
+    and workers read back from its goodput then (requests met / goodput). Measured figures, judged
+    again; the stall is not kept per document (a stall SLO is not re-judged). None where no request
+    met the SLOs it ran with (nothing to read the duration from)."""
+    reqs = rnd.get("requests") or []
+    ttft = [v for r in reqs if (v := r["ttft_ms"][1]) is not None]
+    tpot = [v for r in reqs if (v := r["tpot_ms"][1]) is not None]
+
+    def met(slos: Slos) -> int:
+        within = lambda v, lim: lim is None or v is None or v <= lim  # noqa: E731
+        return sum(within(r["ttft_ms"][1], slos.ttft_ms) and within(r["tpot_ms"][1], slos.tpot_ms) for r in reqs)
+
+    then = float(rnd["measured"]["goodput_per_worker"])
+    if not reqs or met(ran) == 0 or then <= 0:
+        return None
+    share = lambda vals, lim: None if lim is None else sum(v <= lim for v in vals) / len(vals) if vals else 1.0  # noqa: E731
+    p90_within = lambda vals, lim: lim is None or not vals or (percentile(vals, 90) or 0.0) <= lim  # noqa: E731
+    att = {"ttft": share(ttft, now.ttft_ms), "tpot": share(tpot, now.tpot_ms), "stall": None}
+    meets = p90_within(ttft, now.ttft_ms) and p90_within(tpot, now.tpot_ms)
+    return Judged(att, meets, met(now) * then / met(ran))
+
+
+def _one(
+    s: Scored, rnd: dict[str, Any], i: int, plan: plan_cli.Plan, args: argparse.Namespace,
+    measured: Judged, kept: Judged | None,
+) -> Repriced:  # fmt: skip
     setup = plan.setup_of(s.candidate)
 
     def again(steps: dict[str, Any] | None) -> tuple[Judged | None, tuple[float, float] | None]:
@@ -121,8 +160,7 @@ def _one(s: Scored, rnd: dict[str, Any], i: int, plan: plan_cli.Plan, args: argp
     at_pace, pace = again(rnd.get("pace_steps"))
     at_run, run_pace = again(rnd.get("steps"))
     return Repriced(
-        s.candidate.label, i, _from_dict(rnd["measured"]), _from_dict(rnd["predicted"]), _judged(s),
-        at_pace, at_run, pace, run_pace,
+        s.candidate.label, i, measured, kept, _judged(s), at_pace, at_run, pace, run_pace,
     )  # fmt: skip
 
 
@@ -202,6 +240,8 @@ def _pct(x: float | None) -> str:
 
 def main(args: argparse.Namespace, defaults: argparse.Namespace) -> int:
     """`defaults`: the plan's flags as a bare `pdserve plan` parses them (a result's own override them)."""
+    if args.slo_stall_ms is not None:
+        raise CliError("--reprice judges measured requests again at other TTFT and TPOT SLOs, not a stall's")
     path = Path(args.reprice)
     try:
         result = json.loads(path.read_text())
@@ -210,10 +250,15 @@ def main(args: argparse.Namespace, defaults: argparse.Namespace) -> int:
     if not (result.get("verification") or {}).get("rows"):
         raise CliError(f"--reprice {path}: no verified rows (a `pdserve plan --verify K` result has them)")
     planned = plan_args(result, path, defaults, args.calibration)
-    rows = reprice(result, planned)
+    ran = Slos(planned.slo_ttft_ms, planned.slo_tpot_ms, planned.slo_stall_ms)
+    for k in ("slo_ttft_ms", "slo_tpot_ms"):  # given beside --reprice: the same runs judged at them
+        if getattr(args, k) is not None:
+            setattr(planned, k, getattr(args, k))
+    rows = reprice(result, planned, ran)
     totals = summary(rows)
     if args.json:
-        doc = {"result": str(path), "calibration": planned.calibration, "gpu": planned.gpu}
+        doc = {"result": str(path), "calibration": planned.calibration, "gpu": planned.gpu, "slos_ran": ran.as_dict()}
+        doc["slos"] = Slos(planned.slo_ttft_ms, planned.slo_tpot_ms, planned.slo_stall_ms).as_dict()
         emit_json({**doc, "rounds": [r.to_dict() for r in rows], "summary": totals})
     else:
         print(format_table(rows, totals))

@@ -195,6 +195,7 @@ def test_repeats_and_risk_limits_are_checked(calibration, capsys, extra, message
     [
         (["--reprice", "/no/such/result.json"], "--reprice /no/such/result.json:"),
         (["--reprice", "RESULT", "--verify", "1"], "give it without --verify"),
+        (["--reprice", "RESULT", "--slo-stall-ms", "500"], "not a stall's"),
     ],
 )
 def test_reprice_errors_are_one_line(tmp_path, capsys, extra, message):
@@ -209,3 +210,22 @@ def test_reprice_refuses_a_result_without_verified_rows(calibration, tmp_path, c
     path.write_text(json.dumps({"provenance": {"config": {"calibration": calibration, "model": "tiny"}}}))
     assert cli_main(["plan", "--reprice", str(path)]) == 2
     assert "no verified rows" in capsys.readouterr().err
+
+
+def test_reprice_judges_measured_requests_again_at_other_slos():
+    """`--reprice` with other TTFT/TPOT SLOs: a round's kept requests judged at them; its duration
+    (per worker) read back from the goodput it measured at the SLOs it ran with."""
+    from benchmarks.plan_reprice import rejudged
+    from costmodel.plan.score import Slos
+
+    reqs = [{"ttft_ms": [None, t], "tpot_ms": [None, p]} for t, p in ((100, 50), (200, 150), (300, 250), (400, None))]
+    # ran at TTFT 450 / TPOT 200: requests 1, 2 and 4 met them (4 decoded one token), 3 per second per worker
+    rnd = {"requests": reqs, "measured": {"goodput_per_worker": 3.0}}
+    ran = Slos(450.0, 200.0)
+    loose = rejudged(rnd, ran, Slos(1000.0, 1000.0))
+    assert loose is not None and loose.goodput_per_worker == pytest.approx(4.0) and loose.meets
+    assert loose.attainment == {"ttft": 1.0, "tpot": 1.0, "stall": None}
+    tight = rejudged(rnd, ran, Slos(None, 100.0))  # TPOT only: request 1, and 4 with no TPOT
+    assert tight is not None and tight.goodput_per_worker == pytest.approx(2.0) and not tight.meets
+    assert tight.attainment["ttft"] is None and tight.attainment["tpot"] == pytest.approx(1 / 3)
+    assert rejudged({"requests": reqs, "measured": {"goodput_per_worker": 0.0}}, ran, Slos(1000.0)) is None
