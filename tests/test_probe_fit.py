@@ -105,6 +105,11 @@ def test_plan_quick_is_small_and_full_sweeps_to_the_limits():
     assert f.tax_points == [(8, 1024), (8, 2048), (2, 2048)]
     # the long context only at the end batches: the per-context-token term needs no more
     assert f.decode_points() == [(1, 16), (2, 16), (4, 16), (8, 16), (1, 1024), (8, 1024)]
+    # the default covers batches to 16 at the short context; long contexts stay at batches up to 8
+    d = ProbePlan()
+    assert d.batches == [1, 2, 4, 8, 16] and d.long_batch == 8
+    assert d.decode_points() == [(1, 16), (2, 16), (4, 16), (8, 16), (16, 16), (1, 1024), (8, 1024)]
+    assert d.tax_points == [(8, 1024), (8, 2048), (2, 2048)]
     assert f.prefill_repeats_at(128) > f.prefill_repeats_at(256)  # the anchor of every difference
     with pytest.raises(ValueError):
         ProbePlan(64, 4).validate()
