@@ -55,7 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-context", type=int, default=d.max_context, help="longest prompt probed (128 doubling up to it)"
     )
-    g.add_argument("--max-batch", type=int, default=d.max_batch, help="largest decode batch (1 doubling up to it at a short context; long contexts to 8)")
+    g.add_argument(
+        "--max-batch",
+        type=int,
+        default=d.max_batch,
+        help="largest decode batch (1 doubling up to it at a short context; long contexts to 8)",
+    )
     g.add_argument(
         "--quick", action="store_true", help="fewer points and repeats (batch <= 4): under a minute on pdserve tiny"
     )
