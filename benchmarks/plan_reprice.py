@@ -34,13 +34,25 @@ from benchmarks.verify_steps import step_pace
 from cli import CliError
 from cli.output import emit_json
 from costmodel import plan_cli
-from costmodel.plan.score import Judged, Scored, Slos, priced_at, score
+from costmodel.plan.score import Judged, Scored, Slos, priced_at, score, share_within
 from costmodel.serve_metrics import percentile
 
 # the plan flags a result's provenance carries that `--reprice` takes from it (everything but how
 # the verification ran and where it wrote)
-_NOT_PLAN_FLAGS = {"command", "verify", "repeats", "reprice", "out", "out_dir", "json", "_main", "func", "handler"}
+_NOT_PLAN_FLAGS = {"command", "verify", "repeats", "reprice", "out", "out_dir", "json", "_main"}
 WITHIN_GOODPUT, WITHIN_POINTS = 0.10, 5.0  # issue 42's per-candidate targets
+
+
+def add_argument(group: Any) -> None:
+    """`--reprice` in `pdserve plan`'s verification flags (benchmarks/plan_verify.py)."""
+    group.add_argument(
+        "--reprice",
+        default=None,
+        metavar="RESULT",
+        help="deploy nothing: predict a `--verify` result's measured rows again with the code as it is now, "
+        "from the result's own flags and the steps it kept; with --calibration another calibration, with "
+        "--slo-ttft-ms/--slo-tpot-ms other SLOs, judged on the same measured runs (benchmarks/plan_reprice.py)",
+    )
 
 
 @dataclass(frozen=True)
@@ -107,15 +119,15 @@ def reprice(result: dict[str, Any], args: argparse.Namespace, ran: Slos | None =
         for i, rnd in enumerate(row.get("rounds") or [row], start=1):
             if not rnd.get("measured"):
                 continue
-            measured, kept = _from_dict(rnd["measured"]), _from_dict(rnd["predicted"])
-            kept_now: Judged | None = kept
+            measured: Judged = _from_dict(rnd["measured"])
+            kept: Judged | None = _from_dict(rnd["predicted"])  # None once judged at other SLOs
             if ran is not None and ran != plan.slos:
                 got = rejudged(rnd, ran, plan.slos)
                 if got is None:
                     log(f"{row['label']} round {i}: no request met the SLOs it ran with; its duration is not known")
                     continue
-                measured, kept_now = got, None
-            out.append(_one(s, rnd, i, plan, args, measured, kept_now))
+                measured, kept = got, None
+            out.append(_one(s, rnd, i, plan, args, measured, kept))
     return out
 
 
@@ -136,9 +148,8 @@ def rejudged(rnd: dict[str, Any], ran: Slos, now: Slos) -> Judged | None:
     then = float(rnd["measured"]["goodput_per_worker"])
     if not reqs or met(ran) == 0 or then <= 0:
         return None
-    share = lambda vals, lim: None if lim is None else sum(v <= lim for v in vals) / len(vals) if vals else 1.0  # noqa: E731
     p90_within = lambda vals, lim: lim is None or not vals or (percentile(vals, 90) or 0.0) <= lim  # noqa: E731
-    att = {"ttft": share(ttft, now.ttft_ms), "tpot": share(tpot, now.tpot_ms), "stall": None}
+    att = {"ttft": share_within(ttft, now.ttft_ms), "tpot": share_within(tpot, now.tpot_ms), "stall": None}
     meets = p90_within(ttft, now.ttft_ms) and p90_within(tpot, now.tpot_ms)
     return Judged(att, meets, met(now) * then / met(ran))
 

@@ -104,14 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the server at this URL so (interactive)",
     )
     v.add_argument("--api-key", default="EMPTY", help="with --base-url: the server's API key")
-    v.add_argument(
-        "--reprice",
-        default=None,
-        metavar="RESULT",
-        help="deploy nothing: predict a `--verify` result's measured rows again with the code as it is now, "
-        "from the result's own flags and the steps it kept; with --calibration, another calibration judged on the "
-        "same measured runs (benchmarks/plan_reprice.py)",
-    )
+    plan_reprice.add_argument(v)
     v.add_argument("--out", default=None, help="verification result name (default plan-verify-<workload>)")
     v.add_argument("--out-dir", default=None, help=OUT_DIR_HELP)
 

@@ -79,7 +79,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "to the server of its kind (colocated, chunked, disagg) and worker count",
     )
     g.add_argument("--gpu", help=f"price from a datasheet instead (predicted only): {', '.join(sorted(cm.HARDWARE))}")
-    g.add_argument("--model", default=None, help="model preset, checkpoint dir or config.json (its shapes; required)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="model preset, checkpoint dir or config.json (its shapes; required but with --reprice)",
+    )
     g.add_argument(
         "--link",
         default=None,

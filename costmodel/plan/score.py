@@ -162,9 +162,9 @@ def judge(records: Sequence[RequestRecord], m: ServeMetrics, slos: Slos, workers
     simulator's, or a measured run's: `pdserve plan --verify` judges both with this)."""
     done = [r for r in records if r.ok]
     att = {
-        "ttft": _share([r.ttft_s * 1e3 for r in done if r.ttft_s is not None], slos.ttft_ms),
-        "tpot": _share([r.tpot_s * 1e3 for r in done if r.tpot_s is not None], slos.tpot_ms),
-        "stall": _share([d.stall_s * 1e3 for d in m.documents if d.stall_s is not None], slos.stall_ms),
+        "ttft": share_within([r.ttft_s * 1e3 for r in done if r.ttft_s is not None], slos.ttft_ms),
+        "tpot": share_within([r.tpot_s * 1e3 for r in done if r.tpot_s is not None], slos.tpot_ms),
+        "stall": share_within([d.stall_s * 1e3 for d in m.documents if d.stall_s is not None], slos.stall_ms),
     }
     meets = all(
         lim is None or d.count == 0 or (d.p90 is not None and d.p90 <= lim)
@@ -174,7 +174,7 @@ def judge(records: Sequence[RequestRecord], m: ServeMetrics, slos: Slos, workers
     return Judged(att, meets, good / max(1, workers))
 
 
-def _share(values: list[float], limit: float | None) -> float | None:
+def share_within(values: list[float], limit: float | None) -> float | None:
     """The share of `values` within `limit` (1.0 with nothing to judge; None: no limit asked)."""
     if limit is None:
         return None
