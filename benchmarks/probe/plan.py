@@ -76,8 +76,8 @@ class ProbePlan:
 
     @property
     def long_batch(self) -> int:
-        """The largest batch run at long contexts: the largest probed, up to LONG_BATCH."""
-        return max(b for b in self.batches if b <= max(LONG_BATCH, self.batches[0]))
+        """The largest batch run at long contexts: the largest probed, up to LONG_BATCH (batches start at 1)."""
+        return max(b for b in self.batches if b <= LONG_BATCH)
 
     @property
     def decode_tokens(self) -> int:
