@@ -79,7 +79,12 @@ def test_quick_probe_of_pdserve_agrees_with_the_servers_own_timeline(server, cap
     assert cal.fitted_steps() is not None and cal.peak_tflops  # tiny is known to pdserve: TFLOP/s derived
     assert cal.pace_gflops and cal.pace_gflops > 0  # a server on this host: the machine's pace beside it
     assert cal.prompt_thread_speedup is None  # OMP_NUM_THREADS=1 (conftest): no server here borrows a core
-    setup_from_calibration("tiny", files["calibration"])
+    # the decode steps' scatter, each step's longest gap over its streams less their pace, in ms: a
+    # predicted stall is drawn with it (costmodel/sim/stall_jitter.py)
+    residuals = [x for p in d["decode"] for x in p["step_residuals_s"]]
+    assert cal.step_scatter_ms and len(cal.step_scatter_ms) == min(len(residuals), 512)
+    setup = setup_from_calibration("tiny", files["calibration"])
+    assert setup.step_scatter_s == pytest.approx([v / 1e3 for v in cal.step_scatter_ms])
     assert d["chunking"]["verdict"] in ("whole", "chunked", "disaggregated", "no interference", "unknown")
     # pdserve caches prefixes by default and says so in usage.prompt_tokens_details.cached_tokens:
     # the probe takes the server's word over timing (two ~0.2 s TTFTs on shared cores can tie); the

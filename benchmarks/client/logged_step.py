@@ -67,3 +67,15 @@ def steps_table(steps: Iterable[LoggedStep]) -> dict[str, Any]:
 def from_table(table: dict[str, Any] | None) -> list[LoggedStep]:
     """The steps of a `steps_table` (none for None or a table without rows)."""
     return [LoggedStep.from_row(r) for r in (table or {}).get("rows") or []]
+
+
+def overlap(step: LoggedStep, others: Sequence[LoggedStep]) -> float:
+    """The share of `step` during which any of `others` ran (on the workers' wall clocks)."""
+    start, end = step.end_unix_s - step.seconds, step.end_unix_s
+    spans = sorted((max(start, o.end_unix_s - o.seconds), min(end, o.end_unix_s)) for o in others)
+    covered, reach = 0.0, start
+    for a, b in spans:
+        if b > max(a, reach):
+            covered += b - max(a, reach)
+            reach = b
+    return covered / step.seconds if step.seconds > 0 else 0.0

@@ -36,6 +36,7 @@ from cli import CliError
 from cli.output import emit_json
 from costmodel.article import cost_model as cm
 from costmodel.provenance import OUT_DIR_HELP, RESULTS_DIR, provenance, write_result
+from costmodel.sim.stall_jitter import thinned
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -120,6 +121,8 @@ def calibration(
         prompt_thread_speedup=prompt_speedup,
         pace_gflops=pace_gflops,
         largest_batch=r.plan.batches[-1],
+        # each decode step's longest gap over its streams less their median pace (what a stall adds)
+        step_scatter_ms=[v * 1e3 for v in thinned([x for d in r.decode for x in d.step_residuals_s])] or None,
     )
     try:
         spec = cm.ModelSpec.resolve(model_config or r.model)

@@ -23,6 +23,7 @@ field but `schema` optional, a missing field keeps the datasheet value::
       },
       "torch_threads": 2,                   # intra-op threads the measured steps ran with (CPU)
       "pace_gflops": 110.0,                 # a one-thread GEMM's GFLOP/s then (benchmarks/pace.py)
+      "step_scatter_ms": [0.4, -1.2, ...],  # decode steps over/under their price (a stall's draws)
       "prompt_thread_speedup": {            # CPU, `bench probe` of a server on this host: a whole
         "from_threads": 1, "to_threads": 2, #   prompt's forward on the threads a colocated whole
         "speedup_by_prompt_tokens": {"256": 1.72, "1024": 1.84}, ...  # server gives it, against
@@ -40,6 +41,7 @@ datasheet's, measured peak replaces the datasheet's, overheads attached) and
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -79,6 +81,9 @@ class Calibration:
     # extrapolates, and on a CPU a batch's per-sequence cost falls as it grows (a probe of batches
     # 1-8 priced a chat's decode steps of 12-19 sequences 1.15-1.2x what they took, docs/plan.md)
     largest_batch: int | None = None
+    # ms each measured decode step ran over or under its price (costmodel/sim/stall_jitter.py; None:
+    # not measured): a predicted stall, the longest of many steps, is drawn with it
+    step_scatter_ms: list[float] | None = None
 
     SCHEMA = "pdserve.calibration/1"
 
@@ -100,6 +105,10 @@ class Calibration:
             v = getattr(cal, k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"calibration {k} must be a positive integer, got {v}")
+        if cal.step_scatter_ms is not None and not all(
+            isinstance(v, (int, float)) and math.isfinite(v) for v in cal.step_scatter_ms
+        ):
+            raise ValueError("calibration step_scatter_ms must be a list of finite numbers (ms)")
         if cal.mfu is not None and not 0 < cal.mfu <= 1:
             raise ValueError(f"calibration mfu must be in (0, 1], got {cal.mfu}")
         if cal.step_fit is not None:

@@ -24,6 +24,7 @@ from costmodel.article import cost_model as cm
 from costmodel.fit.step_fit import StepCostFit
 from costmodel.serve_metrics import RequestRecord, ServeMetrics, compute_metrics
 from costmodel.sim.engine import Request, Sim, SimConfig, StepModel, Workload
+from costmodel.sim.stall_jitter import with_scatter
 from costmodel.workloads import RequestSpec
 
 
@@ -54,6 +55,9 @@ class PredictionSetup:
     # a whole prompt's forward on more threads than the priced steps' (Calibration.prompt_thread_speedup;
     # costmodel/plan/pricing.py threaded_whole prices colocated whole candidates with it)
     prompt_speedup: dict[str, Any] | None = None
+    # seconds the decode steps ran over or under their price, as measured (costmodel/sim/stall_jitter.py):
+    # a predicted stall is the longest of its window's steps drawn with it; (): priced as they are
+    step_scatter_s: tuple[float, ...] = ()
 
     def describe(self) -> dict[str, Any]:
         hw = self.steps.hw
@@ -80,7 +84,16 @@ class PredictionSetup:
             "prefill_overhead_ms": hw.prefill_overhead_s * 1e3,
             "step_fit": self.steps.fit.to_dict() if self.steps.fit is not None else None,
             "link": {"name": self.link.name, "label": self.link.label, "gbytes_per_s": self.link.bw / cm.GB},
+            "step_scatter_ms": _scatter_summary(self.step_scatter_s),
         }
+
+
+def _scatter_summary(scatter_s: tuple[float, ...]) -> dict[str, Any] | None:
+    if not scatter_s:
+        return None
+    xs = sorted(scatter_s)
+    at = lambda q: round(xs[round(q * (len(xs) - 1))] * 1e3, 3)  # noqa: E731
+    return {"samples": len(xs), "p10": at(0.1), "p50": at(0.5), "p90": at(0.9)}
 
 
 def default_calibration_path(results_dir: Path, model: str, device_kind: str) -> Path:
@@ -124,6 +137,7 @@ def setup_from_calibration(model: str, calibration: Path, kv_dtype: str = "fp8")
         prompt_speedup=cal.prompt_thread_speedup,
         pace_gflops=cal.pace_gflops,
         largest_batch=cal.largest_batch,
+        step_scatter_s=tuple(v / 1e3 for v in cal.step_scatter_ms or ()),
     )
 
 
@@ -300,7 +314,8 @@ def predict(
     hop_s: float = 0.0,
 ) -> Prediction:
     records = simulate_specs(cfg, setup.steps, specs, hop_s)
-    return Prediction(label, records, compute_metrics(records, slo_ttft_ms, slo_tpot_ms))
+    metrics = with_scatter(compute_metrics(records, slo_ttft_ms, slo_tpot_ms), records, setup.step_scatter_s)
+    return Prediction(label, records, metrics)
 
 
 def rel_error(predicted: float | None, measured: float | None) -> float | None:

@@ -32,7 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from benchmarks.client.logged_step import LoggedStep, from_table, steps_table
+from benchmarks.client.logged_step import LoggedStep, from_table, overlap, steps_table
+from benchmarks.compare.calibrate.scatter import decode_scatter
 from costmodel.fit.step_fit import StepCostFit, StepShape, fit, fit_beside
 from costmodel.sim import compare_predict as cp
 from costmodel.sim.compare_predict import PredictionSetup
@@ -162,18 +163,6 @@ def threads_of(steps: Sequence[LoggedStep]) -> int | None:
     """The intra-op thread count most of `steps` ran with (None if the server reported none)."""
     counts = Counter(s.torch_threads for s in steps if s.torch_threads > 0)
     return counts.most_common(1)[0][0] if counts else None
-
-
-def overlap(step: LoggedStep, others: Sequence[LoggedStep]) -> float:
-    """The share of `step` during which any of `others` ran (on the workers' wall clocks)."""
-    start, end = step.end_unix_s - step.seconds, step.end_unix_s
-    spans = sorted((max(start, o.end_unix_s - o.seconds), min(end, o.end_unix_s)) for o in others)
-    covered, reach = 0.0, start
-    for a, b in spans:
-        if b > max(a, reach):
-            covered += b - max(a, reach)
-            reach = b
-    return covered / step.seconds if step.seconds > 0 else 0.0
 
 
 def beside_prefill_slowdown(steps: Sequence[LoggedStep], decode: StepCostFit | None) -> float:
@@ -395,6 +384,9 @@ def prediction_setup(model: str, mode: str, cal: SelfCalibration | None) -> tupl
         torch_threads=cal.torch_threads,
         prompt_fit=cal.prompt_fit,
     )
-    setup = replace(setup, longest_prompt=cal.longest_prompt, largest_batch=cal.largest_batch)
+    setup = replace(
+        setup, longest_prompt=cal.longest_prompt, largest_batch=cal.largest_batch,
+        step_scatter_s=decode_scatter(cal.logged, decode),
+    )  # fmt: skip
     k = cal.decode_slowdown_beside_prefill
     return replace(setup, decode_slowdown=k, prefill_slowdown=cal.prefill_slowdown_beside_decode), None
