@@ -310,10 +310,16 @@ def stall_forecast(
     if len(jitter_s) == 0:
         top = float(w.max())
         return StallForecast(top, top, top, len(w), 0)
-    rng = np.random.default_rng(seed)
-    stalls = (w + rng.choice(np.asarray(jitter_s, dtype=float), size=(draws, len(w)))).max(axis=1)
-    p50, p90 = np.percentile(stalls, [50, 90])
+    p50, p90 = np.percentile(longest_of_draws(window_s, jitter_s, draws, seed), [50, 90])
     return StallForecast(float(p50), float(p90), float(w.max()), len(w), len(jitter_s))
+
+
+def longest_of_draws(window_s: Sequence[float], jitter_s: Sequence[float], draws: int, seed: int) -> np.ndarray:
+    """Per draw, the longest of the window's steps, each plus one draw of `jitter_s` (seconds);
+    seeded (the simulator's predicted stalls are drawn the same way, costmodel/sim/stall_jitter.py)."""
+    w = np.asarray(window_s, dtype=float)
+    rng = np.random.default_rng(seed)
+    return (w + rng.choice(np.asarray(jitter_s, dtype=float), size=(draws, len(w)))).max(axis=1)
 
 
 @dataclass(frozen=True)

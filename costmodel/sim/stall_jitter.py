@@ -30,6 +30,7 @@ from statistics import median
 
 import numpy as np
 
+from costmodel.fit.probe_fit import longest_of_draws
 from costmodel.serve_metrics import DocumentStall, RequestRecord, ServeMetrics, summarize
 
 DRAWS = 201
@@ -80,9 +81,7 @@ def window_steps(doc: RequestRecord, records: Sequence[RequestRecord]) -> list[f
 
 def jittered_stall(steps: Sequence[float], scatter: Sequence[float], seed: int, draws: int = DRAWS) -> float:
     """The median over `draws` of the longest of `steps`, each plus a draw of `scatter` (seconds)."""
-    rng = np.random.default_rng(seed)
-    e = rng.choice(np.asarray(scatter, dtype=float), size=(draws, len(steps)))
-    return float(np.median((np.asarray(steps, dtype=float) + e).max(axis=1)))
+    return float(np.median(longest_of_draws(steps, scatter, draws, seed)))
 
 
 def with_scatter(m: ServeMetrics, records: Sequence[RequestRecord], scatter: Sequence[float]) -> ServeMetrics:
