@@ -22,7 +22,7 @@ from typing import Any
 
 from costmodel.article import cost_model as cm
 from costmodel.fit.step_fit import StepCostFit
-from costmodel.serve_metrics import RequestRecord, ServeMetrics, compute_metrics
+from costmodel.serve_metrics import RequestRecord, ServeMetrics, compute_metrics, percentile
 from costmodel.sim.engine import Request, Sim, SimConfig, StepModel, Workload
 from costmodel.sim.stall_jitter import with_scatter
 from costmodel.workloads import RequestSpec
@@ -91,9 +91,8 @@ class PredictionSetup:
 def _scatter_summary(scatter_s: tuple[float, ...]) -> dict[str, Any] | None:
     if not scatter_s:
         return None
-    xs = sorted(scatter_s)
-    at = lambda q: round(xs[round(q * (len(xs) - 1))] * 1e3, 3)  # noqa: E731
-    return {"samples": len(xs), "p10": at(0.1), "p50": at(0.5), "p90": at(0.9)}
+    ms = [v * 1e3 for v in scatter_s]
+    return {"samples": len(ms), **{f"p{q}": round(percentile(ms, q) or 0.0, 3) for q in (10, 50, 90)}}
 
 
 def default_calibration_path(results_dir: Path, model: str, device_kind: str) -> Path:

@@ -28,7 +28,7 @@ def decode_scatter(steps: Sequence[LoggedStep], decode_fit: StepCostFit | None) 
     for s in steps:
         if s.role not in ("decode", "colocated") or s.shape.prefill_tokens or s.seconds <= 0:
             continue
-        share = overlap(s, prefill) if prefill else 0.0
+        share = overlap(s, prefill)
         if 0.0 < share < BESIDE_SHARE:
             continue  # partly beside a prefill: neither group's
         groups.setdefault((s.shape.decode_seqs, share > 0.0), []).append((s.seconds, decode_fit.seconds(s.shape)))
