@@ -216,7 +216,13 @@ class NixlTransport(Transport):
                         f"request {request_id!r}: READ from {peer.agent!r} not done "
                         f"within its timeout; transfer released"
                     )
-                state = self._agent.check_xfer_state(xfer)
+                try:
+                    state = self._agent.check_xfer_state(xfer)
+                except Exception as e:  # NIXL raises its bare code (NIXL_ERR_REMOTE_DISCONNECT): name the peer
+                    raise TransportError(
+                        f"request {request_id!r}: READ from {peer.agent!r} (peer dead or unreachable?) "
+                        f"failed in flight: {e}"
+                    ) from e
             if state != "DONE":
                 raise TransportError(
                     f"request {request_id!r}: READ from {peer.agent!r} failed (state {state}): peer dead or unreachable"
