@@ -98,6 +98,40 @@ def test_quick_probe_of_pdserve_agrees_with_the_servers_own_timeline(server, cap
     assert "The article's arithmetic" in md and "A chunk at an offset" in md
 
 
+@pytest.mark.timeout(120)
+def test_decode_points_run_in_passes_back_and_forth_and_pool_every_run(server):
+    """Each decode point once per pass, every other pass reversed, so the machine's drift lands on
+    every point alike; a point's step is the median pace over every stream of every run."""
+    import asyncio
+    from statistics import median
+
+    from benchmarks.probe import measure as pm
+    from benchmarks.probe.client import ProbeClient
+
+    order: list[tuple[int, int, int]] = []
+
+    async def run() -> list[pm.DecodeSample]:
+        c = ProbeClient(server.base_url, "tiny", "none", "ids", seed=7)
+        try:
+            await c.start()
+            return await pm.decode_passes(
+                c, [(1, 16), (2, 16), (1, 64)], 8, 3, lambda k, b, x, _: order.append((k, b, x))
+            )
+        finally:
+            await c.close()
+
+    samples = asyncio.run(run())
+    fwd = [(1, 16), (2, 16), (1, 64)]
+    assert [(b, x) for _, b, x in order] == fwd + fwd[::-1] + fwd
+    assert [k for k, _, _ in order] == [0] * 3 + [1] * 3 + [2] * 3
+    assert [(s.batch, s.prompt_tokens) for s in samples] == fwd
+    for s in samples:
+        assert len(s.run_paces_s) == 3 and all(p > 0 for p in s.run_paces_s)
+    # a lone stream: one pace per run, so the point is their median
+    lone = samples[0]
+    assert lone.point.step_s == pytest.approx(median(lone.run_paces_s))
+
+
 def _one_line(err: str) -> str:
     lines = [x for x in err.splitlines() if x.strip() and not x.startswith("probe:")]
     assert len(lines) == 1, err

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median
 
@@ -51,6 +52,7 @@ class DecodeSample:
     # longest gap any stream sees) adds to the step that causes it: the client's reads, the HTTP
     # path and the server's own hiccups, as this server and machine produce them
     step_residuals_s: list[float] = field(default_factory=list)
+    run_paces_s: list[float] = field(default_factory=list)  # each run's median pace, in pass order
 
 
 @dataclass(frozen=True)
@@ -93,10 +95,34 @@ async def prefill(c: ProbeClient, tokens: int, repeats: int) -> PrefillSample:
     )
 
 
-async def decode(c: ProbeClient, batch: int, prompt_tokens: int, max_tokens: int, repeats: int = 1) -> DecodeSample:
-    """`repeats` runs pooled: the median pace over every stream of every run, so a hiccup of the
-    machine in one run moves a few paces, not the result (two runs buy what three kept apart did)."""
-    runs = [await _decode_once(c, batch, prompt_tokens, max_tokens) for _ in range(repeats)]
+async def decode_passes(
+    c: ProbeClient,
+    points: list[tuple[int, int]],
+    max_tokens: int,
+    passes: int,
+    on_run: Callable[[int, int, int, float], None] = lambda k, b, ctx, pace: None,
+) -> list[DecodeSample]:
+    """Every (batch, prompt tokens) point once per pass, the order reversed on every other pass,
+    each point's runs then pooled: the median pace over every stream of every run, so a hiccup of
+    the machine in one run moves a few paces, not the result.
+
+    Why passes, not a point's repeats back to back: a lone stream's step on a 2-core VM wandered
+    29-44 ms from one 32-token run to the next with no pattern (2026-12-07), and the long-context
+    points, measured last and once, carried that into the per-context-token term: probe zg read
+    its lone long-context step 1.46x its short one, a rerun 1.07x, and the plans it fed priced
+    long-context decode 15% high. Reversed passes put every point at the same mean time, so drift
+    over the minutes the points take lands on all alike. `on_run(pass, batch, prompt, pace)`
+    reports each run as it ends."""
+    runs: dict[tuple[int, int], list[_DecodeRun]] = {p: [] for p in points}
+    for k in range(passes):
+        for b, ctx in points if k % 2 == 0 else points[::-1]:
+            run = await _decode_once(c, b, ctx, max_tokens)
+            runs[(b, ctx)].append(run)
+            on_run(k, b, ctx, median(run.paces))
+    return [_pooled(b, runs[(b, ctx)]) for b, ctx in points]
+
+
+def _pooled(batch: int, runs: list[_DecodeRun]) -> DecodeSample:
     paces = [p for r in runs for p in r.paces]
     ctx = sum(x for r in runs for x in r.contexts) / sum(len(r.contexts) for r in runs)
     return DecodeSample(
@@ -106,6 +132,7 @@ async def decode(c: ProbeClient, batch: int, prompt_tokens: int, max_tokens: int
         sum(r.gaps for r in runs),
         median(s for r in runs for s in r.second_s),
         [x for r in runs for x in r.residuals_s],
+        [median(r.paces) for r in runs],
     )
 
 

@@ -1,11 +1,13 @@
 """What a probe measures: the batches, contexts, prompt lengths and repeats, from the CLI's flags.
 
-Sized to what each measurement pays for (a full probe of SmolLM2 on 2 CPU cores took 539 s with
-3 repeats everywhere and every batch at both contexts): the per-context-token term needs only two
-batches at the long context, since the fit's other terms come from the short one; repeats are
-pooled (the streams' paces of every repeat, median) rather than one run kept, so two buy what
-three did; the stall's spread comes from the decode runs' gaps (probe_fit.stall_forecast), so the
-tax runs are a check and an anchor, not the only evidence.
+Sized to what each measurement pays for (a full probe of SmolLM2 on 2 CPU cores took 539 s with 3
+repeats everywhere and every batch at both contexts): the per-context-token term needs only two
+batches at the long context, since the fit's other terms come from the short one; repeats are pooled
+(the streams' paces of every repeat, median) rather than one run kept; the decode points are run in
+passes over all of them, four in a full probe (a lone stream's step wandered 29-44 ms from run to
+run, and the per-context-token term is the difference of two such steps); the stall's spread comes
+from the decode runs' gaps (probe_fit.stall_forecast), so the tax runs are a check and an anchor,
+not the only evidence.
 """
 
 from __future__ import annotations
@@ -85,7 +87,9 @@ class ProbePlan:
 
     @property
     def decode_repeats(self) -> int:
-        return 1 if self.quick else 2
+        """Passes over the decode points (measure.decode_passes): four, forward and back twice,
+        put every point at the same mean time, and a lone stream's pace is a median of four."""
+        return 1 if self.quick else 4
 
     @property
     def tax_repeats(self) -> int:

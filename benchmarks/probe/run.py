@@ -301,13 +301,16 @@ async def probe(c: ProbeClient, plan: ProbePlan, log: Callable[[str], None], see
     say(f"{c.model} at {c.base_url}, prompts as {'token ids' if c.mode == 'ids' else 'text'}")
     ovh = await pm.overhead(c, plan.overhead_repeats)
     say(f"idle request overhead (1-token prompt, 1 token) {ovh.ttft_s * 1e3:.1f} ms")
-    decode = []
     points = plan.decode_points()
-    for i, (b, ctx) in enumerate(points, 1):
-        s = await pm.decode(c, b, ctx, plan.decode_tokens, plan.decode_repeats)
-        decode.append(s)
-        step = f"{s.point.step_s * 1e3:.2f} ms ({s.gaps} gaps)"
-        say(f"decode {i}/{len(points)} b={b} prompt {s.prompt_tokens}: step {step}")
+    n_runs = len(points) * plan.decode_repeats
+    done = iter(range(1, n_runs + 1))
+
+    def ran(k: int, b: int, ctx: int, pace: float) -> None:
+        say(f"decode {next(done)}/{n_runs} (pass {k + 1}) b={b} prompt {ctx}: {pace * 1e3:.2f} ms")
+
+    decode = await pm.decode_passes(c, points, plan.decode_tokens, plan.decode_repeats, ran)
+    for s in decode:
+        say(f"decode b={s.batch} prompt {s.prompt_tokens}: step {s.point.step_s * 1e3:.2f} ms ({s.gaps} gaps)")
     one = next(d for d in decode if d.batch == 1)  # batch 1 at the short context
     http = max(0.0, ovh.ttft_s - one.point.step_s)
     # batch 1 at the long context: the most KV a lone stream's first-to-second-token gap can show
