@@ -23,7 +23,7 @@ import argparse
 import json
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,13 +68,16 @@ class Repriced:
     at_run: Judged | None  # now, at the timed pass's own steps (after the fact)
     pace: tuple[float, float] | None  # (prompt, decode) paces read before the pass
     run_pace: tuple[float, float] | None
+    # way ("measured", "plain", "at_pace", "at_run") -> TTFT, TPOT and stall p90 in ms: an edge
+    # candidate's miss is read from these (attainment says how many requests, not by how much)
+    p90_ms: dict[str, dict[str, float | None] | None] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"label": self.label, "round": self.round}
         for name in ("measured", "kept", "plain", "at_pace", "at_run"):
             j = getattr(self, name)
             out[name] = j.to_dict() if j else None
-        return {**out, "pace": self.pace, "run_pace": self.run_pace}
+        return {**out, "pace": self.pace, "run_pace": self.run_pace, "p90_ms": self.p90_ms}
 
 
 def plan_args(
@@ -160,19 +163,37 @@ def _one(
 ) -> Repriced:  # fmt: skip
     setup = plan.setup_of(s.candidate)
 
-    def again(steps: dict[str, Any] | None) -> tuple[Judged | None, tuple[float, float] | None]:
+    p90: dict[str, dict[str, float | None] | None] = {"measured": _measured_p90s(rnd), "plain": _p90s(s)}
+
+    def again(way: str, steps: dict[str, Any] | None) -> tuple[Judged | None, tuple[float, float] | None]:
         paced = step_pace(from_table(steps), setup)
         if paced is None:
+            p90[way] = None
             return None, None
         kp, kd = paced.paces()
         sc = score(s.candidate, priced_at(setup, kp, kd), plan.specs, plan.slos, args.max_num_seqs)
+        p90[way] = _p90s(sc)
         return _judged(sc), (kp, kd)
 
-    at_pace, pace = again(rnd.get("pace_steps"))
-    at_run, run_pace = again(rnd.get("steps"))
+    at_pace, pace = again("at_pace", rnd.get("pace_steps"))
+    at_run, run_pace = again("at_run", rnd.get("steps"))
     return Repriced(
-        s.candidate.label, i, measured, kept, _judged(s), at_pace, at_run, pace, run_pace,
+        s.candidate.label, i, measured, kept, _judged(s), at_pace, at_run, pace, run_pace, p90,
     )  # fmt: skip
+
+
+_P90_KEYS = ("ttft_p90_ms", "tpot_p90_ms", "stall_p90_ms")
+
+
+def _p90s(s: Scored) -> dict[str, float | None]:
+    m = s.metrics
+    return dict(zip(_P90_KEYS, (m.ttft_ms.p90, m.tpot_ms.p90, m.stall_ms.p90)))
+
+
+def _measured_p90s(rnd: dict[str, Any]) -> dict[str, float | None] | None:
+    """The round's measured p90s, where the result kept its metrics (results since 2026-11)."""
+    mm = rnd.get("measured_metrics")
+    return {k: mm.get(k) for k in _P90_KEYS} if mm else None
 
 
 def _judged(s: Scored) -> Judged:

@@ -67,6 +67,10 @@ def test_verify_deploys_the_winner_and_the_baseline_and_puts_measured_beside_pre
     assert [r["label"] for r in again["rounds"]] == labels
     for r, kept in zip(again["rounds"], v["rows"], strict=True):
         assert r["measured"] == kept["measured"] and r["kept"] == kept["predicted"]
+        # the p90s beside the attainments, measured and predicted: an edge candidate's miss is read there
+        mm = kept["measured_metrics"]
+        assert r["p90_ms"]["measured"] == {k: mm[k] for k in ("ttft_p90_ms", "tpot_p90_ms", "stall_p90_ms")}
+        assert r["p90_ms"]["plain"]["tpot_p90_ms"] > 0
         assert r["plain"]["goodput_per_worker"] == pytest.approx(kept["predicted"]["goodput_per_worker"])
         if kept["predicted_at_this_pace"] and kept["pace_basis"] == "serving":  # the same code, the same steps
             assert r["at_pace"]["goodput_per_worker"] == pytest.approx(
