@@ -11,8 +11,9 @@ import pytest
 
 from cli import main as cli_main
 from costmodel.article import cost_model as cm
+from costmodel.sim.capacity import capacity_special_case
 from costmodel.sim.engine import Sim, SimConfig, StepModel, Workload, simulate
-from costmodel.simulate import capacity_special_case, percentiles, summarize
+from costmodel.sim.summary import percentiles, summarize
 
 M, HW = cm.ARTICLE_MODEL, cm.ARTICLE_HW
 STEPS = StepModel(M, HW)
