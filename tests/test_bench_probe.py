@@ -132,6 +132,20 @@ def test_decode_points_run_in_passes_back_and_forth_and_pool_every_run(server):
     assert lone.point.step_s == pytest.approx(median(lone.run_paces_s))
 
 
+def test_instance_spread_times_lone_and_batched_streams_by_the_servers_timeline(server):
+    """benchmarks/instance_spread.py's measurement on one server (the module's; the tool's own loop
+    starts fresh ones): a pace per run for each shape, by the server's clock, and its summary."""
+    from benchmarks.instance_spread import Instance, measure, render, summary
+
+    client = OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+    lone, batch = measure(client, "tiny", runs=2, batch=3)
+    assert len(lone) == 2 and len(batch) == 2 and all(x > 0 for x in lone + batch)
+    a, b = Instance(0, 100.0, lone, batch), Instance(1, None, [2 * x for x in lone], batch)
+    s = summary([a, b])
+    assert s["lone"]["max_over_min"] == pytest.approx(2.0) and s["batch"]["max_over_min"] == pytest.approx(1.0)
+    assert "lone 2.00x" in render([a, b], 3)
+
+
 def _one_line(err: str) -> str:
     lines = [x for x in err.splitlines() if x.strip() and not x.startswith("probe:")]
     assert len(lines) == 1, err
