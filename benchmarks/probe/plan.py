@@ -86,7 +86,7 @@ class ProbePlan:
         return 24 if self.quick else 32
 
     @property
-    def decode_repeats(self) -> int:
+    def decode_passes(self) -> int:
         """Passes over the decode points (measure.decode_passes): four, forward and back twice,
         put every point at the same mean time, and a lone stream's pace is a median of four."""
         return 1 if self.quick else 4

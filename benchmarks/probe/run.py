@@ -302,13 +302,13 @@ async def probe(c: ProbeClient, plan: ProbePlan, log: Callable[[str], None], see
     ovh = await pm.overhead(c, plan.overhead_repeats)
     say(f"idle request overhead (1-token prompt, 1 token) {ovh.ttft_s * 1e3:.1f} ms")
     points = plan.decode_points()
-    n_runs = len(points) * plan.decode_repeats
+    n_runs = len(points) * plan.decode_passes
     done = iter(range(1, n_runs + 1))
 
     def ran(k: int, b: int, ctx: int, pace: float) -> None:
         say(f"decode {next(done)}/{n_runs} (pass {k + 1}) b={b} prompt {ctx}: {pace * 1e3:.2f} ms")
 
-    decode = await pm.decode_passes(c, points, plan.decode_tokens, plan.decode_repeats, ran)
+    decode = await pm.decode_passes(c, points, plan.decode_tokens, plan.decode_passes, ran)
     for s in decode:
         say(f"decode b={s.batch} prompt {s.prompt_tokens}: step {s.point.step_s * 1e3:.2f} ms ({s.gaps} gaps)")
     one = next(d for d in decode if d.batch == 1)  # batch 1 at the short context
