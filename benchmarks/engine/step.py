@@ -42,6 +42,8 @@ from typing import Any
 import torch
 
 from benchmarks.engine import toolkit as eb
+from benchmarks.engine.hf_generate import load_hf, run_hf
+from benchmarks.engine.step_floor import gemm_shapes, torch_stack_ms, weight_floor
 from cli import CliError
 from cli.output import emit_json
 from costmodel.provenance import OUT_DIR_HELP, RESULTS_DIR, write_result
@@ -159,76 +161,6 @@ def run_engine(runner: Any, prompts: list[list[int]], new_tokens: int) -> dict[s
         "graph_steps": runner.graph_steps,
         "torch_threads": threads,
         "_ids": [s.output_ids for s in seqs],
-    }
-
-
-@torch.inference_mode()
-def torch_stack_ms(shapes: list[tuple[int, int]], rows: int, repeats: int = 3) -> float:
-    """Plain PyTorch on the step's GEMM shapes: `F.linear` of `rows` fp32 rows through an fp32
-    weight of every projection and the lm_head, no attention, no fusion (the median of `repeats`).
-    What an eager model with no packing, no bf16 and no epilogues pays for its projections."""
-    weights = [torch.randn(o, i) * 0.02 for o, i in shapes]
-    xs = [torch.randn(rows, i) for _, i in shapes]
-    times = []
-    for _ in range(repeats + 1):  # the first pass warms the allocator and MKL
-        t0 = time.perf_counter()
-        for x, w in zip(xs, weights):
-            torch.nn.functional.linear(x, w)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:]) * 1e3
-
-
-def gemm_shapes(model: Any) -> list[tuple[int, int]]:
-    """(out, in) of every projection a decode step multiplies by, and the lm_head."""
-    from engine.model.linear import DenseLinear, Fp8Linear  # noqa: PLC0415
-
-    lin = [(m.out_features, m.in_features) for m in model.modules() if isinstance(m, (Fp8Linear, DenseLinear))]
-    return lin + [(model.cfg.vocab_size, model.cfg.hidden_size)]
-
-
-def _floor(step_ms: float, weight_bytes: int, copy_bps: float, copy_bytes: int) -> dict[str, Any]:
-    """The decode step against the weight-read floor: weight bytes / measured copy bandwidth."""
-    floor_ms = weight_bytes / copy_bps * 1e3
-    return {
-        "weight_bytes_per_step": weight_bytes,
-        "copy_GBps": copy_bps / 1e9,
-        "copy_bytes": copy_bytes,
-        "floor_ms": floor_ms,
-        "decode_step_over_floor": step_ms / floor_ms,
-    }
-
-
-def load_hf(model_dir: str, device: torch.device) -> Any:
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415 (only for checkpoints)
-
-    p = Path(model_dir)
-    if p.suffix.lower() == ".gguf":
-        return AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).eval().to(device)
-    gguf = {"gguf_file": "model.gguf"} if (p / "model.gguf").exists() and not any(p.glob("*.safetensors")) else {}
-    return AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, **gguf).eval().to(device)
-
-
-@torch.inference_mode()
-def run_hf(hf: Any, prompts: list[list[int]], new_tokens: int, device: torch.device) -> dict[str, Any]:
-    ids = torch.tensor(prompts, device=device)
-    kw = dict(
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        pad_token_id=0,
-    )
-    eb.sync(device)
-    threads = torch.get_num_threads()  # recorded beside the engine's: the comparison is only fair at equal pools
-    t0 = time.perf_counter()
-    out = hf.generate(ids, **kw)
-    eb.sync(device)
-    total = time.perf_counter() - t0
-    return {
-        "e2e_s": total,
-        "tokens_per_s": len(prompts) * new_tokens / total,
-        "torch_threads": threads,
-        "_ids": out[:, ids.shape[1] :].tolist(),
     }
 
 
@@ -391,7 +323,7 @@ def main(args: argparse.Namespace) -> int:
                 if device.type == "cpu":  # plain PyTorch on the same shapes, threads and rows, just before
                     row["torch_stack_ms"] = torch_stack_ms(shapes, B)
                 row.update(run_engine(runner, prompts[:B], args.new_tokens))
-                row.update(_floor(row["decode_step_ms"], weight_bytes, copy_bps, copy_bytes))
+                row.update(weight_floor(row["decode_step_ms"], weight_bytes, copy_bps, copy_bytes))
                 row["prefill_tokens_per_s"] = B * args.prompt_len / row["prefill_steps_s"]
                 # KV a median decode step reads: every row's context (prompt + about half the new tokens)
                 row["kv_bytes_per_step"] = B * (args.prompt_len + args.new_tokens // 2) * runner.layout.bytes_per_token
