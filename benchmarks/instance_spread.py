@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from benchmarks.engine.cli import table
 from benchmarks.pace import machine_pace
 from costmodel.provenance import RESULTS_DIR, write_result
 
@@ -129,20 +130,18 @@ def one_server(index: int, args: argparse.Namespace) -> Instance:
 
 
 def render(instances: list[Instance], batch: int) -> str:
-    rows = [["server", "GEMM GFLOP/s", "lone (ms, per run)", f"batch {batch} (ms, per run)", "lone p50", "batch p50"]]
-    for i in instances:
-        runs = lambda xs: " ".join(f"{x:.1f}" for x in xs)  # noqa: E731
-        gemm = "-" if i.gemm_gflops is None else f"{i.gemm_gflops:.0f}"
-        rows.append([str(i.index), gemm, runs(i.lone_ms), runs(i.batch_ms), f"{i.lone_median_ms:.1f}",
-                     f"{i.batch_median_ms:.1f}"])  # fmt: skip
-    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    headers = ["server", "GEMM GFLOP/s", "lone (ms, per run)", f"batch {batch} (ms, per run)", "lone p50", "batch p50"]
+    runs = lambda xs: " ".join(f"{x:.1f}" for x in xs)  # noqa: E731
+    rows = [
+        [str(i.index), "-" if i.gemm_gflops is None else f"{i.gemm_gflops:.0f}", runs(i.lone_ms), runs(i.batch_ms),
+         f"{i.lone_median_ms:.1f}", f"{i.batch_median_ms:.1f}"]
+        for i in instances
+    ]  # fmt: skip
     s = summary(instances)
-    lines.append(
-        f"slowest server over fastest (medians): lone {s['lone']['max_over_min']:.2f}x, "
+    return (
+        table(headers, rows) + f"\nslowest server over fastest (medians): lone {s['lone']['max_over_min']:.2f}x, "
         f"batch {batch} {s['batch']['max_over_min']:.2f}x (measured)"
     )
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
