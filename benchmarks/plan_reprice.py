@@ -48,10 +48,12 @@ def add_argument(group: Any) -> None:
     group.add_argument(
         "--reprice",
         default=None,
-        metavar="RESULT",
+        metavar="RESULT|DIR",
         help="deploy nothing: predict a `--verify` result's measured rows again with the code as it is now, "
         "from the result's own flags and the steps it kept; with --calibration another calibration, with "
-        "--slo-ttft-ms/--slo-tpot-ms other SLOs, judged on the same measured runs (benchmarks/plan_reprice.py)",
+        "--slo-ttft-ms/--slo-tpot-ms other SLOs, judged on the same measured runs (benchmarks/plan_reprice.py). "
+        "A folder: every `--verify` result in it, each at its own flags, and the accuracy over all of them "
+        "by the plan's own miss risk (benchmarks/plan_reprice_all.py)",
     )
 
 
@@ -71,13 +73,16 @@ class Repriced:
     # way ("measured", "plain", "at_pace", "at_run") -> TTFT, TPOT and stall p90 in ms: an edge
     # candidate's miss is read from these (attainment says how many requests, not by how much)
     p90_ms: dict[str, dict[str, float | None] | None] = field(default_factory=dict)
+    # the plan's chance now that the candidate misses an SLO at its price error (costmodel/plan/risk.py);
+    # None outside the top candidates it prices an interval for: tells an SLO's edge from the rest
+    miss_risk: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"label": self.label, "round": self.round}
         for name in ("measured", "kept", "plain", "at_pace", "at_run"):
             j = getattr(self, name)
             out[name] = j.to_dict() if j else None
-        return {**out, "pace": self.pace, "run_pace": self.run_pace, "p90_ms": self.p90_ms}
+        return {**out, "pace": self.pace, "run_pace": self.run_pace, "p90_ms": self.p90_ms, "miss_risk": self.miss_risk}
 
 
 def plan_args(
@@ -177,8 +182,9 @@ def _one(
 
     at_pace, pace = again("at_pace", rnd.get("pace_steps"))
     at_run, run_pace = again("at_run", rnd.get("steps"))
+    risk = s.risk.miss_chance if s.risk else None
     return Repriced(
-        s.candidate.label, i, measured, kept, _judged(s), at_pace, at_run, pace, run_pace, p90,
+        s.candidate.label, i, measured, kept, _judged(s), at_pace, at_run, pace, run_pace, p90, risk,
     )  # fmt: skip
 
 
@@ -275,18 +281,8 @@ def main(args: argparse.Namespace, defaults: argparse.Namespace) -> int:
     if args.slo_stall_ms is not None:
         raise CliError("--reprice judges measured requests again at other TTFT and TPOT SLOs, not a stall's")
     path = Path(args.reprice)
-    try:
-        result = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CliError(f"--reprice {path}: {e}") from e
-    if not (result.get("verification") or {}).get("rows"):
-        raise CliError(f"--reprice {path}: no verified rows (a `pdserve plan --verify K` result has them)")
-    planned = plan_args(result, path, defaults, args.calibration)
-    ran = Slos(planned.slo_ttft_ms, planned.slo_tpot_ms, planned.slo_stall_ms)
-    for k in ("slo_ttft_ms", "slo_tpot_ms"):  # given beside --reprice: the same runs judged at them
-        if getattr(args, k) is not None:
-            setattr(planned, k, getattr(args, k))
-    rows = reprice(result, planned, ran)
+    slos = (args.slo_ttft_ms, args.slo_tpot_ms)
+    planned, ran, rows = reprice_file(path, defaults, args.calibration, slos)
     totals = summary(rows)
     if args.json:
         doc = {"result": str(path), "calibration": planned.calibration, "gpu": planned.gpu, "slos_ran": ran.as_dict()}
@@ -295,6 +291,29 @@ def main(args: argparse.Namespace, defaults: argparse.Namespace) -> int:
     else:
         print(format_table(rows, totals))
     return 0
+
+
+def reprice_file(
+    path: Path,
+    defaults: argparse.Namespace,
+    calibration: str | None = None,
+    slos: tuple[float | None, float | None] = (None, None),
+) -> tuple[argparse.Namespace, Slos, list[Repriced]]:
+    """One `--verify` result's rounds predicted again: the plan's flags it ran with (over `defaults`),
+    the SLOs it ran at, and its rows. `calibration`: another fit judged on the same runs; `slos`:
+    TTFT and TPOT p90 limits (ms) to judge its measured requests at instead (None: as it ran)."""
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CliError(f"--reprice {path}: {e}") from e
+    if not (result.get("verification") or {}).get("rows"):
+        raise CliError(f"--reprice {path}: no verified rows (a `pdserve plan --verify K` result has them)")
+    planned = plan_args(result, path, defaults, calibration)
+    ran = Slos(planned.slo_ttft_ms, planned.slo_tpot_ms, planned.slo_stall_ms)
+    for k, v in zip(("slo_ttft_ms", "slo_tpot_ms"), slos):  # given beside --reprice: the same runs judged at them
+        if v is not None:
+            setattr(planned, k, v)
+    return planned, ran, reprice(result, planned, ran)
 
 
 def log(msg: str) -> None:

@@ -37,9 +37,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
-from benchmarks import plan_reprice
+from benchmarks import plan_reprice, plan_reprice_all
 from benchmarks.client.bench_serve import BenchConfig, run_benchmark
 from benchmarks.client.gc_pauses import QuietGC
 from benchmarks.client.serve_client import ClientConfig
@@ -115,6 +116,8 @@ def main(args: argparse.Namespace) -> int:
             raise CliError("--reprice re-reads a verification already run: give it without --verify")
         bare = argparse.ArgumentParser()
         add_arguments(bare)
+        if Path(args.reprice).is_dir():  # every result in the folder: the accuracy ledger
+            return plan_reprice_all.main(args, bare.parse_args([]))
         return plan_reprice.main(args, bare.parse_args([]))
     if not args.model:
         raise CliError("--model is required (the served model: its shapes price the steps)")

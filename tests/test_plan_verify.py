@@ -9,6 +9,7 @@ The device model is the synthetic calibration of tests/test_plan.py (a step fit)
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -81,6 +82,16 @@ def test_verify_deploys_the_winner_and_the_baseline_and_puts_measured_beside_pre
                 kept["predicted_at_run_pace"]["goodput_per_worker"], rel=1e-3
             )
     assert again["summary"]["rounds"] == len(labels)
+    # the folder: every result in it re-priced at its own flags, the accuracy ledger over them
+    (moved / "not-a-result.json").write_text(json.dumps({"provenance": {}}))  # passed over
+    assert cli_main(["plan", "--reprice", str(moved), "--json"]) == 0
+    folder = json.loads(capsys.readouterr().out)
+    assert [Path(r["result"]).name for r in folder["results"]] == ["plan-verify-chat.json"]
+    assert folder["results"][0]["rounds"] == again["rounds"]  # the same rows as the file alone
+    total = folder["ledger"]["all"]
+    assert total["rounds"] == sum(folder["ledger"][c]["rounds"] for c in ("off_edge", "on_edge", "not_judged"))
+    assert total["rounds"] <= len(labels) and 0 <= total["both"] <= total["rounds"]
+    assert total["plain_misses_within_at_run_pace"] <= total["plain_misses_with_run_pace"] <= total["rounds"]
     # another calibration judged on the same measured runs: every step priced twice as dear
     dear = tmp_path / "dear.calibration.json"
     dear_fit = StepCostFit(0.010, 2e-3, 0.0, 2e-3, samples=100, rms_rel_error=0.1)
@@ -200,11 +211,12 @@ def test_repeats_and_risk_limits_are_checked(calibration, capsys, extra, message
         (["--reprice", "/no/such/result.json"], "--reprice /no/such/result.json:"),
         (["--reprice", "RESULT", "--verify", "1"], "give it without --verify"),
         (["--reprice", "RESULT", "--slo-stall-ms", "500"], "not a stall's"),
+        (["--reprice", "DIR"], "no `pdserve plan --verify` results in this folder"),
+        (["--reprice", "DIR", "--slo-tpot-ms", "100"], "at its own calibration and SLOs"),
     ],
 )
 def test_reprice_errors_are_one_line(tmp_path, capsys, extra, message):
-    if "RESULT" in extra:
-        extra = [str(tmp_path / "r.json") if x == "RESULT" else x for x in extra]
+    extra = [str(tmp_path / "r.json") if x == "RESULT" else str(tmp_path) if x == "DIR" else x for x in extra]
     assert cli_main(["plan", *extra]) == 2
     assert message in capsys.readouterr().err
 
