@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -12,6 +13,7 @@ from benchmarks.client.logged_step import LoggedStep
 from benchmarks.client.step_log import StepLogRecorder
 from benchmarks.compare.calibrate.calibration import (
     PoolFit,
+    SelfCalibration,
     fit_pools,
     link_rate,
     prediction_setup,
@@ -255,6 +257,14 @@ def test_decode_steps_beside_a_prefill_are_priced_apart():
     assert beside_prefill_slowdown(steps, pools["decode"].fit) == pytest.approx(2.0, rel=0.02)
     alone = [s for s in steps if s.role == "decode"]
     assert beside_prefill_slowdown(alone, pools["decode"].fit) == 1.0  # separate devices: no prefill steps
+    # every prefill step ran beside decoding: its own slowdown cannot be read, so the pool borrows the
+    # decode pool's (the same two workers on the same cores)
+    assert pools["prefill"].beside_slowdown is None
+    cal = SelfCalibration(pools, None, 0, None, decode_slowdown_beside_prefill=2.0)
+    assert cal.prefill_slowdown_beside_decode == 2.0 and "(the decode pool's reading)" in cal.summary()
+    read = {**pools, "prefill": replace(pools["prefill"], beside_slowdown=1.3)}  # where it was read: its own
+    own = SelfCalibration(read, None, 0, None, decode_slowdown_beside_prefill=2.0)
+    assert own.prefill_slowdown_beside_decode == 1.3
 
 
 def test_prefill_steps_beside_decoding_are_priced_at_lone_prices_and_a_slowdown():

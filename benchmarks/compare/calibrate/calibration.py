@@ -60,8 +60,9 @@ class PoolFit:
     prompt_threads: int | None = None
     prompt_steps: int = 0
     # a disaggregated prefill pool on the decode pool's cores: its steps cost this many times the
-    # fit's (lone) price for the share of them a decode step ran beside (`beside_decode_slowdown`)
-    beside_slowdown: float = 1.0
+    # fit's (lone) price for the share of them a decode step ran beside (`beside_decode_slowdown`);
+    # None: not read (too few lone steps or too few beside decoding to tell them apart)
+    beside_slowdown: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -89,7 +90,7 @@ class PoolFit:
             StepCostFit.from_dict(prompt) if prompt else None,
             d.get("prompt_threads"),
             int(d.get("prompt_steps", 0)),
-            float(d.get("beside_slowdown", 1.0)),
+            None if (k := d.get("beside_slowdown", 1.0)) is None else float(k),
         )
 
 
@@ -125,7 +126,7 @@ def fit_pools(steps: Sequence[LoggedStep]) -> dict[str, PoolFit]:
         if len(base) < MIN_STEPS:
             continue
         f, trimmed = trimmed_fit([(s.shape, s.seconds) for s in base])
-        k = 1.0
+        k = None
         if role == "prefill" and decoding:
             k, f, trimmed = beside_decode_slowdown(base, decoding, f, trimmed)
         pool = PoolFit(role, f, len(base) - trimmed, trimmed, threads_of(base), beside_slowdown=k)
@@ -190,18 +191,19 @@ def beside_prefill_slowdown(steps: Sequence[LoggedStep], decode: StepCostFit | N
 
 def beside_decode_slowdown(
     steps: Sequence[LoggedStep], decoding: Sequence[LoggedStep], f: StepCostFit, trimmed: int
-) -> tuple[float, StepCostFit, int]:
+) -> tuple[float | None, StepCostFit, int]:
     """How many times its lone price a prefill step costs while decode steps run beside it (a
     disaggregated run's pools share a CPU's cores: a 2,058-token document's prefill ran 7.4 s
     beside four decoding chats, 6.6 s mostly alone, 2026-12-05), with the pool's fit made again at
     lone prices (each step's seconds divided by its slowdown) and what that fit trimmed. Read as the
     median price ratio of the steps at least half overlapped against the lone steps' median, per
-    share of overlap: 1 + (ratio - 1) / share. (1, `f`, `trimmed`) with fewer than 3 of either."""
+    share of overlap: 1 + (ratio - 1) / share. (None, `f`, `trimmed`) with fewer than 3 of either:
+    not read."""
     shares = [overlap(s, decoding) for s in steps]
     lone = [i for i, sh in enumerate(shares) if sh == 0.0]
     beside = [i for i, sh in enumerate(shares) if sh >= 0.5]
     if len(lone) < 3 or len(beside) < 3:
-        return 1.0, f, trimmed
+        return None, f, trimmed
     k = 1.0
     for _ in range(ITERATIONS):  # the fit moves toward lone prices, the ratios with it
         ratios = [s.seconds / max(f.seconds(s.shape), 1e-9) for s in steps]
@@ -248,8 +250,21 @@ class SelfCalibration:
 
     @property
     def prefill_slowdown_beside_decode(self) -> float:
+        """A prefill step's cost beside decoding, per its lone price: its pool's own reading; where
+        its steps were too few to read one, the decode pool's beside a prefill (the same two
+        workers on the same cores). Borrowed because a `bench compare --workers 2` calibration's
+        prefill pool has a handful of steps: left at 1, the 53 disaggregated rounds kept in
+        benchmarks/results/plan-verify were priced +5.3% in goodput (median; the article's +5 to
+        +17%), their prefill steps running 1.16-1.31x their price beside decoding (article-zg,
+        mixed-zg), and the demo's own readings, where its prefill pool had the steps, were 1.16-1.31
+        against the decode pool's 1.01-1.14. Borrowed: 43 of 53 within 10%, from 33 (`pdserve plan
+        --reprice benchmarks/results/plan-verify`, 2026-12-07), rag's four 4-6 points lower."""
         p = self.pools.get("prefill")
-        return p.beside_slowdown if p else 1.0
+        if p is None:
+            return 1.0
+        if p.beside_slowdown is not None:
+            return p.beside_slowdown
+        return max(1.0, self.decode_slowdown_beside_prefill)
 
     @property
     def prompt_fit(self) -> tuple[StepCostFit, int] | None:
@@ -284,7 +299,9 @@ class SelfCalibration:
         link = f", KV pulls at {self.link_gbytes_per_s:.2f} GB/s" if self.link_gbytes_per_s else ""
         k, kp = self.decode_slowdown_beside_prefill, self.prefill_slowdown_beside_decode
         beside = f", decode steps {k:.2f}x beside a prefill" if k > 1.0 else ""
+        borrowed = (p := self.pools.get("prefill")) is not None and p.beside_slowdown is None
         beside += f", prefill steps {kp:.2f}x beside decoding" if kp > 1.0 else ""
+        beside += " (the decode pool's reading)" if kp > 1.0 and borrowed else ""
         return f"{pools}; serving hop {hop}{link}{beside}"
 
     @classmethod
