@@ -20,20 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import secrets
 import shlex
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from benchmarks.engine.cli import table
 from benchmarks.pace import machine_pace
+from benchmarks.serve_process import ServeProcess, ServeStartError
 from costmodel.provenance import RESULTS_DIR, write_result
 
 PROMPT_TOKENS, OUTPUT_TOKENS, WARMUP_REQUESTS = 16, 40, 2
@@ -89,43 +85,22 @@ def summary(instances: list[Instance]) -> dict[str, Any]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def one_server(index: int, args: argparse.Namespace) -> Instance:
     from openai import OpenAI  # noqa: PLC0415 (the client is only needed once a server is up)
 
     pace = machine_pace()
-    port, key = _free_port(), secrets.token_urlsafe(16)
-    cmd = [sys.executable, "-m", "cli", "serve", "--model", args.model, *shlex.split(args.serve_args)]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--api-key", key]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = ServeProcess(
+        ["--model", args.model, *shlex.split(args.serve_args)],
+        start_timeout_s=args.startup_timeout_s,
+        stop_timeout_s=90,
+    )
     try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=120)
-        deadline = time.monotonic() + args.startup_timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"instance_spread: server {index} exited with {proc.returncode}: {shlex.join(cmd)}")
-            try:
-                client.models.list()
-                break
-            except Exception:  # noqa: BLE001 (not up yet: any connection error)
-                if time.monotonic() > deadline:
-                    raise SystemExit(
-                        f"instance_spread: server {index} not up in {args.startup_timeout_s:.0f} s"
-                    ) from None
-                time.sleep(1)
+        server.start()
+    except ServeStartError as e:
+        raise SystemExit(f"instance_spread: server {index}: {e}") from None
+    with server:
+        client = OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=120)
         lone, together = measure(client, args.model, args.runs, args.batch)
-    finally:
-        proc.send_signal(signal.SIGTERM)  # the server's own drain and shutdown (not its process group's)
-        try:
-            proc.wait(90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
     return Instance(index, pace["gemm_gflops_1thread"] if pace else None, lone, together)
 
 

@@ -17,7 +17,6 @@ import os
 import random
 import re
 import shlex
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +26,7 @@ from typing import Any
 import httpx
 
 from benchmarks.engine.cli import table
+from benchmarks.serve_process import ServeProcess, ServeStartError
 from costmodel.provenance import OUT_DIR_HELP, RESULTS_DIR, write_result
 
 RSS_LINE = re.compile(r"^pdserve_worker_rss_bytes\{(?P<labels>[^}]*)\} (?P<value>\S+)$")
@@ -58,6 +58,18 @@ def one_load(base: str, rng: random.Random, args: argparse.Namespace) -> dict[st
     return {"requests": len(prompts), "ok": ok, "seconds": time.perf_counter() - t0, "rss_mb": worker_rss(base)}
 
 
+def run_loads(base: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """`--loads` loads one after another, each reported on stderr as it ends."""
+    rng = random.Random(args.seed)
+    loads: list[dict[str, Any]] = []
+    for i in range(args.loads):
+        loads.append(one_load(base, rng, args))
+        print(f"rss_loads: load {i + 1}: {loads[-1]['ok']}/{args.requests} ok in {loads[-1]['seconds']:.0f} s, "
+              f"RSS {', '.join(f'{k} {v:.0f}' for k, v in sorted(loads[-1]['rss_mb'].items()))} MB",
+              file=sys.stderr)  # fmt: skip
+    return loads
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny")
@@ -76,33 +88,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.loads < 2:
         print("rss_loads: --loads must be >= 2 (growth is from the second load)", file=sys.stderr)
         return 2
-    base = f"http://127.0.0.1:{args.port}"
-    cmd = [sys.executable, "-m", "cli", "serve", "--model", args.model, "--port", str(args.port)]
-    server = subprocess.Popen([*cmd, *shlex.split(args.serve_args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    loads: list[dict[str, Any]] = []
+    # no API key: the loads' requests carry none
+    server = ServeProcess(
+        ["--model", args.model, *shlex.split(args.serve_args)],
+        port=args.port,
+        with_api_key=False,
+        start_timeout_s=300,
+        stop_timeout_s=60,
+    )
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                err = server.stderr.read().decode()[-2000:] if server.stderr else ""
-                print(f"rss_loads: the server did not start\n{err}", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
-        rng = random.Random(args.seed)
+        server.start()
+    except ServeStartError as e:
+        print(f"rss_loads: the server did not start: {e}", file=sys.stderr)
+        return 1
+    with server:
         load_avg = os.getloadavg()[0]
-        for i in range(args.loads):
-            loads.append(one_load(base, rng, args))
-            print(f"rss_loads: load {i + 1}: {loads[-1]['ok']}/{args.requests} ok in {loads[-1]['seconds']:.0f} s, "
-                  f"RSS {', '.join(f'{k} {v:.0f}' for k, v in sorted(loads[-1]['rss_mb'].items()))} MB",
-                  file=sys.stderr)  # fmt: skip
-    finally:
-        server.send_signal(2)
-        server.wait(60)
+        loads = run_loads(server.url, args)
     workers = sorted(loads[-1]["rss_mb"])
     growth = {w: 100 * (loads[-1]["rss_mb"][w] / loads[1]["rss_mb"][w] - 1) for w in workers if w in loads[1]["rss_mb"]}
     result = {"bench": "rss-loads", "load_average_at_start": load_avg, "loads": loads, "growth_pct_2nd_to_last": growth}

@@ -34,10 +34,8 @@ import asyncio
 import json
 import os
 import random
-import re
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +43,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.serve_process import ServeProcess, ServeStartError
 from benchmarks.soak.memory import MEDIAN_S, rss_growth, worker_memory
 from benchmarks.soak.plot import plot_soak
 from benchmarks.soak.workload import FIXED_PROMPTS, WORKLOADS, FixedWorkload, RealShapedWorkload, Workload
@@ -89,57 +88,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------------------ the server process
-class _Server:
-    def __init__(self, args: argparse.Namespace, log_path: Path):
-        cmd = [sys.executable, "-m", "cli", "serve", "--mode", "disagg", "--model", args.model, "--port", "0",
-               "--prefill", str(args.prefill), "--decode", str(args.decode), "--num-blocks", "512",
-               "--log-level", "warning"]  # fmt: skip
-        if args.rss_growth_warn_mb is not None:
-            cmd += ["--rss-growth-warn-mb", str(args.rss_growth_warn_mb)]
-        cmd += shlex.split(args.serve_args)
-        self.log_path = log_path
-        self._log = open(log_path, "w+")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline, self.url = time.monotonic() + 300, ""
-        while not self.url:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise CliError(f"pdserve serve did not start; its log: {log_path}")
-            m = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", log_path.read_text())
-            self.url = m.group(1) if m else ""
-            time.sleep(0.3)
+def _start_server(args: argparse.Namespace, log_path: Path) -> ServeProcess:
+    """A disaggregated server with no API key, leading a session of its own: its Ray workers are
+    the processes of that session (`_ray_workers`), and a SIGKILL after a stuck shutdown takes them too."""
+    flags = ["--mode", "disagg", "--model", args.model, "--prefill", str(args.prefill), "--decode", str(args.decode),
+             "--num-blocks", "512", "--log-level", "warning"]  # fmt: skip
+    if args.rss_growth_warn_mb is not None:
+        flags += ["--rss-growth-warn-mb", str(args.rss_growth_warn_mb)]
+    flags += shlex.split(args.serve_args)
+    srv = ServeProcess(
+        flags, with_api_key=False, log_path=log_path, new_session=True, start_timeout_s=300, stop_timeout_s=120
+    )
+    try:
+        return srv.start()
+    except ServeStartError as e:
+        raise CliError(str(e)) from None
 
-    def rss_mb(self) -> float:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return float("nan")
 
-    def workers(self) -> list[int]:
-        """Pids of the server's live Ray worker actors."""
-        out = []
-        for d in Path("/proc").iterdir():
-            if not d.name.isdigit():
+def _rss_mb(pid: int) -> float:
+    """A process's resident set in MB (here the router: the server's main process)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _ray_workers(session: int) -> list[int]:
+    """Pids of the live Ray worker actors in the server's session."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if os.getsid(int(d.name)) != session:
                 continue
-            try:
-                if os.getsid(int(d.name)) != self.proc.pid:
-                    continue
-                if (d / "cmdline").read_bytes().split(b"\0")[0].startswith(b"ray::WorkerHost"):
-                    out.append(int(d.name))
-            except OSError:
-                continue
-        return sorted(out)
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
+            if (d / "cmdline").read_bytes().split(b"\0")[0].startswith(b"ray::WorkerHost"):
+                out.append(int(d.name))
+        except OSError:
+            continue
+    return sorted(out)
 
 
 # ------------------------------------------------------------------------------ load
@@ -202,13 +189,13 @@ def _health(url: str) -> dict:
         return {"status": "unreachable"}
 
 
-async def _faults(srv: _Server, args: argparse.Namespace, t_start: float, stop_at: float, faults: list) -> None:
+async def _faults(srv: ServeProcess, args: argparse.Namespace, t_start: float, stop_at: float, faults: list) -> None:
     rng = random.Random(args.seed + 1)
     while True:
         await asyncio.sleep(min(args.fault_interval_s, max(0.0, stop_at - time.monotonic())))
         if time.monotonic() >= stop_at - 5:
             return
-        pids = srv.workers()
+        pids = _ray_workers(srv.pid)
         if not pids:
             continue
         victim = rng.choice(pids)
@@ -232,10 +219,12 @@ async def _faults(srv: _Server, args: argparse.Namespace, t_start: float, stop_a
                        "replaced_after_s": None if full_after is None else round(full_after, 2)})  # fmt: skip
 
 
-async def _rss(srv: _Server, interval_s: float, t_start: float, stop_at: float, router: list, workers: dict) -> None:
+async def _rss(
+    srv: ServeProcess, interval_s: float, t_start: float, stop_at: float, router: list, workers: dict
+) -> None:
     while time.monotonic() < stop_at:
         t = round(time.monotonic() - t_start, 1)
-        router.append((t, round(srv.rss_mb(), 2)))
+        router.append((t, round(_rss_mb(srv.pid), 2)))
         for name, (role, mb) in (await asyncio.to_thread(worker_memory, srv.url)).items():
             series = workers.setdefault(name, {"role": role, "samples": [], "heap_samples": []})
             if "rss" in mb:
@@ -263,8 +252,8 @@ def main(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     print("starting pdserve serve ...", file=sys.stderr)
-    srv = _Server(args, Path(tempfile.mkdtemp(prefix="pdsoak")) / "serve.log")
-    try:
+    log_path = Path(tempfile.mkdtemp(prefix="pdsoak")) / "serve.log"  # kept: the result counts its RSS warnings
+    with _start_server(args, log_path) as srv:  # up already: the with stops it
         want: dict[str, list[int]] = {}
         workload: Workload
         if args.workload == "fixed":
@@ -299,8 +288,7 @@ def main(args: argparse.Namespace) -> int:
         time.sleep(3)  # leases of requests that died mid-pull run out on the prefill side
         health = _health(srv.url)
         leaked, reporting = _leaked_blocks(srv.url)
-    finally:
-        exit_code = srv.stop()
+    exit_code = srv.returncode
     counts = {k: sum(1 for _, o, *_ in log if o == k) for k in ("ok", "wrong", "failed", "hung", "disconnected")}
     warm = [m for t, m in rss if t >= 30] or [m for _, m in rss]
     warm_s = (args.warmup_min if args.warmup_min is not None else args.minutes / 3) * 60
@@ -322,7 +310,7 @@ def main(args: argparse.Namespace) -> int:
         "worker_rss_max_growth_pct_after_warmup": max((g["max_growth_pct"] for g in spanning), default=None),
         "worker_rss_growth_pct_after_warmup": max((g["growth_pct"] for g in spanning), default=None),
         "worker_rss_median_growth_pct_after_warmup": max((g["median_growth_pct"] for g in spanning), default=None),
-        "rss_warnings_in_server_log": srv.log_path.read_text().count("since warm-up"),
+        "rss_warnings_in_server_log": log_path.read_text().count("since warm-up"),
         "counts": counts,
         "requests": len(log),
         "faults": faults,
