@@ -1,14 +1,17 @@
 """DecodeWorker: continuous-batching decode; in colocated mode it also prefills.
 
 Disaggregated admission: reserve local blocks (loop thread) -> pull the prompt's KV through the
-transport (a transfer thread, so running streams keep decoding meanwhile) -> notify the prefill
-worker it may free its copy -> join the running batch (loop thread). Tokens are buffered as
-StreamEvents that the router collects with `poll_events()` (one long-poll per worker, not one
-call per token).
+transport within the prefill worker's lease (a transfer thread, so running streams keep decoding
+meanwhile; decode_worker/kv_pull.py) -> notify the prefill worker it may free its copy -> join the
+running batch (loop thread). Tokens are buffered as StreamEvents that the router collects with
+`poll_events()` (one long-poll per worker, not one call per token).
 
 Layer-wise admission (`open_stream`): the blocks are reserved before the prompt is prefilled, and
 the receiver thread pulls each group of layers as the prefill worker announces it
 (decode_worker/kv_stream.py); the request joins the batch once all of it has landed.
+
+Colocated, the worker prefills its own prompts; decode_worker/prefill_clock.py times them for the
+request's timeline.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -29,7 +32,10 @@ from contracts.worker import (
     WorkerError,
     WorkerStats,
 )
+from decode_worker.abort_memory import AbortMemory
+from decode_worker.kv_pull import pull_within_lease
 from decode_worker.kv_stream import IncomingStream, StreamReceiver
+from decode_worker.prefill_clock import PrefillClock
 from engine.kv.block_manager import NoFreeBlocks
 from engine.sequence import Sequence
 from engine.worker_base import (
@@ -38,18 +44,8 @@ from engine.worker_base import (
     log,
 )
 from transport import make_transport
-from transport.base import TransferTimeout, TransportError
+from transport.base import TransportError
 from transport.wire import PeerInfo, StreamTarget, TransferStats
-
-# How long an abort is remembered. A submit that reaches this worker after its own abort (the
-# router's abort and submit calls run on separate threads) is then refused instead of decoded
-# for nobody; longer than any transfer, so an aborted pull is always discarded.
-ABORT_MEMORY_S = 120.0
-
-
-class LeaseExpired(TransportError):
-    """The prefill side's lease on the KV ran out before the pull finished: its blocks may
-    already hold another prompt, so the copy cannot be trusted."""
 
 
 class DecodeWorker(EngineLoop):
@@ -75,9 +71,8 @@ class DecodeWorker(EngineLoop):
         self._events_cv = threading.Condition()
         self._admissions: deque[tuple[GenerateRequest, PrefillResult]] = deque()  # waiting for blocks
         self._in_transfer: dict[str, list[int]] = {}  # request id -> reserved local blocks
-        self._aborted: OrderedDict[str, float] = OrderedDict()  # request id -> when aborted (oldest first)
-        # colocated: request id -> (sequence, admitted at, first prefill step at) until its first token
-        self._prefill_clock: dict[str, tuple[Sequence, float, float | None]] = {}
+        self._aborted = AbortMemory()  # refuses a submit that arrives after its own abort
+        self._prefill_clock = PrefillClock()  # colocated: each prompt's queue and prefill times
         self._xfer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-xfer")
         self.start()
 
@@ -89,7 +84,7 @@ class DecodeWorker(EngineLoop):
             if not self._refuse_aborted(req.request_id):
                 seq = Sequence(req.request_id, list(req.prompt_ids), req.params)
                 self.engine.add_request(seq)
-                self._prefill_clock[req.request_id] = (seq, time.time(), None)
+                self._prefill_clock.admitted(seq)
 
         self.call(admit)
 
@@ -142,8 +137,7 @@ class DecodeWorker(EngineLoop):
 
     def abort(self, request_id: str) -> bool:
         def do() -> bool:
-            self._aborted[request_id] = time.time()
-            self._aborted.move_to_end(request_id)
+            self._aborted.add(request_id)
             before = len(self._admissions)
             kept = [a for a in self._admissions if a[0].request_id != request_id]
             self._admissions = deque(kept)
@@ -255,41 +249,13 @@ class DecodeWorker(EngineLoop):
         transport = self.transport
         assert transport is not None  # disaggregated decode workers always have one
         try:
-            # The prefill side frees these blocks at its lease deadline, and may reuse them at once:
-            # a pull is only valid if it finishes before then (same clock on one node; NTP across).
-            left = handle.lease_deadline - time.time()
-            if left <= 0:
-                raise LeaseExpired(
-                    f"the KV lease on {handle.agent} expired {-left:.2f} s before the pull started; raise --lease-s"
-                )
-            transport.connect(handle.source)
-            started = time.time()
-            try:
-                if handle.block_ids:
-                    stats = transport.read(handle, blocks[hit:], min(self.cfg.transfer_timeout_s, left))
-                else:  # every block was in the local cache: nothing crosses the wire
-                    stats = TransferStats.build(req.request_id, transport.backend, 0, 0, 0.0)
-            except TransferTimeout:
-                if left >= self.cfg.transfer_timeout_s:
-                    raise
-                raise LeaseExpired(
-                    f"the KV lease on {handle.agent} ran out ({left:.2f} s left when the "
-                    "pull started) before the pull finished; raise --lease-s"
-                ) from None
-            late = time.time() - handle.lease_deadline
-            if late >= 0:
-                raise LeaseExpired(
-                    f"the pull from {handle.agent} finished {late:.2f} s after the KV lease "
-                    "ran out, so its blocks may hold another prompt; raise --lease-s"
-                )
-            transport.notify(handle.agent, req.request_id)
+            stats = pull_within_lease(transport, req.request_id, handle, blocks[hit:], self.cfg.transfer_timeout_s)
         except Exception as e:  # noqa: BLE001 - reported to the router as this request's error
             log.warning("KV pull for %s failed: %s", req.request_id, e)
             message = f"KV transfer failed: {e}"  # `e` is unbound once the except block ends
             self._post_or_drop(lambda: self._fail_admission(req.request_id, blocks, message))
             return
         # posted, not called: the next pull starts now, not after this admission's step boundary
-        stats.start_unix, stats.end_unix = started, time.time()
         self._post_or_drop(lambda: self._admit(req, result.first_token, blocks, hashes, stats))
 
     def _post_or_drop(self, fn: Callable[[], None]) -> None:
@@ -377,32 +343,6 @@ class DecodeWorker(EngineLoop):
             ]
         )
 
-    def _stamp_prefills(self, events: list[StreamEvent], t_start: float) -> None:
-        """Colocated timelines: queue = admission to first prefill step, prefill = first prefill
-        step to first token (all chunks, and the decode steps mixed with them)."""
-        for rid, (seq, t_submit, t_first) in list(self._prefill_clock.items()):
-            if t_first is None and seq.num_cached:
-                self._prefill_clock[rid] = (seq, t_submit, t_start)
-            elif seq.finish_reason is not None and not seq.output_ids:  # aborted before its first token
-                del self._prefill_clock[rid]
-        for ev in events:
-            if ev.index == 0 and ev.request_id in self._prefill_clock:
-                seq, t_submit, t_first = self._prefill_clock.pop(ev.request_id)
-                t_first = t_first or t_submit
-                ev.timings = {
-                    "queue_ms": (t_first - t_submit) * 1e3,
-                    "prefill_ms": (ev.t - t_first) * 1e3,
-                    "cached_tokens": seq.cached_tokens,
-                }
-
-    def _attach_prompt_logprobs(self, events: list[StreamEvent]) -> None:
-        """Colocated echo: the prompt's logprobs travel on the first token's event."""
-        for ev in events:
-            if ev.index == 0 and ev.request_id in self._prefill_clock:
-                seq = self._prefill_clock[ev.request_id][0]
-                if seq.params.prompt_logprobs is not None:
-                    ev.prompt_logprobs = seq.prompt_logprobs
-
     def _fail_step(self, error: Exception) -> None:
         """An engine step raised: end the sequences that were in it (every running one, and every
         waiting one already given blocks, i.e. prefilling) with an error and free their blocks;
@@ -417,7 +357,7 @@ class DecodeWorker(EngineLoop):
         log.exception("%s: an engine step failed; failing the requests in it", self.name)
         for rid in batch:
             e.abort(rid)
-            self._prefill_clock.pop(rid, None)
+            self._prefill_clock.forget(rid)
         self._emit(
             [
                 StreamEvent(rid, "error", finished=True, finish_reason="error", error=f"engine step failed: {error!r}")
@@ -426,18 +366,9 @@ class DecodeWorker(EngineLoop):
             ]
         )
 
-    def _forget_old_aborts(self) -> None:
-        cutoff = time.time() - ABORT_MEMORY_S
-        while self._aborted:
-            rid, t = next(iter(self._aborted.items()))
-            if t > cutoff or rid in self._in_transfer:
-                return
-            del self._aborted[rid]
-
     def tick(self) -> bool:
         self._start_transfers()
-        if self._aborted:
-            self._forget_old_aborts()
+        self._aborted.forget_old(self._in_transfer)
         if not self.engine.has_work:
             return False
         t_start = time.time()
@@ -453,9 +384,8 @@ class DecodeWorker(EngineLoop):
             for ev in events
         ]
         if self.colocated:
-            self._attach_prompt_logprobs(out)
-        if self._prefill_clock:
-            self._stamp_prefills(out, t_start)
+            self._prefill_clock.attach_prompt_logprobs(out)
+        self._prefill_clock.stamp(out, t_start)
         if self.engine.preempted:  # shown in each request's timeline (their streams just pause)
             out += [StreamEvent(rid, "preempted", t=t) for rid in self.engine.preempted]
         self._emit(out)
