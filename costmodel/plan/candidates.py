@@ -9,7 +9,7 @@ DEFAULT_CHUNKS = (64, 128, 256, 512, 1024, 2048)
 # the splits grow as the square of the budget: 64 workers is ~4,400 candidates, minutes of simulation
 MAX_BUDGET = 64
 # `--mode auto` decides each request under a TTFT and an ITL SLO; where the plan gives none, the
-# router's defaults (router/config.py; tests/test_plan_auto.py holds them equal)
+# router's defaults (router/config_fields.py; tests/test_plan_auto.py holds them equal)
 AUTO_SLO_TTFT_MS, AUTO_SLO_ITL_MS = 1000.0, 50.0
 
 
