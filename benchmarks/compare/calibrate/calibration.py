@@ -250,15 +250,11 @@ class SelfCalibration:
 
     @property
     def prefill_slowdown_beside_decode(self) -> float:
-        """A prefill step's cost beside decoding, per its lone price: its pool's own reading; where
-        its steps were too few to read one, the decode pool's beside a prefill (the same two
-        workers on the same cores). Borrowed because a `bench compare --workers 2` calibration's
-        prefill pool has a handful of steps: left at 1, the 53 disaggregated rounds kept in
-        benchmarks/results/plan-verify were priced +5.3% in goodput (median; the article's +5 to
-        +17%), their prefill steps running 1.16-1.31x their price beside decoding (article-zg,
-        mixed-zg), and the demo's own readings, where its prefill pool had the steps, were 1.16-1.31
-        against the decode pool's 1.01-1.14. Borrowed: 43 of 53 within 10%, from 33 (`pdserve plan
-        --reprice benchmarks/results/plan-verify`, 2026-12-07), rag's four 4-6 points lower."""
+        """A prefill step's cost beside decoding, per its lone price: its pool's own reading, else
+        (too few steps to read one: a `--decode 2` calibration's prefill pool has a handful) the
+        decode pool's beside a prefill, the same two workers on the same cores. Left at 1, the kept
+        disaggregated rounds with steps were priced +7.1% in goodput (mean of 8; prefill steps ran
+        1.16-1.31x their price beside decoding), +1.5% borrowed (docs/plan.md, "The ledger")."""
         p = self.pools.get("prefill")
         if p is None:
             return 1.0
