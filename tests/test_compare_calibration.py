@@ -261,7 +261,7 @@ def test_decode_steps_beside_a_prefill_are_priced_apart():
     # decode pool's (the same two workers on the same cores)
     assert pools["prefill"].beside_slowdown is None
     cal = SelfCalibration(pools, None, 0, None, decode_slowdown_beside_prefill=2.0)
-    assert cal.prefill_slowdown_beside_decode == 2.0 and "(the decode pool's reading)" in cal.summary()
+    assert cal.prefill_slowdown_beside_decode == 2.0 and "(the decode pool's)" in cal.summary()
     read = {**pools, "prefill": replace(pools["prefill"], beside_slowdown=1.3)}  # where it was read: its own
     own = SelfCalibration(read, None, 0, None, decode_slowdown_beside_prefill=2.0)
     assert own.prefill_slowdown_beside_decode == 1.3

@@ -197,8 +197,7 @@ def beside_decode_slowdown(
     beside four decoding chats, 6.6 s mostly alone, 2026-12-05), with the pool's fit made again at
     lone prices (each step's seconds divided by its slowdown) and what that fit trimmed. Read as the
     median price ratio of the steps at least half overlapped against the lone steps' median, per
-    share of overlap: 1 + (ratio - 1) / share. (None, `f`, `trimmed`) with fewer than 3 of either:
-    not read."""
+    share of overlap: 1 + (ratio - 1) / share. (None, `f`, `trimmed`): fewer than 3 of either."""
     shares = [overlap(s, decoding) for s in steps]
     lone = [i for i, sh in enumerate(shares) if sh == 0.0]
     beside = [i for i, sh in enumerate(shares) if sh >= 0.5]
@@ -250,17 +249,13 @@ class SelfCalibration:
 
     @property
     def prefill_slowdown_beside_decode(self) -> float:
-        """A prefill step's cost beside decoding, per its lone price: its pool's own reading, else
-        (too few steps to read one: a `--decode 2` calibration's prefill pool has a handful) the
-        decode pool's beside a prefill, the same two workers on the same cores. Left at 1, the kept
-        disaggregated rounds with steps were priced +7.1% in goodput (mean of 8; prefill steps ran
-        1.16-1.31x their price beside decoding), +1.5% borrowed (docs/plan.md, "The ledger")."""
+        """A prefill step's cost beside decoding, per its lone price: its pool's own reading, else (a
+        `--decode 2` calibration's prefill pool has a handful of steps) the decode pool's beside a
+        prefill, the same two workers on the same cores. Left at 1, the 8 kept disaggregated rounds
+        with steps were priced +7.1% in goodput (mean), +1.5% borrowed (docs/plan.md, "The ledger")."""
         p = self.pools.get("prefill")
-        if p is None:
-            return 1.0
-        if p.beside_slowdown is not None:
-            return p.beside_slowdown
-        return max(1.0, self.decode_slowdown_beside_prefill)
+        own = p.beside_slowdown if p else 1.0
+        return own if own is not None else max(1.0, self.decode_slowdown_beside_prefill)
 
     @property
     def prompt_fit(self) -> tuple[StepCostFit, int] | None:
@@ -296,8 +291,7 @@ class SelfCalibration:
         k, kp = self.decode_slowdown_beside_prefill, self.prefill_slowdown_beside_decode
         beside = f", decode steps {k:.2f}x beside a prefill" if k > 1.0 else ""
         borrowed = (p := self.pools.get("prefill")) is not None and p.beside_slowdown is None
-        beside += f", prefill steps {kp:.2f}x beside decoding" if kp > 1.0 else ""
-        beside += " (the decode pool's reading)" if kp > 1.0 and borrowed else ""
+        beside += f", prefill steps {kp:.2f}x beside decoding" + " (the decode pool's)" * borrowed if kp > 1.0 else ""
         return f"{pools}; serving hop {hop}{link}{beside}"
 
     @classmethod
