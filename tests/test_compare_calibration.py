@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import replace
 
 import pytest
 
@@ -15,6 +14,7 @@ from benchmarks.compare.calibrate.calibration import (
     PoolFit,
     SelfCalibration,
     fit_pools,
+    fit_steps,
     link_rate,
     prediction_setup,
     trimmed_fit,
@@ -257,14 +257,16 @@ def test_decode_steps_beside_a_prefill_are_priced_apart():
     assert beside_prefill_slowdown(steps, pools["decode"].fit) == pytest.approx(2.0, rel=0.02)
     alone = [s for s in steps if s.role == "decode"]
     assert beside_prefill_slowdown(alone, pools["decode"].fit) == 1.0  # separate devices: no prefill steps
-    # every prefill step ran beside decoding: its own slowdown cannot be read, so the pool borrows the
-    # decode pool's (the same two workers on the same cores)
+    # every prefill step ran beside decoding: its own slowdown cannot be read, so the calibration borrows
+    # the decode pool's (the same two workers on the same cores) and prices the prefill at lone prices
     assert pools["prefill"].beside_slowdown is None
-    cal = SelfCalibration(pools, None, 0, None, decode_slowdown_beside_prefill=2.0)
-    assert cal.prefill_slowdown_beside_decode == 2.0 and "(the decode pool's)" in cal.summary()
-    read = {**pools, "prefill": replace(pools["prefill"], beside_slowdown=1.3)}  # where it was read: its own
-    own = SelfCalibration(read, None, 0, None, decode_slowdown_beside_prefill=2.0)
-    assert own.prefill_slowdown_beside_decode == 1.3
+    pools, k = fit_steps(steps)
+    prefill = pools["prefill"]
+    assert prefill.beside_borrowed and prefill.beside_slowdown == pytest.approx(k) == pytest.approx(2.0, rel=0.02)
+    assert prefill.fit.seconds(StepShape.of((), [(0, 512)])) == pytest.approx(price, rel=0.05)  # 2x price, halved
+    cal = SelfCalibration(pools, None, 0, None, decode_slowdown_beside_prefill=k)
+    assert cal.prefill_slowdown_beside_decode == prefill.beside_slowdown and "(the decode pool's)" in cal.summary()
+    assert PoolFit.from_dict(prefill.to_dict()) == prefill
 
 
 def test_prefill_steps_beside_decoding_are_priced_at_lone_prices_and_a_slowdown():

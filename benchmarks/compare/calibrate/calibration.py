@@ -18,10 +18,8 @@ in its warm-up, in the same run:
   (`side_requests.hop_specs`): the warm-up's own requests queue behind each other; lone shorter
   documents and prompts past a cached prefix (`side_requests`) give the fit other prompt shapes.
 
-A step that ran cold (the first of its shape: allocator growth, oneDNN weight layouts) would pull
-the fit up, so the fit is trimmed: steps the first fit misprices by far more than the typical
-step (`TRIM_FACTOR` times the median relative error) are dropped, at most `TRIM_MAX_SHARE` of
-them, and the rest refitted.
+Each fit leaves out the steps that ran cold (`fit_trim.py`); a disaggregated run's two pools on
+one host's cores are priced beside each other as `contention.py` reads it.
 """
 
 from __future__ import annotations
@@ -33,17 +31,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from benchmarks.client.logged_step import LoggedStep, from_table, overlap, steps_table
+from benchmarks.compare.calibrate.contention import at_lone_prices, beside_decode_slowdown, beside_prefill_slowdown
+from benchmarks.compare.calibrate.fit_trim import trimmed_fit
 from benchmarks.compare.calibrate.scatter import decode_scatter
-from costmodel.fit.step_fit import StepCostFit, StepShape, fit, fit_beside
+from costmodel.fit.step_fit import StepCostFit, fit_beside
 from costmodel.sim import compare_predict as cp
 from costmodel.sim.compare_predict import PredictionSetup
 from engine.config import PROMPT_STEP_TOKENS
 
-TRIM_FACTOR = 4.0
-TRIM_MAX_SHARE = 0.1
 MIN_STEPS = 8  # fewer steps than this and a pool's fit is not trusted
-MIN_LONE_READS = 3  # lone decode steps of one batch size that price its steps beside a prefill
-ITERATIONS = 4  # beside_decode_slowdown's rounds of reading the slowdown and refitting at lone prices
 
 
 @dataclass(frozen=True)
@@ -63,11 +59,13 @@ class PoolFit:
     # fit's (lone) price for the share of them a decode step ran beside (`beside_decode_slowdown`);
     # None: not read (too few lone steps or too few beside decoding to tell them apart)
     beside_slowdown: float | None = None
+    beside_borrowed: bool = False  # not read: the decode pool's beside a prefill (`fit_steps`)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "pool": self.pool,
             "beside_slowdown": self.beside_slowdown,
+            "beside_borrowed": self.beside_borrowed,
             "steps": self.steps,
             "trimmed": self.trimmed,
             "torch_threads": self.torch_threads,
@@ -91,19 +89,8 @@ class PoolFit:
             d.get("prompt_threads"),
             int(d.get("prompt_steps", 0)),
             None if (k := d.get("beside_slowdown", 1.0)) is None else float(k),
+            bool(d.get("beside_borrowed", False)),
         )
-
-
-def trimmed_fit(samples: Sequence[tuple[StepShape, float]]) -> tuple[StepCostFit, int]:
-    """The NNLS fit after dropping the steps it misprices by far more than the typical step."""
-    first = fit(samples)
-    errs = [abs(first.seconds(s) - y) / y for s, y in samples]
-    typical = statistics.median(errs) or 1e-9
-    worst = sorted(range(len(samples)), key=lambda i: errs[i], reverse=True)
-    drop = {i for i in worst[: int(len(samples) * TRIM_MAX_SHARE)] if errs[i] > TRIM_FACTOR * typical}
-    if not drop:
-        return first, 0
-    return fit([x for i, x in enumerate(samples) if i not in drop]), len(drop)
 
 
 def fit_pools(steps: Sequence[LoggedStep]) -> dict[str, PoolFit]:
@@ -142,7 +129,17 @@ def fit_steps(steps: Sequence[LoggedStep]) -> tuple[dict[str, PoolFit], float]:
     a prefill (`build` on a fresh warm-up, `SelfCalibration.refitted` on kept steps)."""
     pools = fit_pools(steps)
     decode = pools.get("decode")
-    return pools, beside_prefill_slowdown(steps, decode.fit if decode else None)
+    k = beside_prefill_slowdown(steps, decode.fit if decode else None)
+    p = pools.get("prefill")
+    if p is not None and p.beside_slowdown is None and k > 1.0:
+        # too few steps to read its own slowdown beside decoding (a `--decode 2` calibration's
+        # prefill pool has a handful): the decode pool's, the same two workers on the same cores,
+        # and its fit made again at lone prices with it (benchmarks/compare/calibrate/contention.py)
+        base, _ = split_by_threads([s for s in steps if s.role == "prefill" and s.seconds > 0])
+        f, trimmed = at_lone_prices(base, [s for s in steps if s.role == "decode" and s.seconds > 0], k)
+        pools["prefill"] = replace(p, fit=f, steps=len(base) - trimmed, trimmed=trimmed, beside_slowdown=k,
+                                   beside_borrowed=True)  # fmt: skip
+    return pools, k
 
 
 def split_by_threads(steps: Sequence[LoggedStep]) -> tuple[list[LoggedStep], list[LoggedStep]]:
@@ -164,54 +161,6 @@ def threads_of(steps: Sequence[LoggedStep]) -> int | None:
     """The intra-op thread count most of `steps` ran with (None if the server reported none)."""
     counts = Counter(s.torch_threads for s in steps if s.torch_threads > 0)
     return counts.most_common(1)[0][0] if counts else None
-
-
-def beside_prefill_slowdown(steps: Sequence[LoggedStep], decode: StepCostFit | None) -> float:
-    """How many times its own price a decode step costs while a prefill step runs beside it: 1 on
-    separate GPUs; on one host's CPU cores the two pools compete (measured 1.5-3x on 2 cores).
-    The median over decode steps at least half overlapped of 1 + (ratio - 1) / share, the ratio
-    against the median lone step of its batch size (MIN_LONE_READS of them; else the fit): the fit
-    is linear in the batch, the steps are not (the demo's one- and two-stream steps both ran 15.4
-    ms, priced 15.5 and 18.1: two-stream steps beside a prefill read 0.92x, not 1.09x, 2026-12-06)."""
-    prefill = [s for s in steps if s.role == "prefill"]
-    if decode is None or not prefill:
-        return 1.0
-    decoding = [(s, overlap(s, prefill)) for s in steps if s.role == "decode"]
-    lone: dict[int, list[float]] = {}
-    for s in (s for s, share in decoding if share == 0.0):
-        lone.setdefault(s.shape.decode_seqs, []).append(s.seconds)
-    reads = []
-    for s, share in decoding:
-        if share >= 0.5:
-            kin = lone.get(s.shape.decode_seqs, [])
-            base = statistics.median(kin) if len(kin) >= MIN_LONE_READS else decode.seconds(s.shape)
-            reads.append(1.0 + (s.seconds / base - 1.0) / share)
-    return max(1.0, statistics.median(reads)) if len(reads) >= 3 else 1.0
-
-
-def beside_decode_slowdown(
-    steps: Sequence[LoggedStep], decoding: Sequence[LoggedStep], f: StepCostFit, trimmed: int
-) -> tuple[float | None, StepCostFit, int]:
-    """How many times its lone price a prefill step costs while decode steps run beside it (a
-    disaggregated run's pools share a CPU's cores: a 2,058-token document's prefill ran 7.4 s
-    beside four decoding chats, 6.6 s mostly alone, 2026-12-05), with the pool's fit made again at
-    lone prices (each step's seconds divided by its slowdown) and what that fit trimmed. Read as the
-    median price ratio of the steps at least half overlapped against the lone steps' median, per
-    share of overlap: 1 + (ratio - 1) / share. (None, `f`, `trimmed`): fewer than 3 of either."""
-    shares = [overlap(s, decoding) for s in steps]
-    lone = [i for i, sh in enumerate(shares) if sh == 0.0]
-    beside = [i for i, sh in enumerate(shares) if sh >= 0.5]
-    if len(lone) < 3 or len(beside) < 3:
-        return None, f, trimmed
-    k = 1.0
-    for _ in range(ITERATIONS):  # the fit moves toward lone prices, the ratios with it
-        ratios = [s.seconds / max(f.seconds(s.shape), 1e-9) for s in steps]
-        base = statistics.median(ratios[i] for i in lone)
-        k = max(1.0, statistics.median(1.0 + (ratios[i] / base - 1.0) / shares[i] for i in beside))
-        if k == 1.0:
-            break
-        f, trimmed = trimmed_fit([(s.shape, s.seconds / (1.0 + (k - 1.0) * sh)) for s, sh in zip(steps, shares)])
-    return k, f, trimmed
 
 
 @dataclass
@@ -249,13 +198,8 @@ class SelfCalibration:
 
     @property
     def prefill_slowdown_beside_decode(self) -> float:
-        """A prefill step's cost beside decoding, per its lone price: its pool's own reading, else (a
-        `--decode 2` calibration's prefill pool has a handful of steps) the decode pool's beside a
-        prefill, the same two workers on the same cores. Left at 1, the 8 kept disaggregated rounds
-        with steps were priced +7.1% in goodput (mean), +1.5% borrowed (docs/plan.md, "The ledger")."""
         p = self.pools.get("prefill")
-        own = p.beside_slowdown if p else 1.0
-        return own if own is not None else max(1.0, self.decode_slowdown_beside_prefill)
+        return p.beside_slowdown if p and p.beside_slowdown is not None else 1.0
 
     @property
     def prompt_fit(self) -> tuple[StepCostFit, int] | None:
@@ -290,7 +234,7 @@ class SelfCalibration:
         link = f", KV pulls at {self.link_gbytes_per_s:.2f} GB/s" if self.link_gbytes_per_s else ""
         k, kp = self.decode_slowdown_beside_prefill, self.prefill_slowdown_beside_decode
         beside = f", decode steps {k:.2f}x beside a prefill" if k > 1.0 else ""
-        borrowed = (p := self.pools.get("prefill")) is not None and p.beside_slowdown is None
+        borrowed = (p := self.pools.get("prefill")) is not None and p.beside_borrowed
         beside += f", prefill steps {kp:.2f}x beside decoding" + " (the decode pool's)" * borrowed if kp > 1.0 else ""
         return f"{pools}; serving hop {hop}{link}{beside}"
 
