@@ -298,14 +298,17 @@ def reprice_file(
     defaults: argparse.Namespace,
     calibration: str | None = None,
     slos: tuple[float | None, float | None] = (None, None),
+    result: dict[str, Any] | None = None,
 ) -> tuple[argparse.Namespace, Slos, list[Repriced]]:
     """One `--verify` result's rounds predicted again: the plan's flags it ran with (over `defaults`),
     the SLOs it ran at, and its rows. `calibration`: another fit judged on the same runs; `slos`:
-    TTFT and TPOT p90 limits (ms) to judge its measured requests at instead (None: as it ran)."""
-    try:
-        result = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CliError(f"--reprice {path}: {e}") from e
+    TTFT and TPOT p90 limits (ms) to judge its measured requests at instead (None: as it ran);
+    `result`: the file's document where the caller has read it already."""
+    if result is None:
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise CliError(f"--reprice {path}: {e}") from e
     if not (result.get("verification") or {}).get("rows"):
         raise CliError(f"--reprice {path}: no verified rows (a `pdserve plan --verify K` result has them)")
     planned = plan_args(result, path, defaults, calibration)

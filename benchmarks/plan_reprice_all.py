@@ -61,29 +61,29 @@ class ResultRows:
         return {**out, "rounds": [r.to_dict() for r in self.rows]}
 
 
-def verified_results(folder: Path) -> list[Path]:
-    """The `--verify` results in `folder` (JSON files with verified rows), oldest first."""
-    found: list[tuple[str, Path]] = []
+def verified_results(folder: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """The `--verify` results in `folder` (JSON files with verified rows), oldest first, each read once."""
+    found: list[tuple[str, Path, dict[str, Any]]] = []
     for p in sorted(folder.glob("*.json")):
         try:
             doc = json.loads(p.read_text())
         except (OSError, ValueError):
             continue
         if isinstance(doc, dict) and (doc.get("verification") or {}).get("rows"):
-            found.append((str((doc.get("provenance") or {}).get("date_utc") or ""), p))
-    return [p for _, p in sorted(found)]
+            found.append((str((doc.get("provenance") or {}).get("date_utc") or ""), p, doc))
+    return [(p, doc) for _, p, doc in sorted(found, key=lambda x: (x[0], x[1]))]
 
 
-def reprice_all(paths: list[Path], defaults: argparse.Namespace) -> list[ResultRows]:
+def reprice_all(results: list[tuple[Path, dict[str, Any]]], defaults: argparse.Namespace) -> list[ResultRows]:
     """Each result's rounds predicted again at its own flags; a result that cannot be (its
     calibration gone, a flag this code no longer has) is kept with its error, not dropped."""
     out = []
-    for i, p in enumerate(paths, start=1):
-        prov = json.loads(p.read_text()).get("provenance") or {}
+    for i, (p, doc) in enumerate(results, start=1):
+        prov = doc.get("provenance") or {}
         device = (prov.get("device") or {}).get("name") if isinstance(prov.get("device"), dict) else None
-        log(f"[{i}/{len(paths)}] {p.name}")
+        log(f"[{i}/{len(results)}] {p.name}")
         try:
-            _, _, rows = reprice_file(p, defaults)
+            _, _, rows = reprice_file(p, defaults, result=doc)
             out.append(ResultRows(p, prov.get("date_utc"), device, tuple(rows)))
         except (CliError, ValueError, KeyError, TypeError) as e:
             out.append(ResultRows(p, prov.get("date_utc"), device, error=f"{type(e).__name__}: {e}"))
@@ -118,8 +118,8 @@ def ledger(results: list[ResultRows]) -> dict[str, Any]:
         misses = [wr for w, wr in with_run if not all(w)]
         out[name] = {
             "rounds": len(plain),
-            "goodput_within_10pct": sum(g for (g, _) in (w for _, w in plain)),
-            "attainment_within_5pts": sum(a for (_, a) in (w for _, w in plain)),
+            "goodput_within_10pct": sum(w[0] for _, w in plain),
+            "attainment_within_5pts": sum(w[1] for _, w in plain),
             "both": sum(all(w) for _, w in plain),
             "goodput_error_median_abs": statistics.median(errs) if errs else None,
             "rounds_with_run_pace": len(with_run),
@@ -160,10 +160,10 @@ def main(args: argparse.Namespace, defaults: argparse.Namespace) -> int:
     if args.calibration or any(v is not None for v in slos):
         raise CliError(f"--reprice {folder}: a folder re-prices each result at its own calibration and SLOs; "
                        "give --calibration or SLOs with one result")  # fmt: skip
-    paths = verified_results(folder)
-    if not paths:
+    found = verified_results(folder)
+    if not found:
         raise CliError(f"--reprice {folder}: no `pdserve plan --verify` results in this folder")
-    results = reprice_all(paths, defaults)
+    results = reprice_all(found, defaults)
     totals = ledger(results)
     if args.json:
         emit_json({"folder": str(folder), "edge": list(EDGE), "ledger": totals,
