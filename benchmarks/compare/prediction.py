@@ -57,7 +57,6 @@ def sim_config_of(
         spec.mode, spec.chunk_size, spec.prefill, spec.decode, max_num_seqs, setup.link, setup.admit_s,
         setup.decode_slowdown, kv_transfer, kv_stream_layers, prefill_slowdown=setup.prefill_slowdown,
         batch_wait_s=BATCH_WAIT_S,  # the engine loop's default, which bench compare's servers run
-        peer_slowdown=setup.peer_slowdown,
     )  # fmt: skip
 
 
@@ -191,7 +190,6 @@ def _about(setup: PredictionSetup) -> dict[str, Any]:
         "decode_admission_ms": setup.admit_s * 1e3,
         "decode_slowdown_beside_prefill": setup.decode_slowdown,
         "prefill_slowdown_beside_decode": setup.prefill_slowdown,
-        "peer_slowdown": setup.peer_slowdown,
     }
 
 
@@ -205,8 +203,6 @@ def describe_basis(basis: dict[str, Any] | None) -> str:
         admit += f", decode {basis['decode_slowdown_beside_prefill']:.2f}x beside a prefill"
     if (basis.get("prefill_slowdown_beside_decode") or 1.0) > 1.0:
         admit += f", prefill {basis['prefill_slowdown_beside_decode']:.2f}x beside decoding"
-    if (basis.get("peer_slowdown") or 1.0) > 1.0:
-        admit += f", {basis['peer_slowdown']:.2f}x beside another worker's decode step"
     return f"{basis['used']}{steps}{admit}: {basis['why']}"
 
 

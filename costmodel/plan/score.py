@@ -114,7 +114,6 @@ def score(
         setup.decode_slowdown, kv_transfer=cand.kv_transfer, prefix_policy=cand.prefix_policy,
         prefill_slowdown=setup.prefill_slowdown, auto_slos_s=(cand.slo_ttft_ms / 1e3, cand.slo_itl_ms / 1e3),
         batch_wait_s=BATCH_WAIT_S,  # a pdserve server's engine loop (the candidates are pdserve's)
-        peer_slowdown=setup.peer_slowdown,
     )  # fmt: skip
     pred = cp.predict(cand.label, cfg, setup, specs, slos.ttft_ms, slos.tpot_ms, setup.hop_s)
     j = judge(pred.records, pred.metrics, slos, cand.workers)

@@ -42,7 +42,6 @@ class PredictionSetup:
     admit_s: float = 0.0  # disagg: decode admission beyond pull and step boundary (SimConfig.admit_s)
     decode_slowdown: float = 1.0  # disagg: a decode step beside a prefill step (SimConfig.decode_slowdown)
     prefill_slowdown: float = 1.0  # disagg: a prefill step beside decoding (SimConfig.prefill_slowdown)
-    peer_slowdown: float = 1.0  # colocated workers on one host: a step beside another's (SimConfig.peer_slowdown)
     torch_threads: int | None = None  # intra-op threads the priced steps were measured with (None: unknown)
     prompt_threads: int | None = None  # threads of the prompt steps priced by steps.prompt_fit (None: no such fit)
     longest_prompt: int | None = None  # the longest prompt (tokens) the fit saw: beyond it, it extrapolates
@@ -74,7 +73,6 @@ class PredictionSetup:
             "decode_admission_ms": self.admit_s * 1e3,
             "decode_slowdown_beside_prefill": self.decode_slowdown,
             "prefill_slowdown_beside_decode": self.prefill_slowdown,
-            "peer_slowdown": self.peer_slowdown,
             "prefill_pool_step_fit": self.steps.prefill_fit.to_dict() if self.steps.prefill_fit else None,
             "hardware": hw.name,
             "mem_bw_gbps": hw.mem_bw / cm.GB,
@@ -222,13 +220,11 @@ def sim_config(
     prefill_slowdown: float = 1.0,
     auto_slos_s: tuple[float, float] | None = None,
     batch_wait_s: float = 0.0,
-    peer_slowdown: float = 1.0,
 ) -> SimConfig:
     """The simulator's view of one pdserve mode ("colocated" whole or chunked, "disagg", or "auto"
     with `chunk_size` its local chunks and `auto_slos_s` the TTFT and ITL SLOs it decides under;
     the KV transfer settings only matter where KV crosses a link; `batch_wait_s`: pdserve's
-    engine loop gathers requests that long from idle, engine/config.py BATCH_WAIT_S; `peer_slowdown`:
-    colocated workers on one host's cores, SimConfig.peer_slowdown)."""
+    engine loop gathers requests that long from idle, engine/config.py BATCH_WAIT_S)."""
     shared: dict[str, Any] = {
         "max_batch": max_num_seqs, "link": link, "prefix_policy": prefix_policy, "batch_wait_s": batch_wait_s,
     }  # fmt: skip
@@ -249,8 +245,8 @@ def sim_config(
             **shared,
         )
     if chunk_size:
-        return SimConfig("chunked", workers=decode, chunk=chunk_size, peer_slowdown=peer_slowdown, **shared)
-    return SimConfig("colocated", workers=decode, peer_slowdown=peer_slowdown, **shared)
+        return SimConfig("chunked", workers=decode, chunk=chunk_size, **shared)
+    return SimConfig("colocated", workers=decode, **shared)
 
 
 def simulate_requests(cfg: SimConfig, steps: StepModel, specs: list[RequestSpec]) -> list[Request]:

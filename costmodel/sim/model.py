@@ -16,11 +16,6 @@ from engine.config import PROMPT_STEP_TOKENS
 MODES = ("colocated", "chunked", "disagg", "auto")
 # As pdserve's --kv-transfer: "auto" streams a request when costmodel/article/layerwise.py says it gains.
 KV_TRANSFERS = ("bulk", "layerwise", "auto")
-# Colocated workers on one host's cores slow each other where both stream the weights: a step
-# beside another worker's step of at most this many prompt tokens (a decode step, a chunk) costs
-# `SimConfig.peer_slowdown` times its price; beside a longer, compute-bound prompt step it does not
-# (measured: benchmarks/compare/calibrate/contention.py)
-PEER_CONTENDING_TOKENS = 512
 
 
 @dataclass
@@ -199,10 +194,6 @@ class SimConfig:
     # ... and a prefill step this many times its price for the share of it during which a decode
     # worker is decoding (its price: a lone prefill step's)
     prefill_slowdown: float = 1.0
-    # colocated workers sharing one host's CPU cores: a step costs this many times its price for the
-    # share of it during which another worker runs a step of at most PEER_CONTENDING_TOKENS prompt
-    # tokens (1 on separate GPUs; measured)
-    peer_slowdown: float = 1.0
     # an idle worker starts its step this long after a request arrives, with whatever else arrived
     # meanwhile (pdserve's engine loop, engine/config.py BATCH_WAIT_S; 0: at once, the first alone)
     batch_wait_s: float = 0.0

@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from costmodel.sim.model import PEER_CONTENDING_TOKENS, Request, SimConfig, StepModel
+from costmodel.sim.model import Request, SimConfig, StepModel
 from costmodel.sim.stretch import STRETCH_STEPS, StepRecord, Stretch, in_progress
 
 
@@ -94,29 +94,6 @@ class Worker:
         share = min(1.0, max(0.0, busy_until - self.sim.now) / dur)
         return dur * (1.0 + (k - 1.0) * share)
 
-    def contending_for(self, until: float) -> float:
-        """Seconds of [now, `until`] this worker is expected to run steps that contend with a peer's
-        on shared cores (at most PEER_CONTENDING_TOKENS prompt tokens): from now, or from the end of
-        the long prompt step it runs; to `until` while it has requests waiting, else as long as it
-        goes on decoding what it runs."""
-        now = self.sim.now
-        step = self.log[-1] if self.busy and self.log else None
-        if step is None and not self.running and not self.queue:
-            return 0.0
-        start = step.end if step is not None and step.prefill_tokens > PEER_CONTENDING_TOKENS else now
-        stop = until if self.queue else max(step.end if step is not None else now, now + self.decoding_for())
-        return max(0.0, min(stop, until) - start)
-
-    def beside_peers(self, dur: float) -> float:
-        """A colocated worker's step of `dur` at the price, beside other colocated workers on one
-        host's cores: the share of it another is expected to run contending steps costs
-        `peer_slowdown` times as much."""
-        k = self.sim.cfg.peer_slowdown
-        if k == 1.0 or dur <= 0:
-            return dur
-        busy = max((w.contending_for(self.sim.now + dur) for w in self.sim.decode if w is not self), default=0.0)
-        return dur * (1.0 + (k - 1.0) * min(1.0, busy / dur))
-
     def wake(self) -> None:
         """A request has arrived: an idle worker starts its step `batch_wait_s` from now, with
         whatever else arrived by then (pdserve's engine loop, engine/worker_base.py); a busy one
@@ -159,11 +136,9 @@ class Worker:
     def can_stretch(self) -> bool:
         """Whether this worker's decode-only steps may run as one event (`SimConfig.fast_forward`):
         not where a step's price depends on what other workers do meanwhile (a decode step beside
-        a prefill on shared cores, `beside_prefill`; beside a colocated peer's, `beside_peers`)."""
+        a prefill on shared cores, `beside_prefill`)."""
         cfg = self.sim.cfg
-        beside_prefill = cfg.decode_slowdown != 1.0 and bool(self.sim.prefill)
-        beside_peers = cfg.peer_slowdown != 1.0 and len(self.sim.decode) > 1
-        return cfg.fast_forward and not beside_prefill and not beside_peers
+        return cfg.fast_forward and (cfg.decode_slowdown == 1.0 or not self.sim.prefill)
 
     def _stretch(self) -> None:
         """From now, the running batch's decode steps up to the first that finishes a request (at most
@@ -274,13 +249,6 @@ class ColocatedWorker(Worker):
         return len(self.queue) + len(self.running) + self.prefilling
 
     def plan(self):
-        p = self._plan_step()
-        if p is None:
-            return None
-        dur, ptok, dtok, fin = p
-        return self.beside_peers(dur), ptok, dtok, fin
-
-    def _plan_step(self):
         cfg, steps = self.sim.cfg, self.sim.steps
         if cfg.mode == "colocated":
             if self.queue and len(self.running) < cfg.max_batch:

@@ -31,12 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from benchmarks.client.logged_step import LoggedStep, from_table, overlap, steps_table
-from benchmarks.compare.calibrate.contention import (
-    at_lone_prices,
-    beside_decode_slowdown,
-    beside_prefill_slowdown,
-    peer_slowdown,
-)
+from benchmarks.compare.calibrate.contention import at_lone_prices, beside_decode_slowdown, beside_prefill_slowdown
 from benchmarks.compare.calibrate.fit_trim import trimmed_fit
 from benchmarks.compare.calibrate.scatter import decode_scatter
 from costmodel.fit.step_fit import StepCostFit, fit_beside
@@ -62,8 +57,7 @@ class PoolFit:
     prompt_steps: int = 0
     # a disaggregated prefill pool on the decode pool's cores: its steps cost this many times the
     # fit's (lone) price for the share of them a decode step ran beside (`beside_decode_slowdown`);
-    # a colocated pool of several workers on one host, for the share another worker's decode step
-    # or chunk ran beside (`peer_slowdown`); None: not read (too few lone steps or too few beside)
+    # None: not read (too few lone steps or too few beside decoding to tell them apart)
     beside_slowdown: float | None = None
     beside_borrowed: bool = False  # not read: the decode pool's beside a prefill (`fit_steps`)
 
@@ -103,8 +97,7 @@ def fit_pools(steps: Sequence[LoggedStep]) -> dict[str, PoolFit]:
     """A fit per pool role that ran at least MIN_STEPS steps. A decode pool is fitted on its steps
     that ran while no prefill step did, where there are enough of them: the others are priced by
     `beside_prefill_slowdown`. A prefill pool is fitted at lone prices where it has lone steps and
-    steps beside decoding to tell them apart (`beside_decode_slowdown`); a colocated pool of several
-    workers, where it has lone steps and steps beside another worker's (`peer_slowdown`)."""
+    steps beside decoding to tell them apart (`beside_decode_slowdown`)."""
     by_role: dict[str, list[LoggedStep]] = {}
     for s in steps:
         if s.seconds > 0:
@@ -123,8 +116,6 @@ def fit_pools(steps: Sequence[LoggedStep]) -> dict[str, PoolFit]:
         k = None
         if role == "prefill" and decoding:
             k, f, trimmed = beside_decode_slowdown(base, decoding, f, trimmed)
-        elif role == "colocated":
-            k, f, trimmed = peer_slowdown(base, logged, f, trimmed)
         pool = PoolFit(role, f, len(base) - trimmed, trimmed, threads_of(base), beside_slowdown=k)
         if prompt:
             pf = fit_beside([(s.shape, s.seconds) for s in prompt], f)
@@ -145,8 +136,7 @@ def fit_steps(steps: Sequence[LoggedStep]) -> tuple[dict[str, PoolFit], float]:
         # prefill pool has a handful): the decode pool's, the same two workers on the same cores,
         # and its fit made again at lone prices with it (benchmarks/compare/calibrate/contention.py)
         base, _ = split_by_threads([s for s in steps if s.role == "prefill" and s.seconds > 0])
-        decoding = [s for s in steps if s.role == "decode" and s.seconds > 0]
-        f, trimmed = at_lone_prices(base, [overlap(s, decoding) for s in base], k)
+        f, trimmed = at_lone_prices(base, [s for s in steps if s.role == "decode" and s.seconds > 0], k)
         pools["prefill"] = replace(p, fit=f, steps=len(base) - trimmed, trimmed=trimmed, beside_slowdown=k,
                                    beside_borrowed=True)  # fmt: skip
     return pools, k
@@ -212,11 +202,6 @@ class SelfCalibration:
         return p.beside_slowdown if p and p.beside_slowdown is not None else 1.0
 
     @property
-    def peer_slowdown(self) -> float:
-        p = self.pools.get("colocated")
-        return p.beside_slowdown if p and p.beside_slowdown is not None else 1.0
-
-    @property
     def prompt_fit(self) -> tuple[StepCostFit, int] | None:
         """The colocated pool's prompt steps on their own threads: (fit, threads), or None."""
         p = self.pools.get("colocated")
@@ -251,8 +236,6 @@ class SelfCalibration:
         beside = f", decode steps {k:.2f}x beside a prefill" if k > 1.0 else ""
         borrowed = (p := self.pools.get("prefill")) is not None and p.beside_borrowed
         beside += f", prefill steps {kp:.2f}x beside decoding" + " (the decode pool's)" * borrowed if kp > 1.0 else ""
-        if self.peer_slowdown > 1.0:
-            beside += f", steps {self.peer_slowdown:.2f}x beside another worker's decode step"
         return f"{pools}; serving hop {hop}{link}{beside}"
 
     @classmethod
@@ -357,6 +340,4 @@ def prediction_setup(model: str, mode: str, cal: SelfCalibration | None) -> tupl
         step_scatter_s=decode_scatter(cal.logged, decode),
     )  # fmt: skip
     k = cal.decode_slowdown_beside_prefill
-    return replace(
-        setup, decode_slowdown=k, prefill_slowdown=cal.prefill_slowdown_beside_decode, peer_slowdown=cal.peer_slowdown
-    ), None
+    return replace(setup, decode_slowdown=k, prefill_slowdown=cal.prefill_slowdown_beside_decode), None

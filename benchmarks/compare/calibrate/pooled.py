@@ -34,7 +34,6 @@ from benchmarks.compare.calibrate.calibration import (
     threads_of,
     trimmed_fit,
 )
-from benchmarks.compare.calibrate.contention import peer_slowdown
 from costmodel.fit.step_fit import fit_beside
 
 
@@ -63,12 +62,9 @@ def pooled(servers: Mapping[str, Server]) -> dict[str, tuple[SelfCalibration, li
             continue
         steps = [x for _, base, _ in members for x in base]
         joint, trimmed = trimmed_fit([(x.shape, x.seconds) for x in steps])
-        k, joint, trimmed = peer_slowdown(steps, [x for s, _, _ in members for x in s.cal.logged], joint, trimmed)
         labels = [s.label for s, _, _ in members]
         for s, _, prompt in members:
-            pool = replace(
-                s.cal.pools["colocated"], fit=joint, steps=len(steps) - trimmed, trimmed=trimmed, beside_slowdown=k
-            )
+            pool = replace(s.cal.pools["colocated"], fit=joint, steps=len(steps) - trimmed, trimmed=trimmed)
             if prompt and pool.prompt_fit is not None:
                 try:
                     pool = replace(pool, prompt_fit=fit_beside([(x.shape, x.seconds) for x in prompt], joint))

@@ -138,7 +138,6 @@ def load(path: Path, model: str) -> tuple[dict[str, Transferred], dict[str, str]
                 "decode_admission_ms": admit_ms,
                 "decode_slowdown_beside_prefill": setup.decode_slowdown,
                 "prefill_slowdown_beside_decode": setup.prefill_slowdown,
-                "peer_slowdown": setup.peer_slowdown,
                 "transfer_hop_ms": hop_ms,
             },
             kind,
