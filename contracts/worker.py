@@ -178,9 +178,11 @@ class WorkerConfig:
     # the fewest prompt tokens a step carries to run on prompt_threads (None: the engine's default,
     # engine/config.py PROMPT_STEP_TOKENS)
     prompt_threads_min_tokens: int | None = None
-    # an idle engine loop gathers requests this long after the first before its step (None: the
-    # engine's default, engine/config.py BATCH_WAIT_S)
+    # an idle engine loop gathers requests until none has come for batch_wait_s, at most
+    # batch_wait_max_s after the first, before its step (None: the engine's defaults,
+    # engine/config.py BATCH_WAIT_S and BATCH_WAIT_MAX_S)
     batch_wait_s: float | None = None
+    batch_wait_max_s: float | None = None
 
 
 class WorkerError(RuntimeError):

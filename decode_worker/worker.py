@@ -52,7 +52,7 @@ class DecodeWorker(EngineLoop):
     error_type = WorkerError
 
     def __init__(self, cfg: WorkerConfig, name: str = "decode-0", colocated: bool = False):
-        super().__init__(name, cfg.torch_threads, cfg.batch_wait_s)
+        super().__init__(name, cfg.torch_threads, cfg.batch_wait_s, cfg.batch_wait_max_s)
         self.cfg, self.colocated = cfg, colocated
         self.engine = build_engine(cfg, prefill_only=False)
         runner = self.engine.runner

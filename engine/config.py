@@ -294,4 +294,5 @@ __all__ = [
 # batcher calls this max_queue_delay. It costs a lone request on an idle server this much TTFT,
 # and nothing under load: a loop that has work never waits. The simulator models it
 # (costmodel/sim/model.py SimConfig.batch_wait_s).
-BATCH_WAIT_S = 0.002
+BATCH_WAIT_S = 0.005
+BATCH_WAIT_MAX_S = 0.025

@@ -21,7 +21,14 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.config import BATCH_WAIT_S, CacheConfig, is_checkpoint_dir, read_generation_eos, resolve_model_config
+from engine.config import (
+    BATCH_WAIT_MAX_S,
+    BATCH_WAIT_S,
+    CacheConfig,
+    is_checkpoint_dir,
+    read_generation_eos,
+    resolve_model_config,
+)
 from engine.core.llm_engine import LLMEngine
 from engine.heap_trim import HeapTrimmer, heap_usage
 from engine.model.linear import RowBuckets
@@ -187,14 +194,24 @@ class EngineLoop:
 
     engine: LLMEngine  # built by each worker subclass before start()
     idle_wait_s = 0.002  # how long an idle loop sleeps between inbox/notification polls
-    # an idle loop woken by work gathers more for this long before its step (engine/config.py)
+    # an idle loop woken by work gathers more until the inbox has been quiet this long, at most
+    # batch_wait_max_s from the first (engine/config.py)
     batch_wait_s = BATCH_WAIT_S
+    batch_wait_max_s = BATCH_WAIT_MAX_S
     error_type: type[Exception] = RuntimeError  # what callers get from a dead or closed loop
 
-    def __init__(self, name: str, torch_threads: int | None = None, batch_wait_s: float | None = None):
+    def __init__(
+        self,
+        name: str,
+        torch_threads: int | None = None,
+        batch_wait_s: float | None = None,
+        batch_wait_max_s: float | None = None,
+    ):
         self.name = name
         if batch_wait_s is not None:
             self.batch_wait_s = batch_wait_s
+        if batch_wait_max_s is not None:
+            self.batch_wait_max_s = batch_wait_max_s
         # set before the subclass builds its engine (weights load on this thread, steps on the loop's)
         self.torch_threads = use_threads(torch_threads, name)
         self._inbox: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
@@ -277,15 +294,20 @@ class EngineLoop:
             except queue.Empty:
                 return
 
-    def _gather(self, deadline: float) -> None:
-        """Run what reaches the inbox until `deadline`: requests sent together (a burst of chats)
-        share the first step instead of racing its start."""
+    def _gather(self) -> None:
+        """Run what reaches the inbox until it has been quiet for `batch_wait_s`, or until
+        `batch_wait_max_s` from now: requests sent together (a burst of chats), which the router
+        hands on one after another, share the first step instead of racing its start. Any job
+        restarts the quiet wait (a stats poll too: the cap bounds it)."""
+        cap = time.monotonic() + max(self.batch_wait_max_s, self.batch_wait_s)
+        deadline = min(time.monotonic() + self.batch_wait_s, cap)
         while (left := deadline - time.monotonic()) > 0:
             try:
                 fn, fut = self._inbox.get(timeout=left)
             except queue.Empty:
                 return
             _answer(fn, fut)
+            deadline = min(time.monotonic() + self.batch_wait_s, cap)
 
     def _run(self) -> None:
         # Block on the inbox (a short idle wait) unless the last tick ran a forward pass and work
@@ -299,7 +321,7 @@ class EngineLoop:
                 idle = not self.has_work()
                 self._drain_inbox(block=not (progressed and self.has_work()))
                 if idle and self.batch_wait_s > 0 and self.has_work():
-                    self._gather(time.monotonic() + self.batch_wait_s)
+                    self._gather()
                 progressed = bool(self.tick())
                 if progressed:
                     self.steps += 1

@@ -33,7 +33,7 @@ class PrefillWorker(EngineLoop):
     error_type = WorkerError
 
     def __init__(self, cfg: WorkerConfig, name: str = "prefill-0"):
-        super().__init__(name, cfg.torch_threads, cfg.batch_wait_s)
+        super().__init__(name, cfg.torch_threads, cfg.batch_wait_s, cfg.batch_wait_max_s)
         self.cfg = cfg
         self.engine = build_engine(cfg, prefill_only=True)
         runner = self.engine.runner

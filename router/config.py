@@ -86,6 +86,7 @@ class ServeConfig(ServeSettings):
             prompt_threads=self.prompt_threads,  # likewise
             prompt_threads_min_tokens=self.prompt_threads_min_tokens,
             batch_wait_s=self.batch_wait_ms / 1e3,
+            batch_wait_max_s=self.batch_wait_max_ms / 1e3,
             lease_s=self.lease_s,
             transport=self.transport,
             transfer_timeout_s=self.transfer_timeout_s,

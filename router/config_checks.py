@@ -74,6 +74,8 @@ def check_settings(cfg: ServeSettings) -> None:
         raise bad("--prompt-threads", "must be >= 1 (or auto)")
     if not 0 <= cfg.batch_wait_ms <= 1000:
         raise bad("--batch-wait-ms", "must be between 0 and 1000 ms")
+    if not 0 <= cfg.batch_wait_max_ms <= 1000:
+        raise bad("--batch-wait-max-ms", "must be between 0 and 1000 ms")
     if cfg.prompt_threads_min_tokens is not None and cfg.prompt_threads_min_tokens < 1:
         raise bad("--prompt-threads-min-tokens", "must be >= 1")
     if cfg.gemm_row_buckets < 0:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.checkpoint.registry import DEFAULT_MODEL, MODELS
-from engine.config import BATCH_WAIT_S, PRESETS, PROMPT_STEP_TOKENS
+from engine.config import BATCH_WAIT_MAX_S, BATCH_WAIT_S, PRESETS, PROMPT_STEP_TOKENS
 from router.config_flags import cli_flag
 
 MODES = ("disagg", "colocated", "auto")
@@ -186,8 +186,14 @@ class ServeSettings:
         default=BATCH_WAIT_S * 1e3,
         metadata=cli_flag(
             "pools",
-            "how long an idle worker gathers requests after the first arrives before its step, so that "
-            "requests sent together are prefilled together (never under load); 0 = start at once",
+            "an idle worker woken by a request gathers more until none has come for this long before its "
+            "step, so that requests sent together are prefilled together (never under load); 0 = start at once",
+        ),
+    )
+    batch_wait_max_ms: float = field(
+        default=BATCH_WAIT_MAX_S * 1e3,
+        metadata=cli_flag(
+            "pools", "the longest an idle worker gathers, from the first request (--batch-wait-ms restarts per request)"
         ),
     )
     # auto by default: on the cluster rehearsal it was never slower than bulk and hid 20-90x more of

@@ -1,5 +1,6 @@
-"""An idle engine loop gathers the requests sent together before its first step (`--batch-wait-ms`,
-engine/config.py BATCH_WAIT_S), and the simulator predicts it: four chats sent at once were one,
+"""An idle engine loop gathers the requests sent together before its first step, until none has come
+for `--batch-wait-ms` and at most `--batch-wait-max-ms` from the first (engine/config.py
+BATCH_WAIT_S, BATCH_WAIT_MAX_S), and the simulator predicts it: four chats sent at once were one,
 two or three prompt steps from one run to the next before it, their TTFT median with them.
 
 Real workers (the tiny model, in this process) and the real simulator; no timing is asserted, only
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 
 import pytest
 
@@ -18,7 +20,7 @@ from costmodel.fit.step_fit import StepCostFit
 from costmodel.sim.compare_predict import setup_from_steps, sim_config, simulate_specs
 from costmodel.workloads import RequestSpec
 from decode_worker.worker import DecodeWorker
-from engine.config import BATCH_WAIT_S
+from engine.config import BATCH_WAIT_MAX_S, BATCH_WAIT_S
 from engine.sequence import SamplingParams
 from prefill_worker.worker import PrefillWorker
 from router.config import ConfigError, ServeConfig
@@ -83,8 +85,38 @@ def test_a_prefill_worker_prefills_requests_sent_together_in_one_step():
         p.shutdown()
 
 
+def _spaced(submit, n: int, gap_s: float) -> None:
+    """`submit(i)` for i < n from n threads, each `gap_s` after the one before (the router hands a
+    burst's requests on one after another)."""
+    threads = []
+    for i in range(n):
+        threads.append(threading.Thread(target=submit, args=(i,)))
+        threads[-1].start()
+        time.sleep(gap_s)
+    for t in threads:
+        t.join(30)
+
+
+@pytest.mark.parametrize(("cap_s", "whole"), [(3.0, True), (0.2, False)])
+def test_each_arrival_restarts_the_wait_up_to_the_cap(cap_s: float, whole: bool):
+    # four prompts 0.15 s apart: 0.45 s from first to last, past a fixed 0.3 s window; a quiet wait
+    # of 0.3 s restarted by each takes all four, unless the cap ends the gather first
+    d = DecodeWorker(_cfg(batch_wait_s=0.3, batch_wait_max_s=cap_s), f"bw-quiet-{next(_names)}", colocated=True)
+    try:
+        assert d.batch_wait_max_s == cap_s
+        _spaced(lambda i: d.submit_prompt(_req(f"q{i}")), 4, 0.15)
+        wait_until(
+            lambda: sum(s["prefill_seqs"] for s in d.stats().step_log()["steps"]) == 4, timeout=30, what="4 prompts"
+        )
+        first = _first_prompt_step(d)
+        assert (first["prefill_seqs"] == 4) is whole
+    finally:
+        d.shutdown()
+
+
 def test_the_default_window_is_the_engines_and_zero_turns_it_off():
     assert ServeConfig().worker_config().batch_wait_s == BATCH_WAIT_S
+    assert ServeConfig().worker_config().batch_wait_max_s == BATCH_WAIT_MAX_S
     assert ServeConfig(batch_wait_ms=0).worker_config().batch_wait_s == 0.0
     d = DecodeWorker(_cfg(), f"bw-default-{next(_names)}", colocated=True)
     try:
@@ -93,6 +125,8 @@ def test_the_default_window_is_the_engines_and_zero_turns_it_off():
         d.shutdown()
     with pytest.raises(ConfigError, match="--batch-wait-ms"):
         ServeConfig(batch_wait_ms=-1).validate()
+    with pytest.raises(ConfigError, match="--batch-wait-max-ms"):
+        ServeConfig(batch_wait_max_ms=5000).validate()
 
 
 # ---- the simulator -------------------------------------------------------------------------------
@@ -114,3 +148,21 @@ def test_the_simulator_starts_an_idle_worker_after_the_window_with_all_that_arri
     # chunked at 128 tokens: the window gathers all four, the chunk budget still splits them
     chunked = _chats_at_once(0.002, "colocated", 128)
     assert chunked[0] == chunked[2] < chunked[3]
+
+
+def _first_tokens_at(cap_s: float | None, gap_s: float = 0.003) -> list[float]:
+    """When each of four chats `gap_s` apart gets its first token (not its TTFT: they arrive apart)."""
+    setup = setup_from_steps("tiny", FIT, None, None, "truth", 100)
+    specs = [RequestSpec(f"chat-{i}", "x", 40, 4, i * gap_s, "chat") for i in range(4)]
+    cfg = sim_config("colocated", None, 1, 1, 64, setup.link, batch_wait_s=0.005, batch_wait_max_s=cap_s)
+    return sorted(s.arrival_s + r.ttft_s for s, r in zip(specs, simulate_specs(cfg, setup.steps, specs)))
+
+
+def test_the_simulator_restarts_the_wait_at_each_arrival_up_to_the_cap():
+    gathered = _first_tokens_at(cap_s=0.025)
+    assert gathered[0] == pytest.approx(gathered[3])  # one step, after the last one's quiet wait
+    assert gathered[0] > 3 * 0.003 + 0.005
+    fixed = _first_tokens_at(cap_s=None)  # no cap: a fixed window from the first (the last arrived past it)
+    assert fixed[0] < fixed[3]
+    capped = _first_tokens_at(cap_s=0.007)
+    assert capped[0] < capped[3]

@@ -52,6 +52,7 @@ SNAPSHOT = {
     ("--kv-stream-layers",): ("kv_stream_layers", "_StoreAction", None, "int", None, None, "N", POOLS),
     ("--lease-s",): ("lease_s", "_StoreAction", None, "float", None, None, None, POOLS),
     ("--batch-wait-ms",): ("batch_wait_ms", "_StoreAction", None, "float", None, None, None, POOLS),
+    ("--batch-wait-max-ms",): ("batch_wait_max_ms", "_StoreAction", None, "float", None, None, None, POOLS),
     ("--transfer-timeout-s",): ("transfer_timeout_s", "_StoreAction", None, "float", None, None, None, POOLS),
     ("--prefill-resources",): ("prefill_resources", "_StoreAction", None, None, None, None, "JSON", POOLS),
     ("--decode-resources",): ("decode_resources", "_StoreAction", None, None, None, None, "JSON", POOLS),
@@ -130,6 +131,7 @@ def test_every_setting_has_a_flag_with_help():
         (["--no-verify-kv"], {"verify_kv": False}),
         (["--lease-s", "5", "--link-gbps", "1"], {"lease_s": 5.0, "link_gbps": 1.0}),
         (["--batch-wait-ms", "0"], {"batch_wait_ms": 0.0}),
+        (["--batch-wait-max-ms", "10"], {"batch_wait_max_ms": 10.0}),
         (
             ["--prefill-resources", '{"node1": 1}', "--decode", "2", "--decode-resources", '[{"a": 1}, {"b": 2}]'],
             {"prefill_resources": {"node1": 1}, "decode": 2, "decode_resources": [{"a": 1}, {"b": 2}]},

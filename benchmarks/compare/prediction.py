@@ -31,7 +31,7 @@ from costmodel.sim import compare_predict as cp
 from costmodel.sim.compare_predict import PredictionSetup
 from costmodel.sim.engine import Request
 from costmodel.workloads import RequestSpec, WorkloadConfig
-from engine.config import BATCH_WAIT_S
+from engine.config import BATCH_WAIT_MAX_S, BATCH_WAIT_S
 
 # The figures a candidate is scored on (compare_predict.COMPARED keys): the ones the report leads with.
 SCORED = ("stall_max_ms", "ttft_chat_p50_ms", "ttft_doc_p50_ms", "itl_p50_ms")
@@ -56,7 +56,8 @@ def sim_config_of(
     return cp.sim_config(
         spec.mode, spec.chunk_size, spec.prefill, spec.decode, max_num_seqs, setup.link, setup.admit_s,
         setup.decode_slowdown, kv_transfer, kv_stream_layers, prefill_slowdown=setup.prefill_slowdown,
-        batch_wait_s=BATCH_WAIT_S,  # the engine loop's default, which bench compare's servers run
+        # the engine loop's defaults, which bench compare's servers run
+        batch_wait_s=BATCH_WAIT_S, batch_wait_max_s=BATCH_WAIT_MAX_S,
     )  # fmt: skip
 
 

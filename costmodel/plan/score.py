@@ -31,7 +31,7 @@ from costmodel.plan.candidates import Candidate
 from costmodel.serve_metrics import RequestRecord, ServeMetrics
 from costmodel.sim import compare_predict as cp
 from costmodel.workloads import RequestSpec
-from engine.config import BATCH_WAIT_S
+from engine.config import BATCH_WAIT_MAX_S, BATCH_WAIT_S
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,8 @@ def score(
         sim_mode, cand.chunk, cand.prefill, cand.decode, max_num_seqs, setup.link, setup.admit_s,
         setup.decode_slowdown, kv_transfer=cand.kv_transfer, prefix_policy=cand.prefix_policy,
         prefill_slowdown=setup.prefill_slowdown, auto_slos_s=(cand.slo_ttft_ms / 1e3, cand.slo_itl_ms / 1e3),
-        batch_wait_s=BATCH_WAIT_S,  # a pdserve server's engine loop (the candidates are pdserve's)
+        # a pdserve server's engine loop (the candidates are pdserve's)
+        batch_wait_s=BATCH_WAIT_S, batch_wait_max_s=BATCH_WAIT_MAX_S,
     )  # fmt: skip
     pred = cp.predict(cand.label, cfg, setup, specs, slos.ttft_ms, slos.tpot_ms, setup.hop_s)
     j = judge(pred.records, pred.metrics, slos, cand.workers)

@@ -220,13 +220,16 @@ def sim_config(
     prefill_slowdown: float = 1.0,
     auto_slos_s: tuple[float, float] | None = None,
     batch_wait_s: float = 0.0,
+    batch_wait_max_s: float | None = None,
 ) -> SimConfig:
     """The simulator's view of one pdserve mode ("colocated" whole or chunked, "disagg", or "auto"
     with `chunk_size` its local chunks and `auto_slos_s` the TTFT and ITL SLOs it decides under;
     the KV transfer settings only matter where KV crosses a link; `batch_wait_s`: pdserve's
-    engine loop gathers requests that long from idle, engine/config.py BATCH_WAIT_S)."""
+    engine loop gathers requests from idle until none has come for that long, at most
+    `batch_wait_max_s` from the first, engine/config.py BATCH_WAIT_S and BATCH_WAIT_MAX_S)."""
     shared: dict[str, Any] = {
         "max_batch": max_num_seqs, "link": link, "prefix_policy": prefix_policy, "batch_wait_s": batch_wait_s,
+        "batch_wait_max_s": batch_wait_max_s,
     }  # fmt: skip
     if mode in ("disagg", "auto"):
         ttft, itl = auto_slos_s if mode == "auto" and auto_slos_s else (None, None)

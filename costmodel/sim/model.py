@@ -194,9 +194,12 @@ class SimConfig:
     # ... and a prefill step this many times its price for the share of it during which a decode
     # worker is decoding (its price: a lone prefill step's)
     prefill_slowdown: float = 1.0
-    # an idle worker starts its step this long after a request arrives, with whatever else arrived
-    # meanwhile (pdserve's engine loop, engine/config.py BATCH_WAIT_S; 0: at once, the first alone)
+    # an idle worker starts its step once no request has arrived for this long, with whatever
+    # arrived meanwhile, at most `batch_wait_max_s` after the first (pdserve's engine loop,
+    # engine/config.py BATCH_WAIT_S and BATCH_WAIT_MAX_S; 0: at once, the first alone; None: a
+    # fixed window of batch_wait_s from the first)
     batch_wait_s: float = 0.0
+    batch_wait_max_s: float | None = None
     # a worker's decode-only steps between two changes to its batch run as one event (the same
     # results, fewer events: costmodel/sim/workers.py); False: every step its own event
     fast_forward: bool = True

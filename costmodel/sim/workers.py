@@ -40,7 +40,9 @@ class Worker:
         self.queue: deque[Request] = deque()
         self.running: list[Request] = []
         self.busy = False
-        self.waking = False  # an idle worker's step is due batch_wait_s after its first arrival
+        self.waking = False  # an idle worker gathers arrivals before its step (`wake`)
+        self._gather_start = 0.0  # when the gather began (its first arrival)
+        self._gather_version = 0  # bumped when an arrival moves the gather's end: earlier end events are stale
         self._run: Stretch | None = None  # a decode-only stretch in flight
         self._run_version = 0  # bumped when a stretch is cut: its first end event is stale
         self.log: list[StepRecord] = []
@@ -95,18 +97,23 @@ class Worker:
         return dur * (1.0 + (k - 1.0) * share)
 
     def wake(self) -> None:
-        """A request has arrived: an idle worker starts its step `batch_wait_s` from now, with
-        whatever else arrived by then (pdserve's engine loop, engine/worker_base.py); a busy one
-        takes it at its next step."""
+        """A request has arrived: an idle worker starts its step once no other has arrived for
+        `batch_wait_s`, at most `batch_wait_max_s` after the first, with whatever arrived by then
+        (pdserve's engine loop, engine/worker_base.py); a busy one takes it at its next step."""
         self.cut()
-        wait = self.sim.cfg.batch_wait_s
-        if self.busy or wait <= 0:
+        cfg, now = self.sim.cfg, self.sim.now
+        if self.busy or cfg.batch_wait_s <= 0:
             self.kick()
-        elif not self.waking:
-            self.waking = True
-            self.sim.at(self.sim.now + wait, self._woken)
+            return
+        if not self.waking:
+            self.waking, self._gather_start = True, now
+        cap = self._gather_start + max(cfg.batch_wait_s, cfg.batch_wait_max_s or 0.0)
+        self._gather_version += 1
+        self.sim.at(min(now + cfg.batch_wait_s, cap), self._woken, self._gather_version)
 
-    def _woken(self) -> None:
+    def _woken(self, version: int) -> None:
+        if version != self._gather_version:
+            return  # a later arrival moved the gather's end
         self.waking = False
         self.kick()
 
