@@ -286,13 +286,16 @@ __all__ = [
     "read_generation_eos",
 ]
 
-# How long an idle engine loop gathers requests after the first one arrives before it runs a step
-# (engine/worker_base.py EngineLoop; a server's --batch-wait-ms). Without it, requests sent
-# together raced the loop's wake-up: on the 2-core dev VM four chats sent within 1.3 ms of each
-# other ran as 1+3, 2+2 or 3+1 prompt steps from one run to the next (21 modes of seven
-# `bench compare` runs, 2026-12-05/06), their TTFT median moving ~30% with it. Triton's dynamic
-# batcher calls this max_queue_delay. It costs a lone request on an idle server this much TTFT,
-# and nothing under load: a loop that has work never waits. The simulator models it
-# (costmodel/sim/model.py SimConfig.batch_wait_s).
+# An idle engine loop woken by a request gathers more before it runs a step: until none has come for
+# BATCH_WAIT_S, at most BATCH_WAIT_MAX_S after the first (engine/worker_base.py; a server's
+# --batch-wait-ms and --batch-wait-max-ms). Without it, requests sent together raced the loop's
+# wake-up: on the 2-core dev VM four chats sent within 1.3 ms of each other ran as 1+3, 2+2 or 3+1
+# prompt steps from one run to the next (21 modes of seven `bench compare` runs, 2026-12-05/06),
+# their TTFT median moving ~30% with it. A fixed 2 ms window from the first still split most
+# bursts where the router handed them on further apart (a VM with half the memory bandwidth: 12-13
+# prompt steps for eight bursts of four, 2026-12-07); a quiet wait of 5 ms that each arrival
+# restarts took 9-10 (docs/serving.md). Triton's dynamic batcher calls this max_queue_delay. It
+# costs a lone request on an idle server BATCH_WAIT_S of TTFT, and nothing under load: a loop that
+# has work never waits. The simulator models it (costmodel/sim/model.py SimConfig.batch_wait_s).
 BATCH_WAIT_S = 0.005
 BATCH_WAIT_MAX_S = 0.025
