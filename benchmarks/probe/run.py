@@ -198,9 +198,14 @@ def infer_chunking(
       does not count) is most of P: one step carried the whole prompt ("whole");
     - else the prompt ran in pieces beside the decode steps. If those steps ran slower than the
       streams' own pace (by over 10%), the pieces rode in the decode steps: chunked, at about
-      T / (the steps the streams got while it ran), the median over every (b, T) probed. If not,
-      the prefill ran beside decode without slowing it ("no interference": disaggregated, or
-      prefill on capacity decode does not use).
+      T / (the steps the streams got while it ran, less one), the median over every (b, T) probed.
+      Less one: the step under way when the prompt arrives carries none of it, yet its token comes
+      after the prompt was sent. Counted without it, pdserve's `--chunk-size 256` read 205-228 in
+      24 of 24 probes (a 2048-token prompt in 8 chunks: 9 or 10 stream tokens), and the article
+      mix's stall was predicted 15-19% short; counted with it, 256 in 22 and 228 in 2, the stall
+      within 6% (docs/results.md, 2026-12-07). If not slowed, the prefill ran beside decode
+      without slowing it ("no interference": disaggregated, or prefill on capacity decode does
+      not use).
 
     Two signs say the pieces did not ride in the decode steps however much the streams slowed,
     and the server is "disaggregated" with its pools on shared cores:
@@ -262,9 +267,11 @@ def infer_chunking(
             f"{floor_step_s * 1e3:.1f} ms batch-1 step: it ran beside the streams' steps, not in them "
             "(another pool, on cores shared with theirs)",
         )
-    # T / steps at every (b, T) probed, median: one point stretched by a burst elsewhere on the
-    # machine (more steps than chunks) does not move it
-    sizes = [x.tokens / x.steps_during for x in tax if x.steps_during >= 2] or [t.tokens / max(1.0, t.steps_during)]
+    # T / (steps - 1) at every (b, T) probed (the step under way at its arrival carried none of it),
+    # median: one point stretched by a burst elsewhere on the machine (more steps than chunks) does
+    # not move it
+    sizes = [x.tokens / (x.steps_during - 1) for x in tax if x.steps_during >= 3]
+    sizes = sizes or [t.tokens / max(1.0, t.steps_during - 1)]
     chunk = median(sizes)
     if handoff:  # chunk-shaped evidence, yet a late second token: the signs disagree, so say so
         return Chunking(
@@ -273,9 +280,8 @@ def infer_chunking(
             f"{seen}: chunks of about {chunk:.0f} tokens rode in the streams' steps, yet {handoff} "
             "(a KV hand-off, or a slow first decode step): between the bands, no verdict",
         )
-    return Chunking(
-        "chunked", chunk, f"{seen}: chunks of about {chunk:.0f} tokens (median T / steps over {len(sizes)} points)"
-    )
+    why = f"{seen}: chunks of about {chunk:.0f} tokens (median T / (steps - 1) over {len(sizes)} points)"
+    return Chunking("chunked", chunk, why)
 
 
 def mixed_steps(tax: list[pm.TaxSample], chunking: Chunking, context: int) -> list[pf.MixedStep]:
