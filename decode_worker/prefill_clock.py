@@ -2,7 +2,8 @@
 
 A colocated worker prefills its own prompts (whole or in chunks, mixed with decode steps), so the
 router cannot see where queueing ends and prefill begins; this clock stamps both on the first
-token's event: queue = admission to the first prefill step, prefill = that step to the first
+token's event: queue = the prompt's arrival at the worker to its first prefill step (one sent
+mid-step waits for that step's end, and that wait is queue), prefill = that step to the first
 token. The prompt's logprobs (echo) travel on the same event.
 """
 
@@ -21,8 +22,9 @@ class PrefillClock:
         # request id -> (sequence, admitted at, first prefill step at) until its first token
         self._waiting: dict[str, tuple[Sequence, float, float | None]] = {}
 
-    def admitted(self, seq: Sequence) -> None:
-        self._waiting[seq.seq_id] = (seq, time.time(), None)
+    def admitted(self, seq: Sequence, arrived: float | None = None) -> None:
+        """`seq` is in the engine; it reached the worker at `arrived` (unix s; None: now)."""
+        self._waiting[seq.seq_id] = (seq, time.time() if arrived is None else arrived, None)
 
     def forget(self, request_id: str) -> None:
         """The request failed before its first token: nothing left to stamp."""

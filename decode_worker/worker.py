@@ -79,12 +79,13 @@ class DecodeWorker(EngineLoop):
     # ---- called from other threads (Ray actor methods) -------------------------------------
     def submit_prompt(self, req: GenerateRequest) -> None:
         """Colocated: admit a raw prompt (prefilled here, whole or in chunks)."""
+        arrived = time.time()  # its queue counts from here: one sent mid-step waits for the step's end
 
         def admit() -> None:
             if not self._refuse_aborted(req.request_id):
                 seq = Sequence(req.request_id, list(req.prompt_ids), req.params)
                 self.engine.add_request(seq)
-                self._prefill_clock.admitted(seq)
+                self._prefill_clock.admitted(seq, arrived)
 
         self.call(admit)
 

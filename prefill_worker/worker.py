@@ -72,12 +72,14 @@ class PrefillWorker(EngineLoop):
                 )
                 stream = None
 
+        arrived = time.time()  # its queue counts from here: one sent mid-step waits for the step's end
+
         def admit() -> None:
             if req.request_id in self._aborted:
                 raise WorkerError(f"request {req.request_id} was aborted before {self.name} took it")
             seq = Sequence(req.request_id, list(req.prompt_ids), req.params)
             self.engine.add_request(seq)
-            self._pending[req.request_id] = (fut, time.time(), seq, [])
+            self._pending[req.request_id] = (fut, arrived, seq, [])
             if stream is not None:
                 self.streams.open(stream)
 

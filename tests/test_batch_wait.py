@@ -166,3 +166,21 @@ def test_the_simulator_restarts_the_wait_at_each_arrival_up_to_the_cap():
     assert fixed[0] < fixed[3]
     capped = _first_tokens_at(cap_s=0.007)
     assert capped[0] < capped[3]
+
+
+def test_a_prompt_sent_while_the_loop_is_busy_counts_that_wait_as_queue():
+    """A colocated worker's queue time runs from the prompt's arrival, not from the loop's intake
+    at its next step boundary: a prompt sent while the loop is busy (a long prefill; here a job
+    that holds the loop 0.3 s) waits for it, and that wait is queue (before, it read ~0 and the wait
+    landed in the serving hop)."""
+    d = DecodeWorker(_cfg(batch_wait_s=0.0), f"bw-queue-{next(_names)}", colocated=True)
+    try:
+        d.post(lambda: time.sleep(0.3))
+        d.submit_prompt(_req("late"))  # returns once the loop has taken it in, after the job
+        timings = None
+        deadline = time.monotonic() + 60
+        while timings is None and time.monotonic() < deadline:
+            timings = next((ev.timings for ev in d.poll_events(0.2) if ev.index == 0 and ev.timings), None)
+        assert timings is not None and timings["queue_ms"] >= 250, timings
+    finally:
+        d.shutdown()
