@@ -292,10 +292,11 @@ __all__ = [
 # wake-up: on the 2-core dev VM four chats sent within 1.3 ms of each other ran as 1+3, 2+2 or 3+1
 # prompt steps from one run to the next (21 modes of seven `bench compare` runs, 2026-12-05/06),
 # their TTFT median moving ~30% with it. A fixed 2 ms window from the first still split most
-# bursts where the router handed them on further apart (a VM with half the memory bandwidth: 12-13
-# prompt steps for eight bursts of four, 2026-12-07); a quiet wait of 5 ms that each arrival
-# restarts took 9-10 (docs/serving.md). Triton's dynamic batcher calls this max_queue_delay. It
-# costs a lone request on an idle server BATCH_WAIT_S of TTFT, and nothing under load: a loop that
-# has work never waits. The simulator models it (costmodel/sim/model.py SimConfig.batch_wait_s).
-BATCH_WAIT_S = 0.005
+# bursts where the router handed them on further apart (a VM with half the memory bandwidth: 11-13
+# prompt steps for eight bursts of four, 2026-12-07); the same 2 ms restarted by each arrival took
+# 9-10, a 5 ms one 8-10 but cost every lone request 3 ms more (docs/serving.md). Triton's dynamic
+# batcher calls this max_queue_delay. It costs a lone request on an idle server BATCH_WAIT_S of
+# TTFT, and nothing under load: a loop that has work never waits. The simulator models it
+# (costmodel/sim/model.py SimConfig.batch_wait_s).
+BATCH_WAIT_S = 0.002
 BATCH_WAIT_MAX_S = 0.025
