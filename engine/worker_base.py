@@ -30,9 +30,10 @@ from engine.config import (
     resolve_model_config,
 )
 from engine.core.llm_engine import LLMEngine
-from engine.heap_trim import HeapTrimmer, heap_usage
+from engine.heap_trim import HeapTrimmer
 from engine.model.linear import RowBuckets
 from engine.runner.model_runner import ModelRunner
+from engine.worker_figures import compiled_graphs_of, cpu_gemm_of, kv_figures, memory_figures
 
 log = logging.getLogger("pdserve.worker")
 STEP_LOG_KEPT = 256  # recent steps a worker reports in stats()
@@ -127,59 +128,6 @@ def use_threads(threads: int | None, name: str) -> int:
         f"asked {threads}" if threads else "torch's default",
     )
     return got
-
-
-def compiled_graphs_of(engine: LLMEngine) -> int:
-    """Decode-step graphs torch.compile built for this engine (0: eager, or CUDA graphs)."""
-    graphs = engine.runner.graphs
-    return int(getattr(graphs, "compiles", 0)) if engine.runner.device.type == "cpu" else 0
-
-
-def cpu_gemm_of(engine: LLMEngine) -> str:
-    """The dtype the engine's CPU GEMMs multiply in ("" on CUDA, where FP8 GEMMs are torch's own)."""
-    return engine.runner.model.cpu_gemm if engine.runner.device.type == "cpu" else ""
-
-
-def kv_figures(engine: LLMEngine) -> dict[str, int]:
-    """The KV cache manager's figures every worker reports in its WorkerStats."""
-    b = engine.blocks
-    return {
-        "blocks_total": b.num_blocks,
-        "blocks_free": b.num_free,
-        "blocks_cached": b.num_cached,
-        "preemptions": engine.preemptions,
-        "prefix_hit_blocks": b.hits,
-        "prefix_lookup_blocks": b.lookups,
-        "blocks_evicted": b.evictions,
-    }
-
-
-def memory_figures(engine: LLMEngine) -> dict[str, int]:
-    """The worker process's memory for its WorkerStats: resident set (Linux /proc; 0 elsewhere),
-    the C heap's bytes in use and free-but-kept (glibc), and, on CUDA, the caching allocator's
-    reserved and allocated bytes. Safe off the loop thread."""
-    dev = engine.runner.device
-    cuda = dev.type == "cuda"
-    in_use, free_kept = heap_usage()
-    return {
-        "rss_bytes": process_rss_bytes(),
-        "heap_in_use_bytes": in_use,
-        "heap_free_bytes": free_kept,
-        "cuda_reserved_bytes": int(torch.cuda.memory_reserved(dev)) if cuda else 0,
-        "cuda_allocated_bytes": int(torch.cuda.memory_allocated(dev)) if cuda else 0,
-    }
-
-
-def process_rss_bytes() -> int:
-    """This process's resident set size in bytes (0 where /proc is absent)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _PAGE_SIZE
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class EngineLoop:
@@ -298,7 +246,7 @@ class EngineLoop:
         """Run what reaches the inbox until it has been quiet for `batch_wait_s`, or until
         `batch_wait_max_s` from now: requests sent together (a burst of chats), which the router
         hands on one after another, share the first step instead of racing its start. Any job
-        restarts the quiet wait (a stats poll too: the cap bounds it)."""
+        restarts the quiet wait (an abort or a landed KV pull too: the cap bounds it)."""
         cap = time.monotonic() + max(self.batch_wait_max_s, self.batch_wait_s)
         deadline = min(time.monotonic() + self.batch_wait_s, cap)
         while (left := deadline - time.monotonic()) > 0:
