@@ -19,7 +19,7 @@ class PrefillClock:
     """Prompts admitted and not yet at their first token. Loop thread only."""
 
     def __init__(self) -> None:
-        # request id -> (sequence, admitted at, first prefill step at) until its first token
+        # request id -> (sequence, arrived at, first prefill step at) until its first token
         self._waiting: dict[str, tuple[Sequence, float, float | None]] = {}
 
     def admitted(self, seq: Sequence, arrived: float | None = None) -> None:

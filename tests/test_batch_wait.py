@@ -99,17 +99,17 @@ def _spaced(submit, n: int, gap_s: float) -> None:
 
 @pytest.mark.parametrize(("cap_s", "whole"), [(3.0, True), (0.2, False)])
 def test_each_arrival_restarts_the_wait_up_to_the_cap(cap_s: float, whole: bool):
-    # four prompts 0.15 s apart: 0.45 s from first to last, past a fixed 0.3 s window; a quiet wait
-    # of 0.3 s restarted by each takes all four, unless the cap ends the gather first
-    d = DecodeWorker(_cfg(batch_wait_s=0.3, batch_wait_max_s=cap_s), f"bw-quiet-{next(_names)}", colocated=True)
+    # five prompts 0.15 s apart: 0.6 s from first to last, past a fixed 0.35 s window; a quiet wait
+    # of 0.35 s restarted by each takes all five, unless the cap ends the gather first
+    d = DecodeWorker(_cfg(batch_wait_s=0.35, batch_wait_max_s=cap_s), f"bw-quiet-{next(_names)}", colocated=True)
     try:
         assert d.batch_wait_max_s == cap_s
-        _spaced(lambda i: d.submit_prompt(_req(f"q{i}")), 4, 0.15)
+        _spaced(lambda i: d.submit_prompt(_req(f"q{i}")), 5, 0.15)
         wait_until(
-            lambda: sum(s["prefill_seqs"] for s in d.stats().step_log()["steps"]) == 4, timeout=30, what="4 prompts"
+            lambda: sum(s["prefill_seqs"] for s in d.stats().step_log()["steps"]) == 5, timeout=30, what="5 prompts"
         )
         first = _first_prompt_step(d)
-        assert (first["prefill_seqs"] == 4) is whole
+        assert (first["prefill_seqs"] == 5) is whole
     finally:
         d.shutdown()
 
