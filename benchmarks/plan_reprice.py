@@ -34,7 +34,7 @@ from benchmarks.verify_steps import step_pace
 from cli import CliError
 from cli.output import emit_json
 from costmodel import plan_cli
-from costmodel.plan.score import Judged, Scored, Slos, priced_at, score, share_within
+from costmodel.plan.score import Judged, Scored, Slos, goodput_interval, priced_at, score, share_within
 from costmodel.serve_metrics import percentile
 
 # the plan flags a result's provenance carries that `--reprice` takes from it (everything but how
@@ -76,13 +76,25 @@ class Repriced:
     # the plan's chance now that the candidate misses an SLO at its price error (costmodel/plan/risk.py);
     # None outside the top candidates it prices an interval for: tells an SLO's edge from the rest
     miss_risk: float | None = None
+    # the plan's goodput interval now (its figures with every step priced its price error lower and
+    # higher); None where it prices none: issue 42's target re-set for an SLO's edge is the
+    # measured goodput inside it
+    goodput_interval: tuple[float, float] | None = None
+
+    def inside_interval(self) -> bool | None:
+        """Whether the measured goodput lies in the plan's interval (None: no interval)."""
+        if self.goodput_interval is None:
+            return None
+        lo, hi = self.goodput_interval
+        return lo <= self.measured.goodput_per_worker <= hi
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"label": self.label, "round": self.round}
         for name in ("measured", "kept", "plain", "at_pace", "at_run"):
             j = getattr(self, name)
             out[name] = j.to_dict() if j else None
-        return {**out, "pace": self.pace, "run_pace": self.run_pace, "p90_ms": self.p90_ms, "miss_risk": self.miss_risk}
+        out |= {"pace": self.pace, "run_pace": self.run_pace, "p90_ms": self.p90_ms, "miss_risk": self.miss_risk}
+        return {**out, "goodput_interval": self.goodput_interval}
 
 
 def plan_args(
@@ -185,6 +197,7 @@ def _one(
     risk = s.risk.miss_chance if s.risk else None
     return Repriced(
         s.candidate.label, i, measured, kept, _judged(s), at_pace, at_run, pace, run_pace, p90, risk,
+        goodput_interval(s),
     )  # fmt: skip
 
 

@@ -14,7 +14,11 @@ measurements of one deployment differ as much; off one the prediction should hol
 rounds within issue 42's per-candidate targets (goodput within 10%, attainment within 5 points),
 plain (the calibration's prices) and at the timed pass's own step pace (`at_run`, after the fact);
 a plain miss that its run's pace puts within both is the machine's pace between calibrating and
-deploying, not the simulator. Nothing here is measured anew.
+deploying, not the simulator. Two more columns say how far to trust that split: the rounds whose
+own pace alone moves the plain prediction past the targets (the floor: no prediction made before
+the run knows its pace), and the rounds whose measured goodput lies in the plan's interval (its
+price error, one standard deviation, on every step: about two in three would if that error were
+the whole story). Nothing here is measured anew.
 """
 
 from __future__ import annotations
@@ -115,7 +119,12 @@ def ledger(results: list[ResultRows]) -> dict[str, Any]:
         plain = [(r, w) for r in sel if (w := within(r.plain, r.measured))]
         errs = [abs(e) for r, _ in plain if (e := goodput_error(r.plain, r.measured)) is not None]
         with_run = [(w, wr) for r, w in plain if (wr := within(r.at_run, r.measured))]
+        # the floor under the targets: rounds whose own run's step pace alone moves the prediction
+        # past them (plain against the same simulator at that pace), which no prediction made
+        # before the run could know
+        paced = [p for r, _ in plain if r.at_run and (p := within(r.plain, r.at_run))]
         misses = [wr for w, wr in with_run if not all(w)]
+        ranged = [inside for r, _ in plain if (inside := r.inside_interval()) is not None]
         out[name] = {
             "rounds": len(plain),
             "goodput_within_10pct": sum(w[0] for _, w in plain),
@@ -126,13 +135,17 @@ def ledger(results: list[ResultRows]) -> dict[str, Any]:
             "both_at_run_pace": sum(all(wr) for _, wr in with_run),
             "plain_misses_with_run_pace": len(misses),
             "plain_misses_within_at_run_pace": sum(all(wr) for wr in misses),
+            "pace_alone_past_targets": sum(not all(p) for p in paced),
+            "pace_alone_rounds": len(paced),
+            "rounds_with_interval": len(ranged),
+            "goodput_inside_interval": sum(ranged),
         }
     return out
 
 
 def format_ledger(results: list[ResultRows], totals: dict[str, Any]) -> str:
     head = ["rows", "rounds", "goodput <=10%", "attain. <=5 pts", "both", "median |err|", "both at run pace"]
-    head.append("misses the pace explains")
+    head += ["misses the pace explains", "pace alone past them", "goodput in the plan's interval"]
     body = []
     for name in (*CLASSES, "all"):
         t = totals[name]
@@ -142,6 +155,8 @@ def format_ledger(results: list[ResultRows], totals: dict[str, Any]) -> str:
             str(t["both"]), "-" if med is None else f"{med:.1%}",
             f"{t['both_at_run_pace']} of {t['rounds_with_run_pace']}",
             f"{t['plain_misses_within_at_run_pace']} of {t['plain_misses_with_run_pace']}",
+            f"{t['pace_alone_past_targets']} of {t['pace_alone_rounds']}",
+            f"{t['goodput_inside_interval']} of {t['rounds_with_interval']}",
         ])  # fmt: skip
     failed = [r for r in results if r.error]
     lines = [

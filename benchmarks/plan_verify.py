@@ -57,7 +57,7 @@ from cli import CliError
 from cli.output import emit_json
 from costmodel import plan_cli
 from costmodel.plan.candidates import Candidate
-from costmodel.plan.score import Judged, Scored, Slos, judge, priced_at, score
+from costmodel.plan.score import Judged, Scored, Slos, goodput_interval, judge, priced_at, score
 from costmodel.provenance import OUT_DIR_HELP, write_result
 from costmodel.sim.compare_predict import PredictionSetup
 from costmodel.workloads import RequestSpec
@@ -215,7 +215,7 @@ def verify_one(
     c = s.candidate
     predicted = Judged(s.attainment, s.meets, s.goodput_per_worker)
     row = VerifyRow(c, rank, predicted, None, {}, load_average=load_average(), pace=machine_pace(),
-                    miss_risk=s.risk.miss_chance if s.risk else None, goodput_interval=_interval(s))  # fmt: skip
+                    miss_risk=s.risk.miss_chance if s.risk else None, goodput_interval=goodput_interval(s))  # fmt: skip
     log(f"  load {row.load_average[0] if row.load_average else '?'}, {describe_pace(row.pace)}")
     if at_pace is not None and at_pace.pace_gflops and row.pace:  # a server's own steps replace it
         row.pace_basis = "gemm"
@@ -249,11 +249,6 @@ def verify_one(
         return row
     started = lambda: _started(ServerThread(cfg, startup_timeout_s=args.startup_timeout_s), cfg)  # noqa: E731
     return _measure(row, s, specs, slos, args, setup, started, at_pace)
-
-
-def _interval(s: Scored) -> tuple[float, float] | None:
-    low, high = (s.interval or {}).get("goodput_per_worker", (None, None))
-    return (min(low, high), max(low, high)) if low is not None and high is not None else None
 
 
 @dataclass(frozen=True)

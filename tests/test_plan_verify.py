@@ -73,6 +73,9 @@ def test_verify_deploys_the_winner_and_the_baseline_and_puts_measured_beside_pre
         assert r["p90_ms"]["measured"] == {k: mm[k] for k in ("ttft_p90_ms", "tpot_p90_ms", "stall_p90_ms")}
         assert r["p90_ms"]["plain"]["tpot_p90_ms"] > 0
         assert r["plain"]["goodput_per_worker"] == pytest.approx(kept["predicted"]["goodput_per_worker"])
+        # the plan's interval now is the one the verification judged its measured goodput against
+        interval = kept["plan_goodput_interval"]
+        assert r["goodput_interval"] == (pytest.approx(interval) if interval else None)
         if kept["predicted_at_this_pace"] and kept["pace_basis"] == "serving":  # the same code, the same steps
             assert r["at_pace"]["goodput_per_worker"] == pytest.approx(
                 kept["predicted_at_this_pace"]["goodput_per_worker"], rel=1e-3
@@ -92,6 +95,10 @@ def test_verify_deploys_the_winner_and_the_baseline_and_puts_measured_beside_pre
     assert total["rounds"] == sum(folder["ledger"][c]["rounds"] for c in ("off_edge", "on_edge", "not_judged"))
     assert total["rounds"] <= len(labels) and 0 <= total["both"] <= total["rounds"]
     assert total["plain_misses_within_at_run_pace"] <= total["plain_misses_with_run_pace"] <= total["rounds"]
+    inside = [lo <= r["measured"]["goodput_per_worker"] <= hi for r in again["rounds"] if r["goodput_interval"]
+              for lo, hi in [r["goodput_interval"]]]  # fmt: skip
+    assert (total["goodput_inside_interval"], total["rounds_with_interval"]) == (sum(inside), len(inside))
+    assert 0 <= total["pace_alone_past_targets"] <= total["pace_alone_rounds"] <= total["rounds_with_run_pace"]
     # another calibration judged on the same measured runs: every step priced twice as dear
     dear = tmp_path / "dear.calibration.json"
     dear_fit = StepCostFit(0.010, 2e-3, 0.0, 2e-3, samples=100, rms_rel_error=0.1)

@@ -260,6 +260,12 @@ def interval(
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
+def goodput_interval(s: Scored) -> tuple[float, float] | None:
+    """`s`'s goodput per worker at either end of its price error, low first (None: not priced)."""
+    low, high = (s.interval or {}).get("goodput_per_worker", (None, None))
+    return (min(low, high), max(low, high)) if low is not None and high is not None else None
+
+
 def toss_up(a: Scored, b: Scored) -> bool:
     """Whether `b`'s goodput range reaches `a`'s: on these figures neither is surely better."""
     if not a.interval or not b.interval:
