@@ -52,10 +52,12 @@ format: install
 	$(BIN)/ruff format .
 
 # Two xdist workers (2-core CI): half the serial run was waiting (Ray and servers starting, child
-# processes); whole serving modules stay on one worker (tests/conftest.py), heaviest first.
+# processes); each module stays whole on one worker (`loadfile`: its module-scoped server starts
+# once), heaviest first (tests/conftest.py). Not `loadgroup`: with pytest 9 its xdist_group marks no
+# longer group anything (xdist 3.8 renames an item's `_nodeid`, which pytest 9 no longer reads).
 # Coverage per package is printed at the end (tools/coverage_by_package.py); the report is under
 # build/coverage/ (ignored); CI fails below [tool.coverage.report] fail_under.
-PYTEST_PARALLEL ?= -n 2 --dist loadgroup
+PYTEST_PARALLEL ?= -n 2 --dist loadfile
 test: lint
 	$(BIN)/python -m pytest -q tests $(PYTEST_PARALLEL) --cov --cov-report= --durations=15
 	$(BIN)/python tools/coverage_by_package.py

@@ -174,7 +174,8 @@ NEEDS = ("ray", "server", "real_model", "root")  # what a module can declare it 
 
 
 # The heaviest modules first (seconds measured in one serial run, 2 cores): pytest-xdist hands out
-# whole modules in collection order, so a heavy module collected last would run alone at the end.
+# whole modules (`--dist loadfile`, Makefile) in collection order, so a heavy module collected last
+# would run alone at the end.
 _HEAVY_FIRST = [
     "test_cluster",
     "test_real_model",
@@ -191,15 +192,12 @@ _HEAVY_FIRST = [
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
         needs = {m.name for m in item.getparent(pytest.Module).iter_markers()}.intersection(NEEDS)
         if not needs and "ray_cluster" in item.fixturenames:  # a serving test in a module of unit tests
             needs = {"ray", "server"}
             for name in sorted(needs):
                 item.add_marker(name)
-        if needs:  # one xdist worker runs the module: its module-scoped server is started once
-            item.add_marker(pytest.mark.xdist_group(module))
-        elif not item.get_closest_marker("slow"):
+        if not needs and not item.get_closest_marker("slow"):
             item.add_marker("fast")
     rank = {m: i for i, m in enumerate(_HEAVY_FIRST)}
     order = {id(item): i for i, item in enumerate(items)}
