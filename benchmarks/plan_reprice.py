@@ -94,7 +94,8 @@ class Repriced:
             j = getattr(self, name)
             out[name] = j.to_dict() if j else None
         out |= {"pace": self.pace, "run_pace": self.run_pace, "p90_ms": self.p90_ms, "miss_risk": self.miss_risk}
-        return {**out, "goodput_interval": self.goodput_interval}
+        out["goodput_interval"] = self.goodput_interval
+        return out
 
 
 def plan_args(

@@ -34,9 +34,9 @@ from costmodel.workloads import RequestSpec, WorkloadConfig, workload_specs
 MAX_LOSS = 0.2  # see costmodel/plan/risk.py: soft cliffs (8.5% expected loss) pass, hard ones (36%) do not
 # The sd of the step prices verified deployments ran at, over their calibration's (30 pools, two VMs,
 # 2026-12-05: 0.96-1.31x, mean 1.115, sd 0.10): the machine moves between calibrating and deploying.
-# Re-read 2026-12-07 from the 120 timed passes that kept their steps (`pdserve plan --reprice
-# benchmarks/results/plan-verify --json`, run_pace): sd of log pace 0.09 for prompt steps, 0.13 for
-# decode steps (10th-90th percentile 0.92-1.16x and 0.87-1.20x); left at 0.10.
+# Re-read 2026-12-07 from the 127 timed passes that kept their steps (`pdserve plan --reprice
+# benchmarks/results/plan-verify --json`, run_pace): sd of log pace 0.10 for prompt steps, 0.13 for
+# decode steps (10th-90th percentile 0.91-1.16x and 0.87-1.20x); left at 0.10.
 PRICE_DRIFT = 0.10
 INTERVAL_TOP = 5  # candidates simulated again at their price error either way
 
